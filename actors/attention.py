@@ -1,0 +1,152 @@
+"""Paged attention over a flattened mixed batch of prefill chunks and decode tokens.
+
+The KV cache of one layer is two tensors `[num_blocks, block_size, kv_heads, head_dim]`. New K/V are
+written through a slot mapping (slot = block_id * block_size + offset); attention reads a sequence's
+context back through its block table. A batch is flat: the tokens of every scheduled sequence
+concatenated, with per-sequence query lengths and context lengths; no sequence is padded to another's
+length in the forward pass.
+
+`AttentionBatch` is built once per engine step (`build_attention_batch`) and shared by every layer, so
+the index arithmetic costs nothing per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSlice:
+    """One sequence that runs more than one query token this step (a prefill chunk)."""
+
+    token_start: int  # offset of its first query token in the flat batch
+    query_len: int
+    context_len: int  # tokens in the cache after this step (computed before + query_len)
+    context_slots: torch.Tensor | None  # [context_len] cache slots; None when the chunk is the whole context
+
+
+@dataclass
+class AttentionBatch:
+    positions: torch.Tensor  # [T] position of every flat token
+    slot_mapping: torch.Tensor  # [T] cache slot every new K/V is written to
+    prefills: list[PrefillSlice]
+    # Decode tokens (query_len == 1), attended to in one padded call over the gathered context.
+    decode_token_idx: torch.Tensor | None  # [B] flat index of each decode token
+    decode_slots: torch.Tensor | None  # [B, L] context slots (padded with slot 0)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L] True where a key may be attended
+
+
+def build_attention_batch(
+    query_lens: list[int],
+    computed_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> AttentionBatch:
+    """Index tensors for one step. `computed_lens[i]` tokens of sequence i are already in its cache."""
+    positions: list[torch.Tensor] = []
+    slots: list[torch.Tensor] = []
+    prefills: list[PrefillSlice] = []
+    decode_idx: list[int] = []
+    decode_ctx: list[torch.Tensor] = []
+    start = 0
+    for q_len, done, table in zip(query_lens, computed_lens, block_tables):
+        ctx_len = done + q_len
+        table_t = torch.tensor(table, dtype=torch.long)
+        all_slots = (table_t[:, None] * block_size + torch.arange(block_size)).flatten()[:ctx_len]
+        positions.append(torch.arange(done, ctx_len))
+        slots.append(all_slots[done:])
+        if q_len == 1 and done > 0:
+            decode_idx.append(start)
+            decode_ctx.append(all_slots)
+        else:
+            # A fresh prefill with no window attends only to its own new K/V: no gather needed.
+            whole = done == 0 and sliding_window is None
+            prefills.append(PrefillSlice(start, q_len, ctx_len, None if whole else all_slots))
+        start += q_len
+
+    decode_token_idx = decode_slots = decode_mask = None
+    if decode_idx:
+        max_len = max(len(s) for s in decode_ctx)
+        decode_slots = torch.zeros(len(decode_idx), max_len, dtype=torch.long)
+        lens = torch.tensor([len(s) for s in decode_ctx])
+        for row, s in enumerate(decode_ctx):
+            decode_slots[row, : len(s)] = s
+        key_pos = torch.arange(max_len)[None, :]
+        mask = key_pos < lens[:, None]
+        if sliding_window is not None:
+            # The decode query sits at position len-1; keys older than the window are masked.
+            mask &= key_pos > (lens[:, None] - 1 - sliding_window)
+        decode_token_idx = torch.tensor(decode_idx, device=device)
+        decode_slots = decode_slots.to(device)
+        decode_mask = mask[:, None, None, :].to(device)
+
+    return AttentionBatch(
+        positions=torch.cat(positions).to(device),
+        slot_mapping=torch.cat(slots).to(device),
+        prefills=[
+            PrefillSlice(p.token_start, p.query_len, p.context_len, None if p.context_slots is None else p.context_slots.to(device))
+            for p in prefills
+        ],
+        decode_token_idx=decode_token_idx,
+        decode_slots=decode_slots,
+        decode_mask=decode_mask,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Write the new K/V into the cache, then attend each query token to its sequence's context."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat.index_copy_(0, batch.slot_mapping, k)
+    v_flat.index_copy_(0, batch.slot_mapping, v)
+
+    out = torch.empty_like(q)
+    for p in batch.prefills:
+        rows = slice(p.token_start, p.token_start + p.query_len)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        if p.context_slots is None:
+            ks, vs = k[rows], v[rows]
+        else:
+            ks, vs = k_flat[p.context_slots], v_flat[p.context_slots]
+        ks = ks.transpose(0, 1).unsqueeze(0)
+        vs = vs.transpose(0, 1).unsqueeze(0)
+        mask = _prefill_mask(p.query_len, p.context_len, sliding_window, q.device)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+        out[rows] = o.squeeze(0).transpose(0, 1)
+
+    if batch.decode_token_idx is not None:
+        qd = q[batch.decode_token_idx].unsqueeze(2)  # [B, H, 1, D]
+        kd = k_flat[batch.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
+        vd = v_flat[batch.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, scale=scale, enable_gqa=True)
+        out[batch.decode_token_idx] = o.squeeze(2)
+    return out
+
+
+def _prefill_mask(query_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
+    """Causal mask for queries at the last `query_len` positions of the context; None = plain causal."""
+    if query_len == context_len and sliding_window is None:
+        return None
+    q_pos = torch.arange(context_len - query_len, context_len, device=device)[:, None]
+    k_pos = torch.arange(context_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask

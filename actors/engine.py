@@ -1,0 +1,299 @@
+"""The engine inside one worker: schedule -> run the model -> sample and post-process, once per step.
+
+Callers: `add_request` (raises ValueError on bad input, touching nothing else), `step` (returns the
+new tokens and finish state of every sequence touched), `abort` (idempotent, frees blocks at once),
+and the offline `generate`. The engine is single-threaded and knows nothing of Ray.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Sequence as Seq
+
+import torch
+
+from actors.batcher import Batcher
+from actors.detokenizer import IncrementalDetokenizer
+from actors.engine_config import EngineConfig
+from actors.block_pool import OutOfBlocksError
+from actors.kv_cache_manager import KVCacheManager
+from actors.model_runner import ModelRunner
+from actors.outputs import GenerationResult, RequestOutput, TokenLogprob, CompletionOutput
+from actors.request_status import RequestStatus
+from actors.sampling import Sampler, SampleResult, SamplingRow
+from actors.sampling_params import SamplingParams
+from actors.sequence import Sequence
+from actors.tokenizer import eos_token_ids, load_tokenizer
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir = Path(config.model)
+        self.runner = ModelRunner(
+            config.model, config.dtype, config.device, config.block_size,
+            config.num_kv_blocks, config.kv_cache_memory_bytes,
+        )
+        self.vocab_size = self.runner.cfg.vocab_size
+        self.max_model_len = config.max_model_len or self.runner.cfg.max_position_embeddings
+        if self.max_model_len > self.runner.cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                f"{self.runner.cfg.max_position_embeddings}"
+            )
+        self.tokenizer = load_tokenizer(model_dir) if _has_tokenizer(model_dir) else None
+        self.eos_token_ids = _eos_ids(model_dir, self.tokenizer)
+        self.kv = KVCacheManager(
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            model_id=config.model_id or model_dir.name,
+        )
+        self.batcher = Batcher(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
+        self._requests: dict[str, list[Sequence]] = {}
+        self._ids = itertools.count()
+
+    # ---- requests in ----
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        prompt_ids = self._validate(request_id, prompt, params)
+        first = self._new_sequence(request_id, 0, prompt_ids, params, cache_salt)
+        first.pending_forks = params.n - 1
+        self._requests[request_id] = [first]
+        self.batcher.add(first)
+
+    def _validate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer: pass the prompt as token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+            bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        if not prompt_ids or (isinstance(prompt, str) and not prompt):
+            raise ValueError("prompt is empty: give at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but the context is {self.max_model_len} "
+                f"(max_model_len); shorten the prompt to leave room for at least one new token"
+            )
+        blocks_needed = -(-(len(prompt_ids) + 1) // self.config.block_size)
+        if blocks_needed > self.runner.num_kv_blocks:
+            raise ValueError(
+                f"prompt needs {blocks_needed} KV blocks but the cache has {self.runner.num_kv_blocks}"
+            )
+        if not self.config.enable_chunked_prefill and len(prompt_ids) > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens, above max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens} with chunked prefill off"
+            )
+        params.validate_token_ids(self.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)")
+        return prompt_ids
+
+    def _new_sequence(self, request_id, index, prompt_ids, params, cache_salt) -> Sequence:
+        generator = None
+        if params.seed is not None:
+            # Sample i of a seeded request draws from its own stream, whatever else is in the batch.
+            generator = torch.Generator().manual_seed(params.seed + index)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+            )
+        return Sequence(request_id, index, prompt_ids, params, cache_salt, generator, detok)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel every sample of a request and free its blocks now; False if it is not here."""
+        seqs = self._requests.pop(request_id, None)
+        if seqs is None:
+            return False
+        for seq in seqs:
+            self.batcher.finish(seq, RequestStatus.CANCELLED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ---- one step ----
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.batcher.schedule()
+        if not batch.seqs:
+            return []
+        token_ids: list[int] = []
+        query_lens, computed_lens, tables, sample_rows = [], [], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            token_ids.extend(seq.token_slice(start, start + n))
+            query_lens.append(n)
+            computed_lens.append(start)
+            tables.append(self.kv.block_table(seq.seq_id))
+            if start + n == seq.num_tokens:
+                sample_rows.append(i)
+        logits = self.runner.execute(token_ids, query_lens, computed_lens, tables, sample_rows)
+
+        block_size = self.config.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens // block_size > before // block_size:
+                self.kv.cache_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_salt)
+
+        samplers: list[Sequence] = []
+        logit_rows: list[int] = []
+        for row, i in enumerate(sample_rows):
+            seq = batch.seqs[i]
+            for s in [seq, *self._fork(seq)]:
+                samplers.append(s)
+                logit_rows.append(row)
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in samplers]
+        if logit_rows != list(range(len(sample_rows))):
+            logits = logits[torch.tensor(logit_rows)]
+        results = self.sampler(logits, rows)
+        return [self._append_token(seq, res) for seq, res in zip(samplers, results)]
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Split off the other n-1 samples once the prompt is computed; they share its full blocks."""
+        children = []
+        for index in range(1, parent.pending_forks + 1):
+            child = self._new_sequence(parent.request_id, index, parent.prompt_token_ids, parent.params, parent.cache_salt)
+            child.num_cached_tokens = parent.num_cached_tokens
+            if self._fork_blocks(parent, child):
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.status = RequestStatus.DECODING
+                self.batcher.running.append(child)
+            else:
+                # No room to fork now: the child waits and recomputes its prompt from the prefix cache.
+                child.status = RequestStatus.PREEMPTED
+                self.batcher.add(child, front=True)
+            self._requests[parent.request_id].append(child)
+            children.append(child)
+        parent.pending_forks = 0
+        return children
+
+    def _fork_blocks(self, parent: Sequence, child: Sequence) -> bool:
+        if len(self.batcher.running) >= self.batcher.max_num_seqs:
+            return False
+        try:
+            copy = self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
+        except OutOfBlocksError:
+            return False
+        if copy is not None:
+            self.runner.copy_block(*copy)  # the partial prompt block each sample will write into
+        return True
+
+    def _append_token(self, seq: Sequence, res: SampleResult) -> RequestOutput:
+        token = res.token_id
+        seq.output_token_ids.append(token)
+        if seq.status < RequestStatus.DECODING or seq.status == RequestStatus.PREEMPTED:
+            seq.status = RequestStatus.DECODING
+        params = seq.params
+        new_text = ""
+        status = None
+        if seq.detokenizer is not None:
+            detok = seq.detokenizer.add_tokens([token])
+            new_text = detok.new_text
+            if detok.stop_hit is not None:
+                status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_hit
+        n_out = len(seq.output_token_ids)
+        if status is None and n_out >= params.min_tokens:
+            if token in params.stop_token_ids:
+                status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, token
+            elif token in self.eos_token_ids and not params.ignore_eos:
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None and (n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            if seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
+                new_text += seq.detokenizer.flush()  # no stop string matched: release the held-back text
+            self.batcher.finish(seq, status)
+            self._forget_if_done(seq.request_id)
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [TokenLogprob(token, res.logprob, res.top_logprobs or [])]
+        return RequestOutput(
+            seq.request_id, seq.index, [token], new_text, seq.status,
+            len(seq.prompt_token_ids), seq.num_cached_tokens or 0, logprobs, seq.stop_reason,
+        )
+
+    def _forget_if_done(self, request_id: str) -> None:
+        seqs = self._requests.get(request_id)
+        if seqs is not None and not seqs[0].pending_forks and all(s.status.is_finished() for s in seqs):
+            del self._requests[request_id]
+
+    # ---- offline ----
+
+    def generate(
+        self,
+        prompts: Seq[str] | Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Run prompts to completion; results in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        results: dict[str, GenerationResult] = {}
+        for prompt, p in zip(prompts, params):
+            request_id = f"gen-{next(self._ids)}"
+            self.add_request(request_id, prompt, p)
+            prompt_ids = self._requests[request_id][0].prompt_token_ids
+            results[request_id] = GenerationResult(request_id, prompt_ids, [CompletionOutput(i) for i in range(p.n)])
+        pending = set(results)
+        while pending:
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].absorb(out)
+            pending = {r for r in pending if r in self._requests}
+        return list(results.values())
+
+    # ---- introspection ----
+
+    def check_integrity(self) -> None:
+        self.batcher.check_integrity()
+        live = {s.seq_id for seqs in self._requests.values() for s in seqs if not s.status.is_finished()}
+        queued = {s.seq_id for s in self.batcher.running} | {s.seq_id for s in self.batcher.waiting}
+        if live != queued:
+            raise RuntimeError(f"engine tracks {len(live)} live sequences but the batcher queues {len(queued)}")
+
+    def take_kv_events(self) -> list:
+        return self.kv.take_events()
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.kv.pool.num_used_blocks
+
+
+def _has_tokenizer(model_dir: Path) -> bool:
+    return (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file()
+
+
+def _eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    gen_path = model_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    if tokenizer is not None:
+        return eos_token_ids(tokenizer, gen)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    ids: set[int] = set()
+    for source in (gen.get("eos_token_id"), cfg.get("eos_token_id")):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(source)
+    return frozenset(ids)
