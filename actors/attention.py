@@ -25,7 +25,7 @@ class PrefillSlice:
     token_start: int  # offset of its first query token in the flat batch
     query_len: int
     context_len: int  # tokens in the cache after this step (computed before + query_len)
-    context_slots: torch.Tensor | None  # [context_len] cache slots; None when the chunk is the whole context
+    context_blocks: torch.Tensor | None  # block table covering the context; None when the chunk is the whole context
 
 
 @dataclass
@@ -35,8 +35,8 @@ class AttentionBatch:
     prefills: list[PrefillSlice]
     # Decode tokens (query_len == 1), attended to in one padded call over the gathered context.
     decode_token_idx: torch.Tensor | None  # [B] flat index of each decode token
-    decode_slots: torch.Tensor | None  # [B, L] context slots (padded with slot 0)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] True where a key may be attended
+    decode_blocks: torch.Tensor | None  # [B, max_blocks] block tables (padded with block 0)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] True where a key may be attended
 
 
 def build_attention_batch(
@@ -52,48 +52,48 @@ def build_attention_batch(
     slots: list[torch.Tensor] = []
     prefills: list[PrefillSlice] = []
     decode_idx: list[int] = []
-    decode_ctx: list[torch.Tensor] = []
+    decode_lens: list[int] = []
+    decode_tables: list[list[int]] = []
+    offsets = torch.arange(block_size)
     start = 0
     for q_len, done, table in zip(query_lens, computed_lens, block_tables):
         ctx_len = done + q_len
-        table_t = torch.tensor(table, dtype=torch.long)
-        all_slots = (table_t[:, None] * block_size + torch.arange(block_size)).flatten()[:ctx_len]
+        num_blocks = -(-ctx_len // block_size)
         positions.append(torch.arange(done, ctx_len))
-        slots.append(all_slots[done:])
+        first, last = done // block_size, num_blocks
+        new_blocks = torch.tensor(table[first:last], dtype=torch.long)
+        slots.append((new_blocks[:, None] * block_size + offsets).flatten()[done - first * block_size : ctx_len - first * block_size])
         if q_len == 1 and done > 0:
             decode_idx.append(start)
-            decode_ctx.append(all_slots)
+            decode_lens.append(ctx_len)
+            decode_tables.append(table[:num_blocks])
         else:
             # A fresh prefill with no window attends only to its own new K/V: no gather needed.
             whole = done == 0 and sliding_window is None
-            prefills.append(PrefillSlice(start, q_len, ctx_len, None if whole else all_slots))
+            blocks = None if whole else torch.tensor(table[:num_blocks], dtype=torch.long, device=device)
+            prefills.append(PrefillSlice(start, q_len, ctx_len, blocks))
         start += q_len
 
-    decode_token_idx = decode_slots = decode_mask = None
+    decode_token_idx = decode_blocks = decode_mask = None
     if decode_idx:
-        max_len = max(len(s) for s in decode_ctx)
-        decode_slots = torch.zeros(len(decode_idx), max_len, dtype=torch.long)
-        lens = torch.tensor([len(s) for s in decode_ctx])
-        for row, s in enumerate(decode_ctx):
-            decode_slots[row, : len(s)] = s
-        key_pos = torch.arange(max_len)[None, :]
+        width = max(len(t) for t in decode_tables)
+        decode_blocks = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
+        lens = torch.tensor(decode_lens)
+        key_pos = torch.arange(width * block_size)[None, :]
         mask = key_pos < lens[:, None]
         if sliding_window is not None:
             # The decode query sits at position len-1; keys older than the window are masked.
             mask &= key_pos > (lens[:, None] - 1 - sliding_window)
         decode_token_idx = torch.tensor(decode_idx, device=device)
-        decode_slots = decode_slots.to(device)
+        decode_blocks = decode_blocks.to(device)
         decode_mask = mask[:, None, None, :].to(device)
 
     return AttentionBatch(
         positions=torch.cat(positions).to(device),
         slot_mapping=torch.cat(slots).to(device),
-        prefills=[
-            PrefillSlice(p.token_start, p.query_len, p.context_len, None if p.context_slots is None else p.context_slots.to(device))
-            for p in prefills
-        ],
+        prefills=prefills,
         decode_token_idx=decode_token_idx,
-        decode_slots=decode_slots,
+        decode_blocks=decode_blocks,
         decode_mask=decode_mask,
     )
 
@@ -119,10 +119,11 @@ def paged_attention(
     for p in batch.prefills:
         rows = slice(p.token_start, p.token_start + p.query_len)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        if p.context_slots is None:
+        if p.context_blocks is None:
             ks, vs = k[rows], v[rows]
         else:
-            ks, vs = k_flat[p.context_slots], v_flat[p.context_slots]
+            ks = k_cache.index_select(0, p.context_blocks).view(-1, num_kv_heads, head_dim)[: p.context_len]
+            vs = v_cache.index_select(0, p.context_blocks).view(-1, num_kv_heads, head_dim)[: p.context_len]
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         mask = _prefill_mask(p.query_len, p.context_len, sliding_window, q.device)
@@ -133,8 +134,10 @@ def paged_attention(
 
     if batch.decode_token_idx is not None:
         qd = q[batch.decode_token_idx].unsqueeze(2)  # [B, H, 1, D]
-        kd = k_flat[batch.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-        vd = v_flat[batch.decode_slots].transpose(1, 2)
+        # Whole blocks are gathered (contiguous copies), then viewed as one padded context per sequence.
+        b = batch.decode_blocks.shape[0]
+        kd = k_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        vd = v_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, scale=scale, enable_gqa=True)
         out[batch.decode_token_idx] = o.squeeze(2)
     return out

@@ -1,0 +1,62 @@
+"""Loading tokenizers: a model's own, or the small byte-level BPE embedded in tandem.
+
+The default tokenizer (`DEFAULT_TOKENIZER_DIR`, built by `assets/make_default_tokenizer.py`) lets
+random-weight models and tests run without a model hub. Its encode prepends <|begin_of_text|>
+(id 0) the way Llama-3 does; chat templates render that bos themselves, so text produced by
+`apply_chat_template(..., tokenize=False)` must be encoded with `add_special_tokens=False`.
+Note that transformers 5 reports `tokenizer.add_bos_token == False` for any tokenizer.json-backed
+tokenizer: the post-processor in tokenizer.json decides, not that attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+DEFAULT_TOKENIZER_DIR: Path = Path(__file__).resolve().parent / "assets" / "default_tokenizer"
+
+# Any one of these makes a directory loadable by AutoTokenizer (fast or slow files).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
+
+
+def load_tokenizer(path: str | Path = DEFAULT_TOKENIZER_DIR) -> PreTrainedTokenizerBase:
+    """The tokenizer stored in directory `path`, from local files only.
+
+    Raises ValueError naming the path when it is not a directory holding tokenizer files.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"tokenizer path {str(path)!r} is not a directory")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(
+            f"no tokenizer in {str(path)!r}: expected one of {', '.join(_TOKENIZER_FILES)}"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load the tokenizer in {str(path)!r}: {exc}") from exc
+
+
+def eos_token_ids(
+    tokenizer: PreTrainedTokenizerBase, generation_config: Mapping | None = None
+) -> frozenset[int]:
+    """Ids that end generation: the tokenizer's eos plus a generation_config's `eos_token_id`.
+
+    `generation_config` is the parsed generation_config.json of a HF checkpoint (or None); its
+    `eos_token_id` may be an int, a list of ints, or absent.
+    """
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    configured = (generation_config or {}).get("eos_token_id")
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured is not None:
+        if not isinstance(configured, (list, tuple)) or not all(isinstance(i, int) for i in configured):
+            raise ValueError(
+                f"generation_config eos_token_id must be an int or a list of ints, got {configured!r}"
+            )
+        ids.update(configured)
+    return frozenset(ids)
