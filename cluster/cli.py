@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="run the engine offline in this process and print one completion")
+    gen.add_argument("--config", default=None, help="YAML config whose model and engine sections to use")
     gen.add_argument("--model", default=None, help=f"Hugging Face checkpoint directory (default: {DEFAULT_MODEL})")
     gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: float32")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of plain text")
     gen.set_defaults(func=_generate)
 
@@ -43,15 +44,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from actors.engine import Engine
-    from actors.engine_config import EngineConfig
-    from actors.models.default_model import resolve_model
     from actors.sampling_params import SamplingParams
+    from cluster.config import ModelSection, TandemConfig
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
     )
-    engine = Engine(EngineConfig(model=resolve_model(args.model), dtype=args.dtype))
+    config = TandemConfig.from_file(args.config) if args.config else TandemConfig()
+    if args.model is not None or args.dtype is not None:
+        model = config.model.model_dump()
+        model.update({k: v for k, v in (("path", args.model), ("dtype", args.dtype)) if v is not None})
+        config = config.model_copy(update={"model": ModelSection(**model)})
+    engine = Engine(config.engine_config())
     (result,) = engine.generate([args.prompt], params)
     out = result.outputs[0]
     if args.json:

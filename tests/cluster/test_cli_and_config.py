@@ -1,0 +1,56 @@
+"""`tandem generate` as a user runs it, and config validation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from pathlib import Path
+
+from actors.engine import Engine
+from actors.sampling_params import SamplingParams
+from cluster.config import TandemConfig
+
+
+def _tandem(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["tandem", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_generate_json_matches_the_engine(default_model_dir):
+    proc = _tandem("generate", "--prompt", "Hello, tandem", "--max-tokens", "12", "--ignore-eos", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    engine = Engine(TandemConfig().engine_config())
+    (ref,) = engine.generate(["Hello, tandem"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert out["token_ids"] == ref.outputs[0].token_ids
+    assert out["text"] == engine.tokenizer.decode(ref.outputs[0].token_ids, skip_special_tokens=True)
+    assert out["finish_reason"] == "length"
+
+
+def test_generate_seeded_sampling_is_reproducible(default_model_dir):
+    args = ("generate", "--prompt", "seeded", "--max-tokens", "10", "--temperature", "0.8", "--seed", "5", "--json")
+    first, second = _tandem(*args), _tandem(*args)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
+
+
+def test_generate_bad_input_is_a_clear_error():
+    proc = _tandem("generate", "--prompt", "x", "--top-p", "0")
+    assert proc.returncode == 2
+    assert "top_p" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_config_typo_names_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine:\n  block_sise: 16\n")
+    with pytest.raises(ValueError, match=r"engine\.block_sise"):
+        TandemConfig.from_file(bad)
+    bad.write_text("engine:\n  max_num_seqs: 0\n")
+    with pytest.raises(ValueError, match=r"engine\.max_num_seqs"):
+        TandemConfig.from_file(bad)
+
+
+def test_local_config_loads(default_model_dir):
+    config = TandemConfig.from_file(Path(__file__).parents[2] / "configs" / "local.yaml")
+    assert config.engine_config().model == str(default_model_dir)
