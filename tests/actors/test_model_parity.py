@@ -62,3 +62,45 @@ def test_greedy_continuation_matches_transformers_generate(hf_models, family):
         assert result.outputs[0].finish_reason == "length"
     engine.check_integrity()
     assert engine.num_used_blocks == 0
+
+
+def test_sharded_checkpoint_loads_the_same_weights(hf_models, tmp_path):
+    hf = _hf(hf_models["llama"])
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    whole, sharded = load_model(hf_models["llama"]), load_model(tmp_path)
+    for (name, a), (_, b) in zip(whole.state_dict().items(), sharded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("bfloat16", 0.1), ("float16", 0.02)])
+def test_half_precision_loads_and_stays_close(hf_models, dtype, tolerance):
+    model_dir = hf_models["qwen2"]
+    full = Engine(EngineConfig(model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=32))
+    half = Engine(EngineConfig(model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=32, dtype=dtype))
+    assert half.runner.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+    assert half.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+    prompt = _prompt(21, 400, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    (a,), (b,) = full.generate([prompt], params), half.generate([prompt], params)
+    top_a = dict(a.outputs[0].logprobs[0].top)
+    top_b = dict(b.outputs[0].logprobs[0].top)
+    shared = set(top_a) & set(top_b)
+    assert len(shared) >= 3
+    assert max(abs(top_a[t] - top_b[t]) for t in shared) < tolerance
+
+
+def test_logprobs_match_transformers(hf_models):
+    model_dir = hf_models["llama"]
+    prompt = _prompt(13, 300, seed=9)
+    engine = Engine(EngineConfig(model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=32))
+    (result,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, ignore_eos=True))
+    out = result.outputs[0]
+    with torch.no_grad():
+        logits = _hf(model_dir)(torch.tensor([prompt + out.token_ids])).logits[0]
+    ref = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : len(prompt) + 2]
+    for step, lp in enumerate(out.logprobs):
+        assert lp.token_id == out.token_ids[step]
+        assert lp.logprob == pytest.approx(ref[step, lp.token_id].item(), abs=1e-4)
+        top_ids = torch.topk(ref[step], 2).indices.tolist()
+        assert [t for t, _ in lp.top] == top_ids
