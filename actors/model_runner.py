@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from actors.attention import build_attention_batch
+from actors.models.cpu_linear import mkl_packing_available, pack_linears
 from actors.models.llama import LlamaModel
 from actors.models.loader import DTYPES, load_model
 
@@ -17,6 +18,8 @@ class ModelRunner:
         self.cfg = self.model.cfg
         self.block_size = block_size
         self.dtype = DTYPES[dtype]
+        if mkl_packing_available(self.device, self.dtype):
+            pack_linears(self.model)
         if num_kv_blocks is None:
             num_kv_blocks = max(1, kv_cache_memory_bytes // self.bytes_per_block)
         self.num_kv_blocks = num_kv_blocks
