@@ -102,6 +102,13 @@ class Engine:
                 f"{self.config.max_num_batched_tokens} with chunked prefill off"
             )
         params.validate_token_ids(self.vocab_size)
+        if params.allowed_token_ids is not None and params.min_tokens > 0:
+            banned_early = self.eos_token_ids | set(params.stop_token_ids)
+            if set(params.allowed_token_ids) <= banned_early:
+                raise ValueError(
+                    "allowed_token_ids holds only end-of-sequence or stop tokens, which min_tokens forbids: "
+                    "no token could be sampled"
+                )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)")
         return prompt_ids
@@ -201,7 +208,7 @@ class Engine:
     def _append_token(self, seq: Sequence, res: SampleResult) -> RequestOutput:
         token = res.token_id
         seq.output_token_ids.append(token)
-        if seq.status < RequestStatus.DECODING or seq.status == RequestStatus.PREEMPTED:
+        if seq.status == RequestStatus.PREFILLING:
             seq.status = RequestStatus.DECODING
         params = seq.params
         new_text = ""
@@ -252,7 +259,12 @@ class Engine:
         results: dict[str, GenerationResult] = {}
         for prompt, p in zip(prompts, params):
             request_id = f"gen-{next(self._ids)}"
-            self.add_request(request_id, prompt, p)
+            try:
+                self.add_request(request_id, prompt, p)
+            except ValueError:
+                for added in results:  # all or nothing: no orphaned requests keep running
+                    self.abort(added)
+                raise
             prompt_ids = self._requests[request_id][0].prompt_token_ids
             results[request_id] = GenerationResult(request_id, prompt_ids, [CompletionOutput(i) for i in range(p.n)])
         pending = set(results)

@@ -179,3 +179,18 @@ def test_kv_events_report_stored_prompt_blocks(engine):
     assert len(stored) == 5  # 20 prompt tokens = 5 full blocks of 4 (the sampled token fills none)
     parents = [e.parent_hash for e in stored]
     assert parents[0] is None and parents[1:] == [e.block_hash for e in stored[:-1]]
+
+
+def test_generate_with_one_bad_prompt_leaves_nothing_behind(engine):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.generate(["fine", "also fine", ""], GREEDY)
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+    assert engine.num_used_blocks == 0
+
+
+def test_unsatisfiable_constraints_are_rejected(engine):
+    eos = min(engine.eos_token_ids)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        engine.add_request("x", "hi", SamplingParams(allowed_token_ids=(eos,), min_tokens=2))
+    assert not engine.has_unfinished()
