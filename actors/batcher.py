@@ -83,7 +83,9 @@ class Batcher:
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            seq.status = RequestStatus.PREFILLING
+            # An adopted sequence arrives with its prompt's KV already in place.
+            prompt_done = seq.num_computed_tokens >= len(seq.prompt_token_ids)
+            seq.status = RequestStatus.DECODING if prompt_done else RequestStatus.PREFILLING
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)

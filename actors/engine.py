@@ -22,7 +22,7 @@ from actors.kv_cache_manager import KVCacheManager
 from actors.model_runner import ModelRunner
 from actors.outputs import GenerationResult, RequestOutput, TokenLogprob, CompletionOutput
 from actors.request_status import RequestStatus
-from actors.sampling import Sampler, SampleResult, SamplingRow
+from actors.sampling import Sampler, SampleResult, SamplingRow, skip_draws
 from actors.sampling_params import SamplingParams
 from actors.sequence import Sequence
 from actors.tokenizer import eos_token_ids, load_tokenizer
@@ -52,6 +52,8 @@ class Engine:
         self.batcher = Batcher(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
         self._requests: dict[str, list[Sequence]] = {}
+        self._handoffs: dict[str, Sequence] = {}  # prefill role: KV held for a decode worker
+        self._reservations: dict[str, int] = {}  # decode role: blocks reserved for incoming KV
         self._ids = itertools.count()
 
     # ---- requests in ----
@@ -62,11 +64,17 @@ class Engine:
         prompt: str | Seq[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        hand_off: bool = False,
     ) -> None:
+        """Queue a request. With `hand_off`, the prompt is computed, the first token sampled, and the
+        sequence then waits as TRANSFERRING, its blocks held, until `release_handoff`."""
         params = params or SamplingParams()
         prompt_ids = self._validate(request_id, prompt, params)
+        if hand_off and params.n > 1:
+            raise ValueError("a request handed off to a decode worker must have n=1")
         first = self._new_sequence(request_id, 0, prompt_ids, params, cache_salt)
         first.pending_forks = params.n - 1
+        first.hand_off = hand_off
         self._requests[request_id] = [first]
         self.batcher.add(first)
 
@@ -109,7 +117,7 @@ class Engine:
                     "allowed_token_ids holds only end-of-sequence or stop tokens, which min_tokens forbids: "
                     "no token could be sampled"
                 )
-        if params.stop and self.tokenizer is None:
+        if params.stop and self.tokenizer is None and self.config.detokenize:
             raise ValueError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)")
         return prompt_ids
 
@@ -119,7 +127,7 @@ class Engine:
             # Sample i of a seeded request draws from its own stream, whatever else is in the batch.
             generator = torch.Generator().manual_seed(params.seed + index)
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.config.detokenize:
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
             )
@@ -129,7 +137,8 @@ class Engine:
         """Cancel every sample of a request and free its blocks now; False if it is not here."""
         seqs = self._requests.pop(request_id, None)
         if seqs is None:
-            return False
+            return self.release_reservation(request_id)
+        self.release_handoff(request_id)
         for seq in seqs:
             self.batcher.finish(seq, RequestStatus.CANCELLED)
         return True
@@ -226,6 +235,11 @@ class Engine:
                 status = RequestStatus.FINISHED_STOPPED
         if status is None and (n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
+        if status is None and seq.hand_off:
+            seq.hand_off = False
+            self.batcher.running.remove(seq)  # out of the batch, blocks kept for the transfer
+            seq.status = RequestStatus.TRANSFERRING
+            self._handoffs[seq.request_id] = seq
         if status is not None:
             if seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
                 new_text += seq.detokenizer.flush()  # no stop string matched: release the held-back text
@@ -243,6 +257,69 @@ class Engine:
         seqs = self._requests.get(request_id)
         if seqs is not None and not seqs[0].pending_forks and all(s.status.is_finished() for s in seqs):
             del self._requests[request_id]
+
+    # ---- disaggregation: a prefill engine hands a request off, a decode engine adopts it ----
+
+    def handoff_blocks(self, request_id: str) -> list[int]:
+        """The blocks holding a TRANSFERRING request's prompt KV, in prompt order."""
+        seq = self._handoffs[request_id]
+        return list(self.kv.block_table(seq.seq_id))
+
+    def release_handoff(self, request_id: str) -> bool:
+        """Drop the hold on a handed-off request's blocks (they stay cached); idempotent."""
+        seq = self._handoffs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.kv.free(seq.seq_id)
+        seq.status = RequestStatus.FINISHED_STOPPED
+        self._requests.pop(request_id, None)
+        return True
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Allocate blocks for `num_tokens` of incoming prompt KV; None if they do not fit now."""
+        if request_id in self._requests or request_id in self._reservations:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if not 0 < num_tokens < self.max_model_len:
+            raise ValueError(f"cannot reserve {num_tokens} tokens with max_model_len={self.max_model_len}")
+        if self.kv.allocate_slots((request_id, 0), num_tokens) is None:
+            self.kv.free((request_id, 0))
+            return None
+        self._reservations[request_id] = num_tokens
+        return list(self.kv.block_table((request_id, 0)))
+
+    def release_reservation(self, request_id: str) -> bool:
+        """Free a reservation whose KV never came (or whose request failed); idempotent."""
+        if self._reservations.pop(request_id, None) is None:
+            return False
+        self.kv.free((request_id, 0))
+        return True
+
+    def adopt(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        num_cached_tokens: int = 0,
+    ) -> None:
+        """Continue a request whose prompt KV was written into its reserved blocks elsewhere."""
+        reserved = self._reservations.get(request_id)
+        if reserved != len(prompt_ids):
+            raise ValueError(f"request {request_id!r}: {reserved} tokens reserved, {len(prompt_ids)} adopted")
+        params.validate_token_ids(self.vocab_size)
+        del self._reservations[request_id]
+        seq = self._new_sequence(request_id, 0, list(prompt_ids), params, cache_salt)
+        seq.output_token_ids.append(first_token)
+        seq.num_computed_tokens = len(prompt_ids)
+        seq.num_cached_tokens = num_cached_tokens
+        if seq.generator is not None:
+            skip_draws(seq.generator, params, 1)  # the first token was drawn on the prefill worker
+        if seq.detokenizer is not None:
+            seq.detokenizer.add_tokens([first_token])  # its text was emitted by the prefill side
+        self.kv.cache_computed(seq.seq_id, prompt_ids, len(prompt_ids), cache_salt)
+        self._requests[request_id] = [seq]
+        self.batcher.add(seq)
 
     # ---- offline ----
 
@@ -281,6 +358,7 @@ class Engine:
         self.batcher.check_integrity()
         live = {s.seq_id for seqs in self._requests.values() for s in seqs if not s.status.is_finished()}
         queued = {s.seq_id for s in self.batcher.running} | {s.seq_id for s in self.batcher.waiting}
+        queued |= {s.seq_id for s in self._handoffs.values()}
         if live != queued:
             raise RuntimeError(f"engine tracks {len(live)} live sequences but the batcher queues {len(queued)}")
 

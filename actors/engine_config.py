@@ -20,6 +20,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0  # seeds the generator shared by unseeded requests
     model_id: str | None = None  # part of the first block's hash; None: the model directory's name
+    detokenize: bool = True  # False: token ids only; text and stop strings are the caller's (the ingress)
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes")

@@ -177,6 +177,18 @@ def new_generator(seed: int, device: torch.device | str = "cpu") -> torch.Genera
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def skip_draws(generator: torch.Generator, params: SamplingParams, num_tokens: int) -> None:
+    """Advance a seeded request's generator past tokens sampled elsewhere (e.g. on a prefill worker).
+
+    Each non-greedy sampled token consumes exactly one float64 uniform (see `Sampler._draw`); greedy
+    tokens consume none. Skipping them keeps a handed-off request's stream identical to one engine's.
+    """
+    if params.is_greedy:
+        return
+    for _ in range(num_tokens):
+        torch.rand(1, dtype=torch.float64, device=generator.device, generator=generator)
+
+
 class Sampler:
     """One per engine; holds only the generator for unseeded rows, no per-request state.
 

@@ -32,6 +32,7 @@ class Sequence:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None
     pending_forks: int = 0  # children still to fork off once the prompt is computed (n > 1)
+    hand_off: bool = False  # prefill role: after the first token, hold the KV for a decode worker
 
     @property
     def seq_id(self) -> tuple[str, int]:
