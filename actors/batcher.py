@@ -50,6 +50,11 @@ class Batcher:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens not yet computed: waiting sequences and unfinished prefill chunks."""
+        waiting = sum(s.num_uncomputed_tokens for s in self.waiting)
+        return waiting + sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1)
+
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [], [])

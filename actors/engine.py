@@ -55,6 +55,7 @@ class Engine:
         self._handoffs: dict[str, Sequence] = {}  # prefill role: KV held for a decode worker
         self._reservations: dict[str, int] = {}  # decode role: blocks reserved for incoming KV
         self._ids = itertools.count()
+        self.last_step_tokens = 0  # tokens computed by the latest step (for cost measurements)
 
     # ---- requests in ----
 
@@ -146,10 +147,18 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def has_work(self) -> bool:
+        """Whether `step` would compute anything (handed-off requests only wait for a release)."""
+        return self.batcher.has_unfinished()
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self._requests
+
     # ---- one step ----
 
     def step(self) -> list[RequestOutput]:
         batch = self.batcher.schedule()
+        self.last_step_tokens = batch.total_tokens
         if not batch.seqs:
             return []
         token_ids: list[int] = []
@@ -251,6 +260,7 @@ class Engine:
         return RequestOutput(
             seq.request_id, seq.index, [token], new_text, seq.status,
             len(seq.prompt_token_ids), seq.num_cached_tokens or 0, logprobs, seq.stop_reason,
+            len(seq.output_token_ids),
         )
 
     def _forget_if_done(self, request_id: str) -> None:

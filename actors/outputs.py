@@ -27,6 +27,7 @@ class RequestOutput:
     num_cached_tokens: int
     new_logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    num_output_tokens: int = 0  # output tokens of this sequence so far, these included
 
     @property
     def finished(self) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from actors.engine_config import EngineConfig
 from actors.models.default_model import DEFAULT_MODEL, resolve_model
@@ -36,9 +36,70 @@ class EngineSection(_Strict):
     seed: int = Field(0, description="seed of the generator shared by unseeded requests")
 
 
+class PoolSection(_Strict):
+    replicas: int = Field(1, ge=0, description="number of workers in this pool")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per worker")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per worker; > 0 places the model on cuda")
+    torch_threads: int = Field(1, gt=0, description="torch intra-op threads per worker")
+    resources: dict[str, float] = Field(default_factory=dict, description="extra Ray custom resources per worker (e.g. a node type)")
+
+
+class SchedulerSection(_Strict):
+    routing: Literal["cache_aware", "least_loaded", "round_robin"] = Field(
+        "cache_aware", description="how a prefill worker is chosen"
+    )
+    lease_s: float = Field(30.0, gt=0, description="deadline of a KV handoff: a reservation or hold older than this is released")
+    reserve: Literal["prompt_plus_max_tokens", "prompt"] = Field(
+        "prompt_plus_max_tokens", description="KV a decode worker must have free to admit a request"
+    )
+    max_queued: int = Field(1024, ge=0, description="requests waiting for admission before new ones are rejected")
+    queue_timeout_s: float = Field(30.0, gt=0, description="how long a request may wait for admission")
+    local_prefill: bool = Field(True, description="let the cost model prefill short or cached prompts on the decode worker")
+    local_prefill_penalty: float = Field(
+        1.0, ge=0, description="a local prefill must be predicted (1 + penalty) times faster than the best remote one"
+    )
+    prefill_s_per_token: float = Field(2e-4, gt=0, description="initial prefill cost per token, replaced by measurements")
+    transfer_bytes_per_s: float = Field(2e9, gt=0, description="initial KV transfer bandwidth, replaced by measurements")
+    heartbeat_s: float = Field(0.05, gt=0, description="how often workers report stats and finished requests")
+
+
+class TransferSection(_Strict):
+    backend: Literal["zmq", "collective"] = Field("zmq", description="KV page transport")
+    zmq_transport: Literal["ipc", "tcp"] = Field("ipc", description="ipc on one host, tcp across hosts")
+    host: str = Field("127.0.0.1", description="address workers bind for tcp transfers and token streams")
+
+
+class IngressSection(_Strict):
+    host: str = Field("127.0.0.1", description="HTTP bind address")
+    port: int = Field(8000, gt=0, lt=65536, description="HTTP port")
+
+
 class TandemConfig(_Strict):
+    mode: Literal["disaggregated", "colocated"] = Field("disaggregated", description="split prefill and decode pools, or colocated workers")
     model: ModelSection = Field(default_factory=ModelSection, description="which model to serve")
     engine: EngineSection = Field(default_factory=EngineSection, description="per-worker engine limits")
+    prefill: PoolSection = Field(default_factory=PoolSection, description="the prefill pool (disaggregated mode)")
+    decode: PoolSection = Field(default_factory=PoolSection, description="the decode pool (disaggregated mode)")
+    colocated: PoolSection = Field(
+        default_factory=lambda: PoolSection(replicas=0), description="the colocated pool (colocated mode)"
+    )
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="global scheduler policy")
+    transfer: TransferSection = Field(default_factory=TransferSection, description="KV transfer between workers")
+    ingress: IngressSection = Field(default_factory=IngressSection, description="the OpenAI HTTP server")
+
+    @model_validator(mode="after")
+    def _pools_fit_the_mode(self) -> "TandemConfig":
+        if self.mode == "disaggregated" and (self.prefill.replicas < 1 or self.decode.replicas < 1):
+            raise ValueError("mode disaggregated needs prefill.replicas >= 1 and decode.replicas >= 1")
+        if self.mode == "colocated" and self.colocated.replicas < 1:
+            raise ValueError("mode colocated needs colocated.replicas >= 1")
+        return self
+
+    def pools(self) -> dict[str, PoolSection]:
+        """Role -> pool for the roles this mode runs."""
+        if self.mode == "colocated":
+            return {"colocated": self.colocated}
+        return {"prefill": self.prefill, "decode": self.decode}
 
     @classmethod
     def from_file(cls, path: str | Path) -> "TandemConfig":
@@ -54,9 +115,10 @@ class TandemConfig(_Strict):
             problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
             raise ValueError(f"{path}: {problems}") from None
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, detokenize: bool = True) -> EngineConfig:
         e = self.engine
         return EngineConfig(
+            detokenize=detokenize,
             model=resolve_model(self.model.path),
             dtype=self.model.dtype,
             max_model_len=self.model.max_model_len,

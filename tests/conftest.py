@@ -73,3 +73,15 @@ def default_model_dir(tmp_path_factory) -> Path:
 
 def read_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole test session."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=16, namespace="tandem", include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()

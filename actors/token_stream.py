@@ -1,0 +1,75 @@
+"""The token stream from workers to the client side: one zmq message per engine step per sink.
+
+A worker groups the new tokens of every request it touched in a step by the request's sink (the
+client's PULL endpoint) and pushes one message to each sink. `offset` is the number of output
+tokens before this delta, so a client can put deltas from two workers (the first token from the
+prefill worker, the rest from the decode worker) back in order.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import msgpack
+import zmq
+
+
+@dataclass
+class TokenDelta:
+    request_id: str
+    index: int
+    offset: int
+    token_ids: list[int]
+    status: int  # a RequestStatus value
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    logprobs: list | None = None  # [[token_id, logprob, [[id, logprob], ...]], ...] when asked for
+
+    def to_wire(self) -> list:
+        return [self.request_id, self.index, self.offset, self.token_ids, self.status,
+                self.num_prompt_tokens, self.num_cached_tokens, self.error, self.logprobs]
+
+
+def encode_deltas(deltas: list[TokenDelta]) -> bytes:
+    return msgpack.packb([d.to_wire() for d in deltas], use_bin_type=True)
+
+
+def decode_deltas(payload: bytes) -> list[TokenDelta]:
+    return [TokenDelta(*fields) for fields in msgpack.unpackb(payload, raw=False)]
+
+
+class TokenPublisher:
+    """PUSH sockets to client sinks, one per sink, used by one thread at a time.
+
+    A sink that stops reading (a client that went away) never blocks the engine: once its queue is
+    full, messages to it are dropped and counted.
+    """
+
+    def __init__(self, context: zmq.Context | None = None, high_water_mark: int = 100_000):
+        self._context = context or zmq.Context.instance()
+        self._sockets: dict[str, zmq.Socket] = {}
+        self._hwm = high_water_mark
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    def publish(self, sink: str, deltas: list[TokenDelta]) -> None:
+        with self._lock:
+            sock = self._sockets.get(sink)
+            if sock is None:
+                sock = self._context.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, self._hwm)
+                sock.connect(sink)
+                self._sockets[sink] = sock
+            try:
+                sock.send(encode_deltas(deltas), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self.dropped += 1
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._sockets.values():
+                sock.close(linger=0)
+            self._sockets.clear()

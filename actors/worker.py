@@ -1,0 +1,348 @@
+"""The Ray worker actor: one engine in a role (prefill, decode or colocated), stepped by one thread.
+
+Ray method calls (any thread) only put commands in an inbox; the engine thread alone touches the
+engine, between steps. Per step it pushes one token message per client sink, hands finished
+prefills to their decode workers, and expires leases. Every few tens of milliseconds it reports
+stats, finished requests and KV events to the global scheduler (fire-and-forget).
+
+Roles:
+- prefill: computes the prompt, samples the first token, pushes the KV pages to the reserved blocks
+  of a decode worker, and holds its own blocks until the scheduler releases them (or the lease ends).
+- decode: reserves blocks for incoming KV, adopts the request when the pages have landed, decodes.
+  It also runs whole requests (a local prefill) when the scheduler's cost model says so.
+- colocated: whole requests, prefill and decode in one engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.engine import Engine
+from actors.engine_config import EngineConfig
+from actors.kv_handoff import HandoffReceiver, HandoffSender
+from actors.request_status import RequestStatus
+from actors.sampling_params import SamplingParams
+from actors.token_stream import TokenDelta, TokenPublisher
+
+log = logging.getLogger("tandem.worker")
+_CALL_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    worker_id: str
+    role: str  # prefill | decode | colocated
+    engine: EngineConfig
+    torch_threads: int = 1
+    lease_s: float = 30.0
+    heartbeat_s: float = 0.05
+    zmq_transport: str = "ipc"
+    host: str = "127.0.0.1"
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    sink: str
+    dest: dict | None = None  # prefill role: {"endpoint", "block_ids"} of the decode worker
+    deadline: float | None = None  # lease end while reserved (decode) or held (prefill)
+
+
+@dataclass
+class _Counters:
+    leases_expired: int = 0
+    transfers_sent: int = 0
+    transfers_failed: int = 0
+    adopted: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, scheduler=None):
+        torch.set_num_threads(spec.torch_threads)
+        self.spec = spec
+        self.scheduler = scheduler
+        self.engine = Engine(spec.engine)
+        self._inbox: queue.Queue = queue.Queue()
+        self._publisher = TokenPublisher()
+        self._requests: dict[str, _Request] = {}
+        self._reserved: dict[str, _Request] = {}  # decode: blocks reserved, KV not yet adopted
+        self._held: dict[str, _Request] = {}  # prefill: KV sent, blocks held until released
+        self._finished: list[tuple[str, int]] = []  # (request id, final status) not yet reported
+        self._counters = _Counters()
+        self._prefill_s_per_token: float | None = None
+        caches = self.engine.runner.kv_caches
+        self._sender = HandoffSender(caches) if spec.role == "prefill" else None
+        self._receiver = None
+        if spec.role == "decode":
+            self._receiver = HandoffReceiver(caches, self._accept_pages, self._on_pages,
+                                             spec.zmq_transport, spec.host)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"engine-{spec.worker_id}", daemon=True)
+        self._thread.start()
+
+    # ---- Ray methods: called from any thread ----
+
+    def info(self) -> dict:
+        return {
+            "worker_id": self.spec.worker_id,
+            "role": self.spec.role,
+            "kv_endpoint": self._receiver.endpoint if self._receiver else None,
+            "num_blocks": self.engine.runner.num_kv_blocks,
+            "block_size": self.engine.config.block_size,
+            "kv_bytes_per_token": self.engine.runner.bytes_per_block // self.engine.config.block_size,
+        }
+
+    def submit(self, request: dict) -> None:
+        self._inbox.put(("submit", request))
+
+    def reserve(self, request: dict) -> list[int] | None:
+        return self._call("reserve", request)
+
+    def release(self, request_id: str) -> None:
+        self._inbox.put(("release", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def check_integrity(self) -> dict:
+        return self._call("integrity", None)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        if self._receiver:
+            self._receiver.close()
+        self._publisher.close()
+
+    def _call(self, kind: str, arg):
+        future: Future = Future()
+        self._inbox.put((kind, arg, future))
+        return future.result(timeout=_CALL_TIMEOUT_S)
+
+    # ---- the engine thread ----
+
+    def _run(self) -> None:
+        last_report = 0.0
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.engine.has_work())
+            self._expire_leases()
+            if self.engine.has_work():
+                start = time.perf_counter()
+                outputs = self.engine.step()
+                self._measure(time.perf_counter() - start)
+                self._publish(outputs)
+            now = time.monotonic()
+            if self._finished or now - last_report >= self.spec.heartbeat_s:
+                self._report()
+                last_report = now
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=self.spec.heartbeat_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: tuple) -> None:
+        kind, arg, *rest = item
+        future: Future | None = rest[0] if rest else None
+        try:
+            result = getattr(self, f"_do_{kind}")(arg)
+        except Exception as exc:  # a bad request must not kill the engine thread
+            if future is None:
+                log.exception("worker %s: %s failed", self.spec.worker_id, kind)
+                return
+            future.set_exception(exc)
+            return
+        if future is not None:
+            future.set_result(result)
+
+    def _do_submit(self, request: dict) -> None:
+        req = _request_from(request)
+        try:
+            self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, req.cache_salt,
+                                    hand_off=req.dest is not None)
+        except ValueError as exc:
+            self._fail(req, str(exc))
+            return
+        self._requests[req.request_id] = req
+
+    def _do_reserve(self, request: dict) -> list[int] | None:
+        req = _request_from(request)
+        blocks = self.engine.reserve(req.request_id, len(req.prompt_token_ids))
+        if blocks is not None:
+            req.deadline = time.monotonic() + self.spec.lease_s
+            self._reserved[req.request_id] = req
+        return blocks
+
+    def _do_adopt(self, header) -> None:
+        req = self._reserved.pop(header.transfer_id, None)
+        if req is None:
+            return  # aborted meanwhile
+        self.engine.adopt(req.request_id, req.prompt_token_ids, header.extra["first_token"], req.params,
+                          req.cache_salt, header.extra.get("num_cached_tokens", 0))
+        self._requests[req.request_id] = req
+        self._counters.adopted += 1
+        if self.scheduler is not None:
+            self.scheduler.handoff_done.remote(req.request_id)
+
+    def _do_transfer_failed(self, arg: tuple[str, str]) -> None:
+        request_id, reason = arg
+        req = self._reserved.pop(request_id, None)
+        if req is not None:
+            self.engine.release_reservation(request_id)
+            self._fail(req, f"KV transfer refused: {reason}")
+
+    def _do_release(self, request_id: str) -> None:
+        if self._held.pop(request_id, None) is not None:
+            self.engine.release_handoff(request_id)
+
+    def _do_abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        for table in (self._requests, self._reserved, self._held):
+            table.pop(request_id, None)
+
+    def _do_integrity(self, _) -> dict:
+        self.engine.check_integrity()
+        return self._stats()
+
+    # ---- per step ----
+
+    def _publish(self, outputs) -> None:
+        by_sink: dict[str, list[TokenDelta]] = {}
+        done: set[str] = set()
+        for out in outputs:
+            req = self._requests.get(out.request_id)
+            if req is None:
+                continue
+            logprobs = None
+            if out.new_logprobs is not None:
+                logprobs = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.new_logprobs]
+            by_sink.setdefault(req.sink, []).append(TokenDelta(
+                out.request_id, out.index, out.num_output_tokens - len(out.new_token_ids), out.new_token_ids,
+                int(out.status), out.num_prompt_tokens, out.num_cached_tokens, None, logprobs,
+            ))
+            if out.status == RequestStatus.TRANSFERRING:
+                self._hand_off(req, out)
+            elif out.finished:
+                done.add(out.request_id)
+        for sink, deltas in by_sink.items():
+            self._publisher.publish(sink, deltas)
+        for request_id in done:
+            if not self.engine.is_live(request_id):
+                self._requests.pop(request_id, None)
+                self._finished.append((request_id, int(RequestStatus.FINISHED_STOPPED)))
+
+    def _hand_off(self, req: _Request, out) -> None:
+        extra = {"first_token": out.new_token_ids[0], "num_cached_tokens": out.num_cached_tokens}
+        try:
+            self._sender.send(req.dest["endpoint"], req.request_id, req.dest["lease_id"],
+                              self.engine.handoff_blocks(req.request_id), req.dest["block_ids"], extra,
+                              timeout_s=min(self.spec.lease_s, 10.0))
+        except Exception as exc:
+            self._counters.transfers_failed += 1
+            self.engine.release_handoff(req.request_id)
+            self._requests.pop(req.request_id, None)
+            self._fail(req, f"KV transfer to the decode worker failed: {exc}")
+            return
+        self._counters.transfers_sent += 1
+        self._requests.pop(req.request_id, None)
+        req.deadline = time.monotonic() + self.spec.lease_s
+        self._held[req.request_id] = req
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for request_id, req in list(self._held.items()):
+            if req.deadline < now:
+                log.warning("worker %s: no release for %s within the lease; freeing its blocks", self.spec.worker_id, request_id)
+                del self._held[request_id]
+                self.engine.release_handoff(request_id)
+                self._counters.leases_expired += 1
+        for request_id, req in list(self._reserved.items()):
+            if req.deadline < now and self._receiver.begin_expiry(request_id):
+                del self._reserved[request_id]
+                self.engine.release_reservation(request_id)
+                self._counters.leases_expired += 1
+                self._fail(req, f"KV for {request_id} did not arrive within the {self.spec.lease_s}s lease")
+
+    def _fail(self, req: _Request, message: str) -> None:
+        delta = TokenDelta(req.request_id, 0, 0, [], int(RequestStatus.FAILED), len(req.prompt_token_ids), 0, message)
+        self._publisher.publish(req.sink, [delta])
+        self._finished.append((req.request_id, int(RequestStatus.FAILED)))
+
+    def _measure(self, seconds: float) -> None:
+        tokens = self.engine.last_step_tokens
+        if tokens >= 32:  # prefill-dominated steps give the per-token prefill cost
+            cost = seconds / tokens
+            prev = self._prefill_s_per_token
+            self._prefill_s_per_token = cost if prev is None else 0.8 * prev + 0.2 * cost
+
+    # ---- receiver callbacks (the receiver's thread) ----
+
+    def _accept_pages(self, header) -> bool:
+        """Pages may be written only into a live reservation (never into freed, reused blocks)."""
+        req = self._reserved.get(header.transfer_id)
+        return req is not None and list(header.dest_block_ids) == self.engine.kv.block_table((req.request_id, 0))
+
+    def _on_pages(self, header, error: Exception | None) -> None:
+        if error is None:
+            self._inbox.put(("adopt", header))
+        elif header is not None:
+            self._inbox.put(("transfer_failed", (header.transfer_id, str(error))))
+
+    # ---- reporting ----
+
+    def _stats(self) -> dict:
+        pool = self.engine.kv.pool
+        return {
+            "worker_id": self.spec.worker_id,
+            "role": self.spec.role,
+            "free_blocks": pool.num_free_blocks,
+            "num_blocks": pool.num_blocks,
+            "used_blocks": pool.num_used_blocks,
+            "running": len(self.engine.batcher.running),
+            "waiting": len(self.engine.batcher.waiting),
+            "queued_prefill_tokens": self.engine.batcher.queued_prefill_tokens(),
+            "prefill_s_per_token": self._prefill_s_per_token,
+            "reserved": len(self._reserved),
+            "held": len(self._held),
+            "live_requests": len(self._requests),
+            "leases_expired": self._counters.leases_expired,
+            "transfers_sent": self._counters.transfers_sent,
+            "transfers_failed": self._counters.transfers_failed,
+            "adopted": self._counters.adopted,
+            "tokens_dropped": self._publisher.dropped,
+        }
+
+    def _report(self) -> None:
+        finished, self._finished = self._finished, []
+        events = self.engine.take_kv_events()
+        if self.scheduler is not None:
+            self.scheduler.report.remote(self.spec.worker_id, self._stats(), finished, events)
+
+
+def _request_from(request: dict) -> _Request:
+    return _Request(
+        request_id=request["request_id"],
+        prompt_token_ids=list(request["prompt_token_ids"]),
+        params=SamplingParams(**request["params"]),
+        cache_salt=request.get("cache_salt"),
+        sink=request["sink"],
+        dest=request.get("dest"),
+    )

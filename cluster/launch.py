@@ -1,0 +1,99 @@
+"""Start (or join) Ray, create the scheduler actor and the worker pools from config, tear them down."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import ray
+
+from actors.tokenizer import load_tokenizer
+from actors.worker import Worker, WorkerSpec
+from cluster.client import TandemClient
+from cluster.config import TandemConfig
+from cluster.scheduler import Scheduler, SchedulerSettings
+
+log = logging.getLogger("tandem.launch")
+NAMESPACE = "tandem"
+SCHEDULER_NAME = "tandem-scheduler"
+
+
+class Cluster:
+    def __init__(self, config: TandemConfig, scheduler, workers: dict, owns_ray: bool, model_dir: str):
+        self.config = config
+        self.scheduler = scheduler
+        self.workers = workers  # worker id -> actor handle
+        self._owns_ray = owns_ray
+        self.model_dir = model_dir
+        self._clients: list[TandemClient] = []
+
+    @classmethod
+    def start(cls, config: TandemConfig, address: str | None = None, ready_timeout_s: float = 300.0) -> "Cluster":
+        owns_ray = not ray.is_initialized()
+        if owns_ray:
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            needed = sum(p.replicas * p.num_cpus for p in config.pools().values()) + 1
+            kwargs = {"namespace": NAMESPACE, "include_dashboard": False, "log_to_driver": True}
+            if address:
+                ray.init(address=address, **kwargs)
+            else:
+                ray.init(num_cpus=max(int(needed) + 1, os.cpu_count() or 1), **kwargs)
+        engine = config.engine_config(detokenize=False)  # workers stream ids; text is the client's
+        settings = SchedulerSettings(
+            mode=config.mode, routing=config.scheduler.routing, block_size=engine.block_size,
+            model_id=engine.model_id or Path(engine.model).name, reserve=config.scheduler.reserve,
+            max_queued=config.scheduler.max_queued, queue_timeout_s=config.scheduler.queue_timeout_s,
+            local_prefill=config.scheduler.local_prefill, local_prefill_penalty=config.scheduler.local_prefill_penalty,
+            prefill_s_per_token=config.scheduler.prefill_s_per_token,
+            transfer_bytes_per_s=config.scheduler.transfer_bytes_per_s,
+        )
+        scheduler = ray.remote(Scheduler).options(name=SCHEDULER_NAME, namespace=NAMESPACE, num_cpus=0).remote(settings)
+        workers = {}
+        for role, pool in config.pools().items():
+            for i in range(pool.replicas):
+                worker_id = f"{role}-{i}"
+                spec = WorkerSpec(
+                    worker_id=worker_id, role=role,
+                    engine=dataclasses.replace(engine, device="cuda" if pool.num_gpus > 0 else "cpu"),
+                    torch_threads=pool.torch_threads, lease_s=config.scheduler.lease_s,
+                    heartbeat_s=config.scheduler.heartbeat_s, zmq_transport=config.transfer.zmq_transport,
+                    host=config.transfer.host,
+                )
+                workers[worker_id] = ray.remote(Worker).options(
+                    name=f"tandem-{worker_id}", namespace=NAMESPACE, num_cpus=pool.num_cpus,
+                    num_gpus=pool.num_gpus, resources=pool.resources or None, max_concurrency=16,
+                ).remote(spec, scheduler)
+        cluster = cls(config, scheduler, workers, owns_ray, engine.model)
+        try:
+            infos = ray.get([w.info.remote() for w in workers.values()], timeout=ready_timeout_s)
+            ray.get([scheduler.register.remote(info, workers[info["worker_id"]]) for info in infos], timeout=30)
+        except BaseException:
+            cluster.shutdown()
+            raise
+        log.info("cluster ready: %s", ", ".join(sorted(workers)))
+        return cluster
+
+    def client(self) -> TandemClient:
+        client = TandemClient(self.scheduler, load_tokenizer(self.model_dir), host=self.config.transfer.host)
+        self._clients.append(client)
+        return client
+
+    def check_integrity(self, timeout_s: float = 30.0) -> dict:
+        """Every worker's and the scheduler's invariants; returns their stats (raises on a violation)."""
+        stats = ray.get([w.check_integrity.remote() for w in self.workers.values()], timeout=timeout_s)
+        return {"workers": {s["worker_id"]: s for s in stats},
+                "scheduler": ray.get(self.scheduler.check_integrity.remote(), timeout=timeout_s)}
+
+    def shutdown(self) -> None:
+        for client in self._clients:
+            client.close()
+        try:
+            ray.get([w.shutdown.remote() for w in self.workers.values()], timeout=30)
+        except Exception as exc:  # a worker that is already gone must not stop the teardown
+            log.warning("worker shutdown: %s", exc)
+        for handle in [*self.workers.values(), self.scheduler]:
+            ray.kill(handle)
+        if self._owns_ray:
+            ray.shutdown()

@@ -1,0 +1,80 @@
+"""Routing policies: which prefill worker computes a prompt, and which decode worker continues it.
+
+Pure functions over snapshots of worker state, so the policy is tested without a cluster. The
+cache-aware policy minimises predicted time to first token: queue wait + uncached prompt tokens x
+measured per-token prefill cost + KV bytes / measured transfer bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WorkerView:
+    worker_id: str
+    role: str  # prefill | decode | colocated
+    free_blocks: int
+    num_blocks: int
+    queued_prefill_tokens: int = 0  # prompt tokens waiting or mid-prefill
+    running: int = 0
+    waiting: int = 0
+    prefill_s_per_token: float | None = None  # measured; None until the worker has prefilled
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    worker_id: str
+    local: bool  # prefill on the decode worker itself: no transfer
+    cached_tokens: int
+    predicted_ttft_s: float
+
+
+def predicted_ttft(view: WorkerView, prompt_len: int, cached_tokens: int, default_cost: float,
+                   transfer_s: float) -> float:
+    cost = view.prefill_s_per_token or default_cost
+    uncached = max(prompt_len - cached_tokens, 1)
+    return (view.queued_prefill_tokens + uncached) * cost + transfer_s
+
+
+def plan_prefill(
+    policy: str,
+    prefill_workers: list[WorkerView],
+    cached_tokens: dict[str, int],
+    prompt_len: int,
+    transfer_s: float,
+    default_cost: float,
+    turn: int,
+    local: WorkerView | None = None,
+    local_penalty: float = 1.0,
+) -> PrefillPlan:
+    """Pick the prefill worker; `local`, if given, is the chosen decode worker as a candidate too."""
+    if not prefill_workers:
+        raise ValueError("no prefill worker is registered")
+    ordered = sorted(prefill_workers, key=lambda v: v.worker_id)
+    if policy == "round_robin":
+        chosen = ordered[turn % len(ordered)]
+    elif policy == "least_loaded":
+        chosen = min(ordered, key=lambda v: (v.queued_prefill_tokens, v.running + v.waiting))
+    elif policy == "cache_aware":
+        chosen = min(ordered, key=lambda v: predicted_ttft(v, prompt_len, cached_tokens.get(v.worker_id, 0), default_cost, transfer_s))
+    else:
+        raise ValueError(f"unknown routing policy {policy!r}")
+    cached = cached_tokens.get(chosen.worker_id, 0)
+    remote = PrefillPlan(chosen.worker_id, False, cached,
+                         predicted_ttft(chosen, prompt_len, cached, default_cost, transfer_s))
+    if local is None:
+        return remote
+    local_cached = cached_tokens.get(local.worker_id, 0)
+    local_ttft = predicted_ttft(local, prompt_len, local_cached, default_cost, 0.0)
+    if local_ttft * (1.0 + local_penalty) < remote.predicted_ttft_s:
+        return PrefillPlan(local.worker_id, True, local_cached, local_ttft)
+    return remote
+
+
+def pick_decode(decode_workers: list[WorkerView], blocks_needed: int) -> WorkerView | None:
+    """The decode worker with the most free KV that can hold the request, or None."""
+    fits = [v for v in decode_workers if v.free_blocks >= blocks_needed]
+    if not fits:
+        return None
+    return max(fits, key=lambda v: (v.free_blocks - v.running, v.worker_id))

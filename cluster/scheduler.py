@@ -1,0 +1,222 @@
+"""The global scheduler actor: worker registry, prefix index, admission, routing, handoff leases.
+
+An async Ray actor: every method runs on one event loop, so its state needs no locks. Workers push
+stats, finished requests and KV events to `report`; clients call `submit` and `abort`.
+
+Request path (disaggregated): pick a decode worker that can hold the request (admission), plan the
+prefill (cache-aware cost model; possibly local on that decode worker), reserve the prompt's blocks
+on the decode worker, then send the prompt to the prefill worker with the destination blocks. When
+the decode worker has adopted the pages it calls `handoff_done`, and the prefill worker is told to
+release its hold. Every terminal report runs one idempotent reclaim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from actors.block_hash import hash_prompt_blocks
+from cluster.prefix_index import PrefixIndex
+from cluster.routing import PrefillPlan, WorkerView, pick_decode, plan_prefill
+
+log = logging.getLogger("tandem.scheduler")
+_CALL_TIMEOUT_S = 30.0
+
+
+@dataclass
+class SchedulerSettings:
+    mode: str
+    routing: str
+    block_size: int
+    model_id: str
+    reserve: str
+    max_queued: int
+    queue_timeout_s: float
+    local_prefill: bool
+    local_prefill_penalty: float
+    prefill_s_per_token: float
+    transfer_bytes_per_s: float
+
+
+@dataclass
+class _Worker:
+    handle: object
+    info: dict
+    view: WorkerView
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Tracked:
+    request_id: str
+    workers: set[str]  # every worker that may hold state for the request
+    prefill: PrefillPlan | None = None
+    decode_id: str | None = None
+    handed_off: bool = False
+
+
+class Scheduler:
+    def __init__(self, settings: SchedulerSettings):
+        self.s = settings
+        self._workers: dict[str, _Worker] = {}
+        self._index = PrefixIndex()
+        self._requests: dict[str, _Tracked] = {}
+        self._turn = itertools.count()
+        self._queued = 0
+        self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "failed": 0, "local_prefills": 0}
+
+    # ---- workers ----
+
+    async def register(self, info: dict, handle) -> None:
+        wid = info["worker_id"]
+        view = WorkerView(wid, info["role"], info["num_blocks"], info["num_blocks"])
+        self._workers[wid] = _Worker(handle, info, view)
+        log.info("registered %s worker %s", info["role"], wid)
+
+    async def report(self, worker_id: str, stats: dict, finished: list, events: list) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return
+        worker.last_seen = time.monotonic()
+        v = worker.view
+        v.free_blocks, v.num_blocks = stats["free_blocks"], stats["num_blocks"]
+        v.running, v.waiting = stats["running"], stats["waiting"]
+        v.queued_prefill_tokens = stats["queued_prefill_tokens"]
+        v.prefill_s_per_token = stats["prefill_s_per_token"]
+        self._index.apply(worker_id, events)
+        for request_id, status in finished:
+            self._reclaim(request_id, failed=status >= 14)
+
+    async def handoff_done(self, request_id: str) -> None:
+        tracked = self._requests.get(request_id)
+        if tracked is None or tracked.prefill is None:
+            return
+        tracked.handed_off = True
+        prefill_id = tracked.prefill.worker_id
+        self._workers[prefill_id].handle.release.remote(request_id)
+        tracked.workers.discard(prefill_id)
+
+    # ---- requests ----
+
+    async def submit(self, request: dict) -> dict:
+        """Admit and route one request; returns {"ok": True} or {"rejected": reason, "retry_after_s": s}."""
+        self.counters["submitted"] += 1
+        request_id = request["request_id"]
+        if request_id in self._requests:
+            return self._reject(f"request_id {request_id!r} is already in flight", 0.0)
+        if self._queued >= self.s.max_queued:
+            return self._reject("the admission queue is full", 1.0)
+        self._queued += 1
+        try:
+            return await self._admit(request)
+        finally:
+            self._queued -= 1
+
+    async def _admit(self, request: dict) -> dict:
+        prompt = request["prompt_token_ids"]
+        params = request["params"]
+        deadline = time.monotonic() + self.s.queue_timeout_s
+        reserve_tokens = len(prompt) + (params.get("max_tokens", 16) * params.get("n", 1)
+                                        if self.s.reserve == "prompt_plus_max_tokens" else 1)
+        blocks_needed = -(-reserve_tokens // self.s.block_size)
+        hashes = hash_prompt_blocks(prompt, self.s.block_size, request.get("cache_salt"), self.s.model_id)
+        while True:
+            placed = await self._place(request, hashes, blocks_needed)
+            if placed is not None:
+                return placed
+            if time.monotonic() >= deadline:
+                biggest = max((w.view.num_blocks for w in self._workers.values()), default=0)
+                if blocks_needed > biggest:
+                    return self._reject(f"the request needs {blocks_needed} KV blocks; the largest worker has {biggest}", 0.0)
+                return self._reject("no worker has room for the request's KV", 1.0)
+            await asyncio.sleep(0.01)
+
+    async def _place(self, request: dict, hashes: list[int], blocks_needed: int) -> dict | None:
+        request_id = request["request_id"]
+        prompt_len = len(request["prompt_token_ids"])
+        if self.s.mode == "colocated":
+            pool = self._views("colocated")
+            cached = {v.worker_id: self._index.cached_blocks(v.worker_id, hashes) * self.s.block_size for v in pool}
+            fits = [v for v in pool if v.free_blocks >= blocks_needed]
+            if not fits:
+                return None
+            plan = plan_prefill(self.s.routing, fits, cached, prompt_len, 0.0, self.s.prefill_s_per_token, next(self._turn))
+            return await self._run_local(request, plan.worker_id, blocks_needed)
+
+        decode = pick_decode(self._views("decode"), blocks_needed)
+        if decode is None:
+            return None
+        prefill_pool = self._views("prefill")
+        candidates = prefill_pool + [decode]
+        cached = {v.worker_id: self._index.cached_blocks(v.worker_id, hashes) * self.s.block_size for v in candidates}
+        transfer_s = prompt_len * self._workers[decode.worker_id].info["kv_bytes_per_token"] / self.s.transfer_bytes_per_s
+        local_ok = self.s.local_prefill or request["params"].get("n", 1) > 1 or not prefill_pool
+        plan = plan_prefill(
+            self.s.routing, prefill_pool, cached, prompt_len, transfer_s, self.s.prefill_s_per_token,
+            next(self._turn), local=decode if local_ok else None, local_penalty=self.s.local_prefill_penalty,
+        ) if prefill_pool else PrefillPlan(decode.worker_id, True, cached[decode.worker_id], 0.0)
+        if plan.local or request["params"].get("n", 1) > 1:
+            self.counters["local_prefills"] += 1
+            return await self._run_local(request, decode.worker_id, blocks_needed)
+
+        decode_worker = self._workers[decode.worker_id]
+        dest_blocks = await asyncio.wait_for(decode_worker.handle.reserve.remote(request), _CALL_TIMEOUT_S)
+        if dest_blocks is None:
+            return None
+        decode.free_blocks -= blocks_needed  # until the next report says otherwise
+        self._requests[request_id] = _Tracked(request_id, {plan.worker_id, decode.worker_id}, plan, decode.worker_id)
+        dest = {"endpoint": decode_worker.info["kv_endpoint"], "block_ids": dest_blocks, "lease_id": request_id,
+                "decode_worker": decode.worker_id}
+        self._workers[plan.worker_id].handle.submit.remote({**request, "dest": dest})
+        self._workers[plan.worker_id].view.queued_prefill_tokens += prompt_len - plan.cached_tokens
+        return {"ok": True, "prefill": plan.worker_id, "decode": decode.worker_id, "cached_tokens": plan.cached_tokens}
+
+    async def _run_local(self, request: dict, worker_id: str, blocks_needed: int) -> dict:
+        worker = self._workers[worker_id]
+        worker.view.free_blocks -= blocks_needed
+        worker.view.queued_prefill_tokens += len(request["prompt_token_ids"])
+        self._requests[request["request_id"]] = _Tracked(request["request_id"], {worker_id}, None, worker_id)
+        worker.handle.submit.remote(request)
+        return {"ok": True, "prefill": worker_id, "decode": worker_id, "local": True}
+
+    async def abort(self, request_id: str) -> bool:
+        return self._reclaim(request_id, failed=False, cancelled=True)
+
+    def _reclaim(self, request_id: str, failed: bool, cancelled: bool = False) -> bool:
+        """Every terminal path ends here; a second call for the same request does nothing."""
+        tracked = self._requests.pop(request_id, None)
+        if tracked is None:
+            return False
+        for wid in tracked.workers:
+            worker = self._workers.get(wid)
+            if worker is not None:
+                worker.handle.abort.remote(request_id)  # idempotent on the worker
+        self.counters["failed" if failed else "finished"] += 1
+        return True
+
+    def _reject(self, reason: str, retry_after_s: float) -> dict:
+        self.counters["rejected"] += 1
+        return {"rejected": reason, "retry_after_s": retry_after_s}
+
+    def _views(self, role: str) -> list[WorkerView]:
+        return [w.view for w in self._workers.values() if w.view.role == role]
+
+    # ---- introspection ----
+
+    async def state(self) -> dict:
+        return {
+            "workers": {wid: dict(vars(w.view)) for wid, w in self._workers.items()},
+            "in_flight": len(self._requests),
+            "counters": dict(self.counters),
+        }
+
+    async def check_integrity(self) -> dict:
+        self._index.check_integrity()
+        for tracked in self._requests.values():
+            unknown = tracked.workers - self._workers.keys()
+            if unknown:
+                raise RuntimeError(f"request {tracked.request_id} tracked on unknown workers {sorted(unknown)}")
+        return await self.state()

@@ -1,0 +1,191 @@
+"""The KV transfer contract: a sender pushes pages of its cache into reserved blocks of a receiver's cache.
+
+Who calls what
+- The prefill side owns a `KVSender` and calls `send(endpoint, header, kv_caches, src_block_ids,
+  timeout_s)` once per handoff, from one thread at a time.
+- The decode side owns a `KVReceiver(kv_caches, on_complete, on_error)`, calls `start()` once, publishes
+  `endpoint` (through the control plane) to the senders, and calls `close()` when it shuts down.
+- The receiver calls `on_complete(header)` or `on_error(header_or_None, exc)` from its own thread,
+  once per incoming transfer. Callbacks should be quick (hand off to a queue); an exception they
+  raise is logged and swallowed, it never stops the receiver.
+
+Promises
+- `send` validates first: if `header.spec` does not describe `kv_caches`, or `src_block_ids` does not
+  match `header.dest_block_ids` in length or names a block that does not exist, it raises
+  `PageFormatError` (a `ValueError`) and sends nothing.
+- `send` returns only after every byte of the transfer is handed to the transport (it has its own copy
+  or reference of the gathered pages, so the caller may reuse the source blocks at once), or raises
+  `TransferError` by `timeout_s`. Returning is not delivery: the lease's ack (control plane) is.
+- The receiver writes the pages into `header.dest_block_ids` of its caches (source block i goes to
+  destination block i) and only THEN calls `on_complete(header)`. It writes no other block.
+- On a spec mismatch, destination ids outside its pool, wrong page sizes or a header it cannot decode,
+  the receiver writes NOTHING into its caches and calls `on_error(header, exc)` (`header` is None if
+  it could not be decoded) with a `PageFormatError` that says what was wrong, then keeps serving.
+- The receiver never blocks forever: it waits for work with a poll timeout, so `close()` returns
+  within about one poll interval (plus the transfer being written, if any). `close()` is idempotent.
+- The receiver does not know about leases or requests: which blocks are reserved, when a lease
+  expires and what to do with blocks of a failed transfer are the caller's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from kv_transfer.page_format import PageFormatError, PageSpec, TransferHeader
+
+logger = logging.getLogger(__name__)
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+OnComplete = Callable[[TransferHeader], None]
+OnError = Callable[[TransferHeader | None, Exception], None]
+
+
+def gather_pages(cache: torch.Tensor, block_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The given blocks of one cache tensor as a fresh contiguous 1-D uint8 tensor on `device`.
+
+    Works on bytes, so every dtype (bfloat16 included) is copied bit for bit. A CUDA cache bound for
+    the host is staged through pinned memory."""
+    pages = cache.view(torch.uint8).index_select(0, block_ids).reshape(-1)
+    if pages.device == device:
+        return pages
+    if device.type == "cpu":
+        host = torch.empty(pages.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(pages)
+        return host
+    return pages.to(device)
+
+
+def scatter_pages(cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
+    """Write 1-D uint8 `pages` (len(block_ids) blocks, in order) into those blocks of `cache`."""
+    raw = cache.view(torch.uint8)
+    raw.index_copy_(0, block_ids, pages.to(cache.device).view(len(block_ids), *raw.shape[1:]))
+
+
+@dataclass(frozen=True)
+class ReceiverStats:
+    transfers_ok: int
+    transfers_refused: int  # refused (bad header, mismatch) or failed mid-way
+    bytes_received: int  # page bytes written by successful transfers
+
+
+class KVSender(ABC):
+    """Pushes pages to receivers. Not thread-safe: use one sender from one thread at a time."""
+
+    @abstractmethod
+    def send(self, endpoint: str, header: TransferHeader, kv_caches: KVCaches,
+             src_block_ids: Sequence[int], timeout_s: float) -> None:
+        """Push blocks `src_block_ids` of `kv_caches` to `header.dest_block_ids` at `endpoint`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release transport resources; idempotent."""
+
+    @staticmethod
+    def check_send(header: TransferHeader, kv_caches: KVCaches, src_block_ids: Sequence[int]) -> torch.Tensor:
+        """Validate a send before any byte leaves; returns the source block ids as an index tensor."""
+        spec = PageSpec.from_caches(kv_caches)
+        if spec != header.spec:
+            raise PageFormatError(f"transfer {header.transfer_id}: header.spec {header.spec} does not describe "
+                                  f"the caches being sent ({spec})")
+        if len(src_block_ids) != header.num_blocks:
+            raise PageFormatError(f"transfer {header.transfer_id}: {len(src_block_ids)} source blocks but "
+                                  f"{header.num_blocks} destination blocks")
+        num_blocks = kv_caches[0][0].shape[0]
+        bad = [b for b in src_block_ids if not 0 <= b < num_blocks]
+        if bad:
+            raise PageFormatError(f"transfer {header.transfer_id}: source block ids {bad[:8]} outside the "
+                                  f"sender's pool [0, {num_blocks})")
+        return torch.tensor(list(src_block_ids), dtype=torch.long, device=kv_caches[0][0].device)
+
+
+class KVReceiver(ABC):
+    """Writes incoming pages into reserved blocks of `kv_caches`; see the module docstring."""
+
+    def __init__(self, kv_caches: KVCaches, on_complete: OnComplete, on_error: OnError):
+        self.kv_caches = list(kv_caches)
+        self.spec = PageSpec.from_caches(self.kv_caches)
+        self.num_blocks = self.kv_caches[0][0].shape[0]
+        self.device = self.kv_caches[0][0].device
+        self._on_complete = on_complete
+        self._on_error = on_error
+        self._ok = self._refused = self._bytes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @abstractmethod
+    def start(self) -> None:
+        """Bind and start the receiving thread; `endpoint` is valid afterwards."""
+
+    @property
+    @abstractmethod
+    def endpoint(self) -> str:
+        """What a sender passes to `send` to reach this receiver."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop receiving and release the transport; returns promptly; idempotent."""
+
+    def stats(self) -> ReceiverStats:
+        return ReceiverStats(self._ok, self._refused, self._bytes)
+
+    def _start_thread(self, name: str) -> None:
+        if self._thread is not None:
+            raise RuntimeError(f"{type(self).__name__} already started")
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _stop_thread(self, timeout_s: float) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning("%s: receiving thread still busy after %.1fs", type(self).__name__, timeout_s)
+
+    @abstractmethod
+    def _run(self) -> None:
+        """The receiving loop; must return soon after `self._stop` is set."""
+
+    def _admit(self, header: TransferHeader, page_sizes: Sequence[int]) -> torch.Tensor:
+        """Check a header and the sizes of its page payloads before anything is written.
+
+        Returns the destination ids as an index tensor; raises PageFormatError."""
+        header.spec.check_compatible(self.spec)
+        dest = header.dest_block_ids
+        bad = [b for b in dest if b >= self.num_blocks]
+        if bad:
+            raise PageFormatError(f"transfer {header.transfer_id}: dest block ids {bad[:8]} outside the "
+                                  f"receiver's pool [0, {self.num_blocks})")
+        if len(set(dest)) != len(dest):
+            raise PageFormatError(f"transfer {header.transfer_id}: dest block ids repeat: {list(dest)}")
+        want = header.num_blocks * self.spec.page_nbytes
+        if len(page_sizes) != 2 * self.spec.num_layers or any(n != want for n in page_sizes):
+            raise PageFormatError(
+                f"transfer {header.transfer_id}: expected {2 * self.spec.num_layers} page payloads of {want} bytes, "
+                f"got {len(page_sizes)} of sizes {sorted(set(page_sizes))}")
+        return torch.tensor(dest, dtype=torch.long, device=self.device)
+
+    def _complete(self, header: TransferHeader) -> None:
+        if self.device.type == "cuda":  # the writes are queued on a stream; finish them before saying so
+            torch.cuda.current_stream(self.device).synchronize()
+        self._ok += 1
+        self._bytes += self.spec.transfer_nbytes(header.num_blocks)
+        self._call(self._on_complete, header)
+
+    def _refuse(self, header: TransferHeader | None, exc: Exception) -> None:
+        self._refused += 1
+        tid = header.transfer_id if header is not None else "?"
+        logger.warning("%s refused transfer %s: %s", type(self).__name__, tid, exc)
+        self._call(self._on_error, header, exc)
+
+    @staticmethod
+    def _call(callback: Callable, *args) -> None:
+        try:
+            callback(*args)
+        except Exception:
+            logger.exception("KV receiver callback %r raised; ignored", callback)

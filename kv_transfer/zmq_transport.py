@@ -1,0 +1,174 @@
+"""KV transfer over zmq PUSH/PULL: ipc (a socket file, one host) or tcp (across hosts).
+
+Wire: one multipart message per transfer: the msgpack header frame, then for each layer the K pages
+and the V pages as raw bytes (`2 * num_layers` frames of `num_blocks * page_nbytes` bytes each). The
+sender gathers one layer at a time (`index_select` into a fresh tensor) and hands it to zmq without
+copying; a CUDA cache is staged through pinned host memory. A multipart message is delivered whole
+or not at all, so concurrent senders to one receiver never interleave and a transfer is never half
+written. zmq queues the frames of a message until its last one, so gathering and wire time do not
+overlap within one transfer.
+
+Limits: `send` returning means zmq has the message queued, not that the receiver got it (a receiver
+that dies with messages in flight loses them; the lease's ack covers that). A receiver queues at most
+`_RCV_HWM` whole transfers before senders block (and then time out).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from typing import Sequence
+
+import torch
+import zmq
+
+from kv_transfer.base import KVCaches, KVReceiver, KVSender, OnComplete, OnError, gather_pages, scatter_pages
+from kv_transfer.page_format import PageFormatError, TransferError, TransferHeader, decode_header, encode_header
+
+_RCV_HWM = 16
+_CPU = torch.device("cpu")
+
+
+class ZmqKVSender(KVSender):
+    """One PUSH socket per destination endpoint, created on first use and reused.
+
+    Not thread-safe (zmq sockets are not): use a sender from one thread at a time, or one per thread.
+    """
+
+    def __init__(self, context: zmq.Context | None = None, close_linger_s: float = 1.0):
+        self._ctx = context or zmq.Context.instance()
+        self._close_linger_ms = int(close_linger_s * 1000)
+        self._sockets: dict[str, zmq.Socket] = {}
+
+    @property
+    def open_endpoints(self) -> tuple[str, ...]:
+        return tuple(self._sockets)
+
+    def send(self, endpoint: str, header: TransferHeader, kv_caches: KVCaches,
+             src_block_ids: Sequence[int], timeout_s: float) -> None:
+        src = self.check_send(header, kv_caches, src_block_ids)
+        header_bytes = encode_header(header)
+        deadline = time.monotonic() + timeout_s
+        sock = self._socket(endpoint)
+        try:
+            # IMMEDIATE: nothing is queued for a peer that is not connected, so with nobody listening
+            # the first frame waits for SNDTIMEO and fails. Once it is in, the rest of the message follows.
+            sock.setsockopt(zmq.SNDTIMEO, max(0, int((deadline - time.monotonic()) * 1000)))
+            sock.send(header_bytes, zmq.SNDMORE)
+            last = len(kv_caches) - 1
+            for layer, (k, v) in enumerate(kv_caches):
+                sock.send(gather_pages(k, src, _CPU).numpy(), zmq.SNDMORE, copy=False)
+                sock.send(gather_pages(v, src, _CPU).numpy(), 0 if layer == last else zmq.SNDMORE, copy=False)
+        except zmq.Again:
+            self._drop(endpoint)
+            raise TransferError(f"transfer {header.transfer_id}: no receiver at {endpoint} took it "
+                                f"within {timeout_s}s") from None
+        except zmq.ZMQError as e:
+            self._drop(endpoint)
+            raise TransferError(f"transfer {header.transfer_id} to {endpoint} failed: {e}") from e
+        except BaseException:
+            self._drop(endpoint)  # a half-sent multipart message must not be completed by the next send
+            raise
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close(linger=self._close_linger_ms)  # queued transfers still get this long to leave
+        self._sockets.clear()
+
+    def _socket(self, endpoint: str) -> zmq.Socket:
+        sock = self._sockets.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as e:
+                sock.close()
+                raise TransferError(f"cannot connect to {endpoint!r}: {e}") from e
+            self._sockets[endpoint] = sock
+        return sock
+
+    def _drop(self, endpoint: str) -> None:
+        sock = self._sockets.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+
+class ZmqKVReceiver(KVReceiver):
+    """A PULL socket served by one thread.
+
+    transport="ipc": binds a socket file in a fresh temp dir (removed by `close`); endpoint "ipc://...".
+    transport="tcp": binds `host` on a random port; `endpoint` advertises `advertise_host` (default:
+    `host`), which must be an address the senders can reach (bind "0.0.0.0" and advertise the node IP).
+    """
+
+    def __init__(self, kv_caches: KVCaches, on_complete: OnComplete, on_error: OnError, *,
+                 transport: str = "ipc", host: str = "127.0.0.1", advertise_host: str | None = None,
+                 poll_interval_s: float = 0.05, context: zmq.Context | None = None):
+        super().__init__(kv_caches, on_complete, on_error)
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        self.transport = transport
+        self._host = host
+        self._advertise_host = advertise_host or host
+        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._ctx = context or zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._endpoint: str | None = None
+        self._tmpdir: str | None = None
+
+    @property
+    def endpoint(self) -> str:
+        if self._endpoint is None:
+            raise RuntimeError("ZmqKVReceiver.endpoint is known only after start()")
+        return self._endpoint
+
+    def start(self) -> None:
+        sock = self._ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, _RCV_HWM)
+        if self.transport == "ipc":
+            self._tmpdir = tempfile.mkdtemp(prefix="tandem-kv-")
+            self._endpoint = f"ipc://{os.path.join(self._tmpdir, 'kv.sock')}"
+            sock.bind(self._endpoint)
+        else:
+            sock.bind(f"tcp://{self._host}:*")
+            port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+            self._endpoint = f"tcp://{self._advertise_host}:{port}"
+        self._sock = sock  # handed to the receiving thread; only it touches the socket from now on
+        self._start_thread(f"kv-recv-{self.transport}")
+
+    def close(self) -> None:
+        self._stop_thread(timeout_s=5.0)
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    def _run(self) -> None:
+        sock = self._sock
+        try:
+            while not self._stop.is_set():
+                if sock.poll(self._poll_ms, zmq.POLLIN):
+                    self._serve(sock.recv_multipart(copy=False))
+        finally:
+            sock.close(linger=0)
+
+    def _serve(self, frames: list[zmq.Frame]) -> None:
+        header = None
+        try:
+            header = decode_header(frames[0].buffer)
+            dest = self._admit(header, [len(f.buffer) for f in frames[1:]])
+        except PageFormatError as e:
+            self._refuse(header, e)
+            return
+        try:
+            for layer, (k, v) in enumerate(self.kv_caches):
+                scatter_pages(k, dest, torch.frombuffer(frames[1 + 2 * layer].buffer, dtype=torch.uint8))
+                scatter_pages(v, dest, torch.frombuffer(frames[2 + 2 * layer].buffer, dtype=torch.uint8))
+        except Exception as e:  # not expected once admitted; the dest blocks may be partly written
+            self._refuse(header, TransferError(f"transfer {header.transfer_id}: writing pages failed: {e}"))
+            return
+        self._complete(header)
