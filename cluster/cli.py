@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from actors.models.default_model import DEFAULT_MODEL
+
+_DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: float32")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of plain text")
+    gen.add_argument("--address", default=None,
+                     help="send the request to the cluster that `tandem serve` runs at this Ray address ('auto' finds it)")
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="start the cluster from a config and serve until Ctrl-C")
+    serve.add_argument("--config", default=str(_DEFAULT_CONFIG), help="YAML config (default: configs/local.yaml)")
+    serve.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -51,6 +61,8 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
     )
+    if args.address:
+        return _generate_on_cluster(args, params)
     config = TandemConfig.from_file(args.config) if args.config else TandemConfig()
     if args.model is not None or args.dtype is not None:
         model = config.model.model_dump()
@@ -68,6 +80,56 @@ def _generate(args: argparse.Namespace) -> int:
         }))
     else:
         print(out.text)
+    return 0
+
+
+def _generate_on_cluster(args: argparse.Namespace, params) -> int:
+    import ray
+
+    from actors.tokenizer import load_tokenizer
+    from cluster.client import TandemClient
+    from cluster.config import TandemConfig
+    from cluster.launch import NAMESPACE, SCHEDULER_NAME
+
+    config = TandemConfig.from_file(args.config) if args.config else TandemConfig()
+    ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        scheduler = ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        raise ValueError(f"no tandem cluster at Ray address {args.address!r}: start one with `tandem serve`") from None
+    client = TandemClient(scheduler, load_tokenizer(config.engine_config().model), host=config.transfer.host)
+    try:
+        out = client.generate([args.prompt], params)[0][0]
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))
+    else:
+        print(out.text)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from cluster.config import TandemConfig
+    from cluster.launch import Cluster
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = TandemConfig.from_file(args.config)
+    cluster = Cluster.start(config, address=args.address)
+    pools = ", ".join(f"{role} x{pool.replicas}" for role, pool in config.pools().items())
+    print(f"tandem: serving {config.model.path} ({config.mode}: {pools}); Ctrl-C stops", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        stop.wait()
+    finally:
+        print("tandem: shutting down", flush=True)
+        cluster.shutdown()
     return 0
 
 
