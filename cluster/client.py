@@ -93,6 +93,14 @@ class _Sample:
         return StreamEvent(r.index, d.token_ids, text, status.is_finished(), status.finish_reason(), d.error)
 
 
+@dataclass
+class Submitted:
+    request_id: str
+    prompt_token_ids: list[int]
+    queue: queue.Queue
+    route: dict  # the scheduler's answer: which workers prefill and decode it, cached tokens
+
+
 class TandemClient:
     def __init__(self, scheduler, tokenizer=None, host: str = "127.0.0.1"):
         self.scheduler = scheduler
@@ -127,7 +135,7 @@ class TandemClient:
     # ---- requests ----
 
     def submit(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
-               request_id: str | None = None, timeout_s: float = 60.0) -> tuple[str, list[int], queue.Queue]:
+               request_id: str | None = None, timeout_s: float = 60.0) -> Submitted:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this client has no tokenizer: pass the prompt as token ids")
@@ -148,15 +156,16 @@ class TandemClient:
         if "rejected" in answer:
             self._forget(request_id)
             raise AdmissionRejected(answer["rejected"], answer["retry_after_s"])
-        return request_id, list(prompt), q
+        return Submitted(request_id, list(prompt), q, answer)
 
     def stream(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
                timeout_s: float = 120.0) -> Iterator[StreamEvent]:
         """Submit one request and yield its events as they arrive; aborts it if the caller stops early."""
-        return self._events(*self.submit(prompt, params, cache_salt), params, timeout_s)
+        return self.events(self.submit(prompt, params, cache_salt), params, timeout_s)
 
-    def _events(self, request_id: str, prompt_ids: list[int], q: queue.Queue, params: SamplingParams,
-                timeout_s: float) -> Iterator[StreamEvent]:
+    def events(self, submitted: Submitted, params: SamplingParams, timeout_s: float = 120.0) -> Iterator[StreamEvent]:
+        """The events of a submitted request, in order; aborts it if the caller stops early."""
+        request_id, prompt_ids, q = submitted.request_id, submitted.prompt_token_ids, submitted.queue
         samples = [_Sample(i, self._detokenizer(prompt_ids, params)) for i in range(params.n)]
         deadline = time.monotonic() + timeout_s
         try:
@@ -180,7 +189,7 @@ class TandemClient:
         results = []
         for handle, sp in zip(submitted, params_list):
             by_index: dict[int, SampleResult] = {i: SampleResult(i) for i in range(sp.n)}
-            for ev in self._events(*handle, sp, timeout_s):
+            for ev in self.events(handle, sp, timeout_s):
                 r = by_index[ev.index]
                 r.token_ids += ev.token_ids
                 r.text += ev.text

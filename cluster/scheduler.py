@@ -143,7 +143,7 @@ class Scheduler:
             fits = [v for v in pool if v.free_blocks >= blocks_needed]
             if not fits:
                 return None
-            plan = plan_prefill(self.s.routing, fits, cached, prompt_len, 0.0, self.s.prefill_s_per_token, next(self._turn))
+            plan = plan_prefill(self.s.routing, fits, cached, prompt_len, 0.0, self._typical_cost(pool), next(self._turn))
             return await self._run_local(request, plan.worker_id, blocks_needed)
 
         decode = pick_decode(self._views("decode"), blocks_needed)
@@ -155,7 +155,7 @@ class Scheduler:
         transfer_s = prompt_len * self._workers[decode.worker_id].info["kv_bytes_per_token"] / self.s.transfer_bytes_per_s
         local_ok = self.s.local_prefill or request["params"].get("n", 1) > 1 or not prefill_pool
         plan = plan_prefill(
-            self.s.routing, prefill_pool, cached, prompt_len, transfer_s, self.s.prefill_s_per_token,
+            self.s.routing, prefill_pool, cached, prompt_len, transfer_s, self._typical_cost(prefill_pool),
             next(self._turn), local=decode if local_ok else None, local_penalty=self.s.local_prefill_penalty,
         ) if prefill_pool else PrefillPlan(decode.worker_id, True, cached[decode.worker_id], 0.0)
         if plan.local or request["params"].get("n", 1) > 1:
@@ -200,6 +200,14 @@ class Scheduler:
     def _reject(self, reason: str, retry_after_s: float) -> dict:
         self.counters["rejected"] += 1
         return {"rejected": reason, "retry_after_s": retry_after_s}
+
+    def _typical_cost(self, pool: list[WorkerView]) -> float:
+        """Per-token prefill cost for a worker not measured yet: its pool's mean, else the configured one.
+
+        Workers of one pool run the same model on the same hardware, so a fresh worker is as fast as
+        its measured peers; a pessimistic guess would keep all traffic on the first measured worker."""
+        measured = [v.prefill_s_per_token for v in pool if v.prefill_s_per_token is not None]
+        return sum(measured) / len(measured) if measured else self.s.prefill_s_per_token
 
     def _views(self, role: str) -> list[WorkerView]:
         return [w.view for w in self._workers.values() if w.view.role == role]
