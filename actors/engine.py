@@ -25,7 +25,7 @@ from actors.request_status import RequestStatus
 from actors.sampling import Sampler, SampleResult, SamplingRow, skip_draws
 from actors.sampling_params import SamplingParams
 from actors.sequence import Sequence
-from actors.tokenizer import eos_token_ids, load_tokenizer
+from actors.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 
 
 class Engine:
@@ -43,7 +43,7 @@ class Engine:
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                 f"{self.runner.cfg.max_position_embeddings}"
             )
-        self.tokenizer = load_tokenizer(model_dir) if _has_tokenizer(model_dir) else None
+        self.tokenizer = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
         self.eos_token_ids = _eos_ids(model_dir, self.tokenizer)
         self.kv = KVCacheManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
@@ -378,10 +378,6 @@ class Engine:
     @property
     def num_used_blocks(self) -> int:
         return self.kv.pool.num_used_blocks
-
-
-def _has_tokenizer(model_dir: Path) -> bool:
-    return (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file()
 
 
 def _eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:

@@ -12,14 +12,16 @@ import threading
 from typing import Callable
 
 from kv_transfer.page_format import PageFormatError, PageSpec, TransferHeader
+from kv_transfer.collective_transport import CollectiveKVReceiver, CollectiveKVSender
 from kv_transfer.zmq_transport import ZmqKVReceiver, ZmqKVSender
 
 
 class HandoffSender:
-    def __init__(self, kv_caches):
+    def __init__(self, kv_caches, group=None):
+        """zmq by default; with a collective `group` (from `init_collective`), torch.distributed."""
         self.kv_caches = kv_caches
         self.spec = PageSpec.from_caches(kv_caches)
-        self._sender = ZmqKVSender()
+        self._sender = ZmqKVSender() if group is None else CollectiveKVSender(group)
 
     def send(self, endpoint: str, transfer_id: str, lease_id: str, src_block_ids: list[int],
              dest_block_ids: list[int], extra: dict, timeout_s: float) -> None:
@@ -35,13 +37,17 @@ class HandoffReceiver:
 
     def __init__(self, kv_caches, accept: Callable[[TransferHeader], bool],
                  on_pages: Callable[[TransferHeader | None, Exception | None], None],
-                 transport: str, host: str):
+                 transport: str, host: str, group=None):
         self._accept = accept
         self._on_pages = on_pages
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()
         self._expired: set[str] = set()
-        self._receiver = _GuardedReceiver(self, kv_caches, transport=transport, host=host)
+        done, failed = (lambda h: self._done(h, None)), (lambda h, e: self._done(h, e))
+        if group is None:
+            self._receiver = ZmqKVReceiver(kv_caches, done, failed, transport=transport, host=host, admit=self._admit)
+        else:
+            self._receiver = CollectiveKVReceiver(kv_caches, done, failed, group=group, admit=self._admit)
         self._receiver.start()
 
     @property
@@ -59,7 +65,7 @@ class HandoffReceiver:
     def close(self) -> None:
         self._receiver.close()
 
-    # called by the receiver thread
+    # called by the receiver thread, after the format checks and before any byte is written
     def _admit(self, header: TransferHeader) -> None:
         with self._lock:
             if header.transfer_id in self._expired or not self._accept(header):
@@ -71,14 +77,3 @@ class HandoffReceiver:
             with self._lock:
                 self._in_flight.discard(header.transfer_id)
         self._on_pages(header, error)
-
-
-class _GuardedReceiver(ZmqKVReceiver):
-    def __init__(self, owner: HandoffReceiver, kv_caches, **kwargs):
-        super().__init__(kv_caches, lambda h: owner._done(h, None), lambda h, e: owner._done(h, e), **kwargs)
-        self._owner = owner
-
-    def _admit(self, header, page_sizes):
-        dest = super()._admit(header, page_sizes)  # format checks first: a mismatch names its field
-        self._owner._admit(header)
-        return dest

@@ -21,6 +21,11 @@ DEFAULT_TOKENIZER_DIR: Path = Path(__file__).resolve().parent / "assets" / "defa
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
 
 
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether directory `path` holds tokenizer files (a checkpoint may ship without them)."""
+    return any((Path(path) / name).is_file() for name in _TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str | Path = DEFAULT_TOKENIZER_DIR) -> PreTrainedTokenizerBase:
     """The tokenizer stored in directory `path`, from local files only.
 

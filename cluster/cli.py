@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.bench_engine import add_arguments as add_bench_engine
 
     add_bench_engine(bench_sub.add_parser("engine", help="offline engine throughput vs HF (and vLLM)"))
+    from cluster.bench_cluster import add_arguments as add_bench_cluster
+
+    add_bench_cluster(bench_sub.add_parser("cluster", help="cluster stack overhead: TPOT and idle TTFT vs the engine"))
 
     args = parser.parse_args(argv)
     try:

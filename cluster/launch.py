@@ -9,7 +9,7 @@ from pathlib import Path
 
 import ray
 
-from actors.tokenizer import load_tokenizer
+from actors.tokenizer import has_tokenizer, load_tokenizer
 from actors.worker import Worker, WorkerSpec
 from cluster.client import TandemClient
 from cluster.config import TandemConfig
@@ -76,7 +76,8 @@ class Cluster:
         return cluster
 
     def client(self) -> TandemClient:
-        client = TandemClient(self.scheduler, load_tokenizer(self.model_dir), host=self.config.transfer.host)
+        tokenizer = load_tokenizer(self.model_dir) if has_tokenizer(self.model_dir) else None
+        client = TandemClient(self.scheduler, tokenizer, host=self.config.transfer.host)
         self._clients.append(client)
         return client
 

@@ -43,7 +43,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from kv_transfer.base import KVCaches, KVReceiver, KVSender, OnComplete, OnError, gather_pages, scatter_pages
+from kv_transfer.base import Admit, KVCaches, KVReceiver, KVSender, OnComplete, OnError, gather_pages, scatter_pages
 from kv_transfer.page_format import PageFormatError, TransferError, TransferHeader, decode_header, encode_header
 
 MAGIC = int.from_bytes(b"TANDEMKV", "little")  # every byte non-zero: a half-written word never matches
@@ -135,8 +135,9 @@ class CollectiveKVReceiver(KVReceiver):
     """Serves transfers addressed to this rank, one at a time, on a background thread."""
 
     def __init__(self, kv_caches: KVCaches, on_complete: OnComplete, on_error: OnError, *,
-                 group: CollectiveGroup, poll_interval_s: float = 0.01, transfer_timeout_s: float = 30.0):
-        super().__init__(kv_caches, on_complete, on_error)
+                 group: CollectiveGroup, poll_interval_s: float = 0.01, transfer_timeout_s: float = 30.0,
+                 admit: Admit | None = None):
+        super().__init__(kv_caches, on_complete, on_error, admit)
         self.group = group
         self._poll_s = poll_interval_s
         self._transfer_timeout_s = transfer_timeout_s
@@ -177,7 +178,7 @@ class CollectiveKVReceiver(KVReceiver):
                 continue
             try:
                 work.wait()  # the preamble is in; this returns at once
-                src = work.source_rank()
+                src = dist.get_global_rank(self.group.header_group, work._source_rank())  # as dist.recv does
                 self._pending = None
                 self._serve(src, preamble.tolist())
                 self._pending = self._post()

@@ -115,7 +115,8 @@ class TransferHeader:
         if not isinstance(self.spec, PageSpec):
             raise PageFormatError(f"spec must be a PageSpec, got {type(self.spec).__name__}")
         if not isinstance(self.dest_block_ids, (tuple, list)) or not self.dest_block_ids:
-            raise PageFormatError(f"dest_block_ids must be a non-empty sequence of block ids, got {self.dest_block_ids!r}")
+            raise PageFormatError(
+                f"dest_block_ids must be a non-empty sequence of block ids, got {self.dest_block_ids!r}")
         for b in self.dest_block_ids:
             if isinstance(b, bool) or not isinstance(b, int) or b < 0:
                 raise PageFormatError(f"dest_block_ids must hold non-negative ints, got {b!r}")
@@ -149,7 +150,8 @@ def decode_header(data: bytes | memoryview) -> TransferHeader:
     if not isinstance(msg, dict):
         raise PageFormatError(f"malformed transfer header: expected a map, got {type(msg).__name__}")
     if msg.get("v") != HEADER_VERSION:
-        raise PageFormatError(f"unsupported transfer header version {msg.get('v')!r}; this build reads {HEADER_VERSION}")
+        raise PageFormatError(
+            f"unsupported transfer header version {msg.get('v')!r}; this build reads {HEADER_VERSION}")
     if set(msg) != _HEADER_KEYS:
         raise PageFormatError(f"malformed transfer header: keys {sorted(msg)}, expected {sorted(_HEADER_KEYS)}")
     spec = msg["spec"]

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import zmq
 
-from kv_transfer.base import KVCaches, KVReceiver, KVSender, OnComplete, OnError, gather_pages, scatter_pages
+from kv_transfer.base import Admit, KVCaches, KVReceiver, KVSender, OnComplete, OnError, gather_pages, scatter_pages
 from kv_transfer.page_format import PageFormatError, TransferError, TransferHeader, decode_header, encode_header
 
 _RCV_HWM = 16
@@ -107,8 +107,8 @@ class ZmqKVReceiver(KVReceiver):
 
     def __init__(self, kv_caches: KVCaches, on_complete: OnComplete, on_error: OnError, *,
                  transport: str = "ipc", host: str = "127.0.0.1", advertise_host: str | None = None,
-                 poll_interval_s: float = 0.05, context: zmq.Context | None = None):
-        super().__init__(kv_caches, on_complete, on_error)
+                 poll_interval_s: float = 0.05, context: zmq.Context | None = None, admit: Admit | None = None):
+        super().__init__(kv_caches, on_complete, on_error, admit)
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         self.transport = transport
