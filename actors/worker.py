@@ -30,6 +30,7 @@ from actors.kv_handoff import HandoffReceiver, HandoffSender
 from actors.request_status import RequestStatus
 from actors.sampling_params import SamplingParams
 from actors.token_stream import TokenDelta, TokenPublisher
+from kv_transfer.collective_transport import init_collective
 
 log = logging.getLogger("tandem.worker")
 _CALL_TIMEOUT_S = 30.0
@@ -45,6 +46,10 @@ class WorkerSpec:
     heartbeat_s: float = 0.05
     zmq_transport: str = "ipc"
     host: str = "127.0.0.1"
+    transfer_backend: str = "zmq"  # or "collective": torch.distributed over every worker of the cluster
+    collective_init: str | None = None  # "tcp://host:port" rendezvous of the collective group
+    rank: int | None = None
+    world_size: int | None = None
 
 
 @dataclass
@@ -82,11 +87,15 @@ class Worker:
         self._counters = _Counters()
         self._prefill_s_per_token: float | None = None
         caches = self.engine.runner.kv_caches
-        self._sender = HandoffSender(caches) if spec.role == "prefill" else None
+        group = None
+        if spec.transfer_backend == "collective":
+            # Every worker joins at construction; Ray builds them concurrently, so the rendezvous completes.
+            group = init_collective(spec.collective_init, spec.rank, spec.world_size)
+        self._sender = HandoffSender(caches, group) if spec.role == "prefill" else None
         self._receiver = None
         if spec.role == "decode":
             self._receiver = HandoffReceiver(caches, self._accept_pages, self._on_pages,
-                                             spec.zmq_transport, spec.host)
+                                             spec.zmq_transport, spec.host, group)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"engine-{spec.worker_id}", daemon=True)
         self._thread.start()

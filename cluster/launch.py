@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
+import socket
 from pathlib import Path
 
 import ray
@@ -51,6 +53,11 @@ class Cluster:
         )
         scheduler = ray.remote(Scheduler).options(name=SCHEDULER_NAME, namespace=NAMESPACE, num_cpus=0).remote(settings)
         workers = {}
+        world_size = sum(p.replicas for p in config.pools().values())
+        collective_init = None
+        if config.transfer.backend == "collective":
+            collective_init = f"tcp://{config.transfer.host}:{_free_port(config.transfer.host)}"
+        rank = itertools.count()
         for role, pool in config.pools().items():
             for i in range(pool.replicas):
                 worker_id = f"{role}-{i}"
@@ -59,7 +66,8 @@ class Cluster:
                     engine=dataclasses.replace(engine, device="cuda" if pool.num_gpus > 0 else "cpu"),
                     torch_threads=pool.torch_threads, lease_s=config.scheduler.lease_s,
                     heartbeat_s=config.scheduler.heartbeat_s, zmq_transport=config.transfer.zmq_transport,
-                    host=config.transfer.host,
+                    host=config.transfer.host, transfer_backend=config.transfer.backend,
+                    collective_init=collective_init, rank=next(rank), world_size=world_size,
                 )
                 workers[worker_id] = ray.remote(Worker).options(
                     name=f"tandem-{worker_id}", namespace=NAMESPACE, num_cpus=pool.num_cpus,
@@ -98,3 +106,9 @@ class Cluster:
             ray.kill(handle)
         if self._owns_ray:
             ray.shutdown()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host if host != "0.0.0.0" else "", 0))
+        return s.getsockname()[1]

@@ -18,8 +18,14 @@ CONFIGS = Path(__file__).parents[2] / "configs"
 
 
 def load(name: str, **engine) -> TandemConfig:
+    backend = "zmq"
+    if name.endswith("+collective"):
+        name, backend = name.removesuffix("+collective"), "collective"
     config = TandemConfig.from_file(CONFIGS / name)
-    return config.model_copy(update={"engine": config.engine.model_copy(update={"num_kv_blocks": 512, **engine})})
+    return config.model_copy(update={
+        "engine": config.engine.model_copy(update={"num_kv_blocks": 512, **engine}),
+        "transfer": config.transfer.model_copy(update={"backend": backend}),
+    })
 
 
 def workload(n: int = 32):
@@ -55,7 +61,7 @@ def wait_until_idle(cluster: Cluster, timeout_s: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("config_name", ["local.yaml", "disagg-2p2d.yaml", "colocated.yaml"])
+@pytest.mark.parametrize("config_name", ["local.yaml", "disagg-2p2d.yaml", "colocated.yaml", "local.yaml+collective"])
 def test_layouts_match_the_single_engine(ray_session, expected, config_name):
     prompts, params = workload()
     cluster = Cluster.start(load(config_name))
@@ -72,7 +78,7 @@ def test_layouts_match_the_single_engine(ray_session, expected, config_name):
             assert stats["used_blocks"] == 0, stats
             assert stats["leases_expired"] == 0 and stats["transfers_failed"] == 0, stats
         assert state["scheduler"]["in_flight"] == 0
-        if config_name != "colocated.yaml":
+        if not config_name.startswith("colocated"):
             sent = sum(s["transfers_sent"] for s in state["workers"].values())
             adopted = sum(s["adopted"] for s in state["workers"].values())
             assert sent == adopted > 0
