@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import statistics
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 from actors.engine import Engine
+from actors.request_status import RequestStatus
 from actors.sampling_params import SamplingParams
 from cluster.config import TandemConfig
 from cluster.launch import Cluster
@@ -47,20 +48,18 @@ def engine_tpot(engine: Engine, prompts: list[list[int]], params: SamplingParams
 
 
 def cluster_tpot(cluster: Cluster, prompts: list[list[int]], params: SamplingParams) -> float:
+    """Token arrival times at the client, read by one thread so the harness is not the bottleneck."""
     client = cluster.client()
-    submitted = [client.submit(p, params) for p in prompts]
-    times: list[list[float]] = [[] for _ in prompts]
-
-    def consume(i: int) -> None:
-        for ev in client.events(submitted[i], params):
-            times[i].extend([time.perf_counter()] * len(ev.token_ids))
-
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    return statistics.mean(_tpot(t) for t in times)
+    deltas: queue.Queue = queue.Queue()
+    submitted = [client.submit(p, params, deltas=deltas) for p in prompts]
+    times: dict[str, list[float]] = {s.request_id: [] for s in submitted}
+    live = set(times)
+    while live:
+        delta = deltas.get(timeout=300)
+        times[delta.request_id].extend([time.perf_counter()] * len(delta.token_ids))
+        if RequestStatus(delta.status).is_finished():
+            live.discard(delta.request_id)
+    return statistics.mean(_tpot(t) for t in times.values())
 
 
 def idle_ttft_overhead(cluster: Cluster, engine: Engine, prompt: list[int], repeats: int = 5) -> dict:

@@ -135,13 +135,16 @@ class TandemClient:
     # ---- requests ----
 
     def submit(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
-               request_id: str | None = None, timeout_s: float = 60.0) -> Submitted:
+               request_id: str | None = None, timeout_s: float = 60.0,
+               deltas: queue.Queue | None = None) -> Submitted:
+        """Admit one request; its raw token deltas go to `deltas` if given (one queue may serve many
+        requests, read by one thread), else to a queue of its own that `events` reads."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this client has no tokenizer: pass the prompt as token ids")
             prompt = self.tokenizer.encode(prompt)
         request_id = request_id or uuid.uuid4().hex
-        q: queue.Queue = queue.Queue()
+        q: queue.Queue = deltas if deltas is not None else queue.Queue()
         with self._lock:
             self._queues[request_id] = q
         request = {
