@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -69,7 +69,6 @@ class _Counters:
     transfers_sent: int = 0
     transfers_failed: int = 0
     adopted: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class Worker:
