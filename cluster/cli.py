@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="start the cluster from a config and serve until Ctrl-C")
     serve.add_argument("--config", default=str(_DEFAULT_CONFIG), help="YAML config (default: configs/local.yaml)")
     serve.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    serve.add_argument("--host", default=None, help="HTTP bind address (default: the config's ingress.host)")
+    serve.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's ingress.port)")
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -114,22 +116,21 @@ def _generate_on_cluster(args: argparse.Namespace, params) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     import logging
-    import signal
-    import threading
 
     from cluster.config import TandemConfig
+    from cluster.ingress.server import make_server, served_model_name
     from cluster.launch import Cluster
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = TandemConfig.from_file(args.config)
+    host, port = args.host or config.ingress.host, args.port or config.ingress.port
     cluster = Cluster.start(config, address=args.address)
-    pools = ", ".join(f"{role} x{pool.replicas}" for role, pool in config.pools().items())
-    print(f"tandem: serving {config.model.path} ({config.mode}: {pools}); Ctrl-C stops", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
-        stop.wait()
+        server = make_server(cluster, host, port)
+        pools = ", ".join(f"{role} x{pool.replicas}" for role, pool in config.pools().items())
+        print(f"tandem: serving model {served_model_name(cluster)!r} ({config.mode}: {pools}) at "
+              f"http://{host}:{port}/v1; Ctrl-C stops", flush=True)
+        server.run()  # returns on SIGINT/SIGTERM
     finally:
         print("tandem: shutting down", flush=True)
         cluster.shutdown()

@@ -8,6 +8,7 @@ ingress will: workers only produce token ids.
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -24,8 +25,11 @@ from cluster.request_stream import RequestStream, SampleResult, StreamEvent
 
 
 class AdmissionRejected(RuntimeError):
-    def __init__(self, reason: str, retry_after_s: float):
-        super().__init__(f"request rejected: {reason} (retry after {retry_after_s:.1f}s)")
+    """The scheduler did not admit the request. `retry_after_s` None: it never will, as it is."""
+
+    def __init__(self, reason: str, retry_after_s: float | None):
+        hint = "not admissible as it is" if retry_after_s is None else f"retry after {retry_after_s:.1f}s"
+        super().__init__(f"request rejected: {reason} ({hint})")
         self.reason, self.retry_after_s = reason, retry_after_s
 
 
@@ -75,27 +79,45 @@ class TandemClient:
                deltas: queue.Queue | None = None) -> Submitted:
         """Admit one request; its raw token deltas go to `deltas` if given (one queue may serve many
         requests, read by one thread), else to a queue of its own that `events` reads."""
+        request, q = self._prepare(prompt, params, cache_salt, request_id, deltas)
+        try:
+            answer = ray.get(self.scheduler.submit.remote(request), timeout=timeout_s)
+        except BaseException:
+            self.forget(request["request_id"])
+            raise
+        return self._admitted(request, q, answer)
+
+    async def asubmit(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
+                      deltas=None, timeout_s: float = 60.0) -> Submitted:
+        """`submit` for an event loop; `deltas` needs only a thread-safe `put`."""
+        request, q = self._prepare(prompt, params, cache_salt, None, deltas)
+        try:
+            answer = await asyncio.wait_for(_awaitable(self.scheduler.submit.remote(request)), timeout_s)
+        except BaseException:
+            self.forget(request["request_id"])
+            raise
+        return self._admitted(request, q, answer)
+
+    def _prepare(self, prompt, params: SamplingParams, cache_salt, request_id, deltas) -> tuple[dict, object]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this client has no tokenizer: pass the prompt as token ids")
             prompt = self.tokenizer.encode(prompt)
         request_id = request_id or uuid.uuid4().hex
-        q: queue.Queue = deltas if deltas is not None else queue.Queue()
+        q = deltas if deltas is not None else queue.Queue()
         with self._lock:
             self._queues[request_id] = q
         request = {
             "request_id": request_id, "prompt_token_ids": list(prompt), "params": _params_dict(params),
             "cache_salt": cache_salt, "sink": self.sink,
         }
-        try:
-            answer = ray.get(self.scheduler.submit.remote(request), timeout=timeout_s)
-        except BaseException:
-            self.forget(request_id)
-            raise
+        return request, q
+
+    def _admitted(self, request: dict, q, answer: dict) -> Submitted:
         if "rejected" in answer:
-            self.forget(request_id)
+            self.forget(request["request_id"])
             raise AdmissionRejected(answer["rejected"], answer["retry_after_s"])
-        return Submitted(request_id, list(prompt), q, answer)
+        return Submitted(request["request_id"], request["prompt_token_ids"], q, answer)
 
     def stream(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
                timeout_s: float = 120.0) -> Iterator[StreamEvent]:
@@ -142,3 +164,7 @@ class TandemClient:
 
 def _params_dict(params: SamplingParams) -> dict:
     return {k: v for k, v in vars(params).items()}
+
+
+async def _awaitable(ref):
+    return await ref

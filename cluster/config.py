@@ -72,6 +72,10 @@ class TransferSection(_Strict):
 class IngressSection(_Strict):
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8000, gt=0, lt=65536, description="HTTP port")
+    served_model_name: str | None = Field(None, description="the `model` clients send; null: the model directory's name")
+    max_n: int = Field(16, gt=0, description="largest `n` a request may ask for")
+    max_body_bytes: int = Field(1 << 20, gt=0, description="larger request bodies get 413")
+    stream_queue_tokens: int = Field(4096, gt=0, description="undelivered deltas per request before a slow client's request is aborted")
 
 
 class TandemConfig(_Strict):

@@ -13,6 +13,7 @@ release its hold. Every terminal report runs one idempotent reclaim.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -55,6 +56,7 @@ class _Tracked:
     workers: set[str]  # every worker that may hold state for the request
     prefill: PrefillPlan | None = None
     decode_id: str | None = None
+    blocks: int = 0  # KV blocks committed on the decode (or colocated) worker until reclaim
     handed_off: bool = False
 
 
@@ -66,6 +68,7 @@ class Scheduler:
         self._requests: dict[str, _Tracked] = {}
         self._turn = itertools.count()
         self._queued = 0
+        self._committed: dict[str, int] = {}  # worker id -> KV blocks promised to in-flight requests
         self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "failed": 0, "local_prefills": 0}
 
     # ---- workers ----
@@ -106,9 +109,9 @@ class Scheduler:
         self.counters["submitted"] += 1
         request_id = request["request_id"]
         if request_id in self._requests:
-            return self._reject(f"request_id {request_id!r} is already in flight", 0.0)
+            return self._reject(f"request_id {request_id!r} is already in flight", None)
         if self._queued >= self.s.max_queued:
-            return self._reject("the admission queue is full", 1.0)
+            return self._reject("the admission queue is full", self._retry_after_s())
         self._queued += 1
         try:
             return await self._admit(request)
@@ -123,22 +126,24 @@ class Scheduler:
                                         if self.s.reserve == "prompt_plus_max_tokens" else 1)
         blocks_needed = -(-reserve_tokens // self.s.block_size)
         hashes = hash_prompt_blocks(prompt, self.s.block_size, request.get("cache_salt"), self.s.model_id)
+        pool = "colocated" if self.s.mode == "colocated" else "decode"
+        biggest = max((v.num_blocks for v in self._views(pool)), default=0)
+        if blocks_needed > biggest:
+            return self._reject(f"the request needs {blocks_needed} KV blocks (prompt + max_tokens x n); the largest "
+                                f"{pool} worker has {biggest}: lower max_tokens or n", None)
         while True:
             placed = await self._place(request, hashes, blocks_needed)
             if placed is not None:
                 return placed
             if time.monotonic() >= deadline:
-                biggest = max((w.view.num_blocks for w in self._workers.values()), default=0)
-                if blocks_needed > biggest:
-                    return self._reject(f"the request needs {blocks_needed} KV blocks; the largest worker has {biggest}", 0.0)
-                return self._reject("no worker has room for the request's KV", 1.0)
+                return self._reject("no worker has room for the request's KV", self._retry_after_s())
             await asyncio.sleep(0.01)
 
     async def _place(self, request: dict, hashes: list[int], blocks_needed: int) -> dict | None:
         request_id = request["request_id"]
         prompt_len = len(request["prompt_token_ids"])
         if self.s.mode == "colocated":
-            pool = self._views("colocated")
+            pool = self._views_with_room("colocated")
             cached = {v.worker_id: self._index.cached_blocks(v.worker_id, hashes) * self.s.block_size for v in pool}
             fits = [v for v in pool if v.free_blocks >= blocks_needed]
             if not fits:
@@ -146,7 +151,7 @@ class Scheduler:
             plan = plan_prefill(self.s.routing, fits, cached, prompt_len, 0.0, self._typical_cost(pool), next(self._turn))
             return await self._run_local(request, plan.worker_id, blocks_needed)
 
-        decode = pick_decode(self._views("decode"), blocks_needed)
+        decode = pick_decode(self._views_with_room("decode"), blocks_needed)
         if decode is None:
             return None
         prefill_pool = self._views("prefill")
@@ -166,8 +171,7 @@ class Scheduler:
         dest_blocks = await asyncio.wait_for(decode_worker.handle.reserve.remote(request), _CALL_TIMEOUT_S)
         if dest_blocks is None:
             return None
-        decode.free_blocks -= blocks_needed  # until the next report says otherwise
-        self._requests[request_id] = _Tracked(request_id, {plan.worker_id, decode.worker_id}, plan, decode.worker_id)
+        self._commit(_Tracked(request_id, {plan.worker_id, decode.worker_id}, plan, decode.worker_id, blocks_needed))
         dest = {"endpoint": decode_worker.info["kv_endpoint"], "block_ids": dest_blocks, "lease_id": request_id,
                 "decode_worker": decode.worker_id}
         self._workers[plan.worker_id].handle.submit.remote({**request, "dest": dest})
@@ -176,9 +180,8 @@ class Scheduler:
 
     async def _run_local(self, request: dict, worker_id: str, blocks_needed: int) -> dict:
         worker = self._workers[worker_id]
-        worker.view.free_blocks -= blocks_needed
         worker.view.queued_prefill_tokens += len(request["prompt_token_ids"])
-        self._requests[request["request_id"]] = _Tracked(request["request_id"], {worker_id}, None, worker_id)
+        self._commit(_Tracked(request["request_id"], {worker_id}, None, worker_id, blocks_needed))
         worker.handle.submit.remote(request)
         return {"ok": True, "prefill": worker_id, "decode": worker_id, "local": True}
 
@@ -190,6 +193,7 @@ class Scheduler:
         tracked = self._requests.pop(request_id, None)
         if tracked is None:
             return False
+        self._committed[tracked.decode_id] -= tracked.blocks
         for wid in tracked.workers:
             worker = self._workers.get(wid)
             if worker is not None:
@@ -197,9 +201,17 @@ class Scheduler:
         self.counters["failed" if failed else "finished"] += 1
         return True
 
-    def _reject(self, reason: str, retry_after_s: float) -> dict:
+    def _reject(self, reason: str, retry_after_s: float | None) -> dict:
+        """retry_after_s None: the request can never be admitted as it is (a client error)."""
         self.counters["rejected"] += 1
         return {"rejected": reason, "retry_after_s": retry_after_s}
+
+    def _retry_after_s(self) -> float:
+        # Room frees as running requests finish: estimate from the queued prefill work on the decode pool.
+        views = self._views("colocated" if self.s.mode == "colocated" else "decode")
+        queued = sum(v.queued_prefill_tokens for v in views)
+        cost = self._typical_cost(views)
+        return max(1.0, queued * cost)
 
     def _typical_cost(self, pool: list[WorkerView]) -> float:
         """Per-token prefill cost for a worker not measured yet: its pool's mean, else the configured one.
@@ -208,6 +220,18 @@ class Scheduler:
         its measured peers; a pessimistic guess would keep all traffic on the first measured worker."""
         measured = [v.prefill_s_per_token for v in pool if v.prefill_s_per_token is not None]
         return sum(measured) / len(measured) if measured else self.s.prefill_s_per_token
+
+    def _commit(self, tracked: _Tracked) -> None:
+        self._requests[tracked.request_id] = tracked
+        self._committed[tracked.decode_id] = self._committed.get(tracked.decode_id, 0) + tracked.blocks
+
+    def _views_with_room(self, role: str) -> list[WorkerView]:
+        """The role's workers with `free_blocks` = KV not promised to in-flight requests.
+
+        Admission reserves prompt + max_tokens x n per request (policy `prompt_plus_max_tokens`), so a
+        request admitted now can always finish; the workers' own free counts lag and include cache."""
+        return [dataclasses.replace(v, free_blocks=v.num_blocks - self._committed.get(v.worker_id, 0))
+                for v in self._views(role)]
 
     def _views(self, role: str) -> list[WorkerView]:
         return [w.view for w in self._workers.values() if w.view.role == role]
@@ -223,6 +247,12 @@ class Scheduler:
 
     async def check_integrity(self) -> dict:
         self._index.check_integrity()
+        expected: dict[str, int] = {}
+        for t in self._requests.values():
+            expected[t.decode_id] = expected.get(t.decode_id, 0) + t.blocks
+        actual = {wid: n for wid, n in self._committed.items() if n}
+        if actual != {wid: n for wid, n in expected.items() if n}:
+            raise RuntimeError(f"committed KV {actual} does not match the in-flight requests {expected}")
         for tracked in self._requests.values():
             unknown = tracked.workers - self._workers.keys()
             if unknown:

@@ -1,0 +1,332 @@
+"""The OpenAI-compatible HTTP server in front of the cluster (FastAPI).
+
+Each HTTP request becomes one cluster request per prompt. Token deltas arrive on the client's zmq
+thread and are handed to the event loop through a bounded queue per request: a client that reads
+too slowly fills it, and the request is aborted rather than buffered without bound. A client that
+disconnects cancels its response generator, whose `finally` aborts the request in the cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import AsyncIterator
+
+import json
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from actors.sampling_params import SamplingParams
+from cluster.client import AdmissionRejected, TandemClient
+from cluster.ingress import responses
+from cluster.ingress.metrics import IngressMetrics
+from cluster.ingress.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from cluster.request_stream import RequestStream, StreamEvent
+
+_OVERFLOW = object()
+
+
+class _LoopSink:
+    """Thread-safe `put` from the zmq thread into a bounded asyncio queue of one request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, maxsize: int):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=maxsize)
+        self.overflowed = False
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item) -> None:
+        if self.overflowed:
+            return
+        try:
+            self.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            self.overflowed = True
+            self.queue._queue.clear()  # drop what the slow client never read; the request is aborted
+            self.queue.put_nowait(_OVERFLOW)
+
+
+class Ingress:
+    def __init__(self, client: TandemClient, model_name: str, max_model_len: int, max_n: int = 16,
+                 max_body_bytes: int = 1 << 20, queue_size: int = 4096, request_timeout_s: float = 600.0):
+        self.client = client
+        self.tokenizer = client.tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.max_n = max_n
+        self.max_body_bytes = max_body_bytes
+        self.queue_size = queue_size
+        self.request_timeout_s = request_timeout_s
+        self.metrics = IngressMetrics()
+
+    # ---- one cluster request ----
+
+    async def open(self, prompt_ids: list[int], params: SamplingParams, salt: str | None) -> tuple[RequestStream, _LoopSink]:
+        sink = _LoopSink(asyncio.get_running_loop(), self.queue_size)
+        try:
+            submitted = await self.client.asubmit(prompt_ids, params, salt, deltas=sink)
+        except AdmissionRejected as exc:
+            if exc.retry_after_s is None:
+                self.metrics.rejected.labels("inadmissible").inc()
+                raise ApiError(400, exc.reason, "max_tokens") from None
+            self.metrics.rejected.labels("admission").inc()
+            raise ApiError(429, exc.reason, None, "rate_limit_error",
+                           {"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        return RequestStream(submitted.request_id, prompt_ids, params, self.tokenizer), sink
+
+    async def events(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> AsyncIterator[StreamEvent]:
+        emits: dict[int, list[float]] = {}
+        try:
+            while not stream.finished:
+                item = await asyncio.wait_for(sink.queue.get(), self.request_timeout_s)
+                if item is _OVERFLOW:
+                    self.metrics.rejected.labels("slow_client").inc()
+                    return
+                for ev in stream.feed(item):
+                    now = time.perf_counter()
+                    emits.setdefault(ev.index, []).extend([now] * len(ev.token_ids))
+                    self.metrics.generation_tokens.inc(len(ev.token_ids))
+                    yield ev
+        finally:
+            if stream.needs_abort:
+                self.client.scheduler.abort.remote(stream.request_id)
+            self.client.forget(stream.request_id)
+            for r in stream.results:
+                self.metrics.observe_emits(arrival, emits.get(r.index, []))
+                self.metrics.finished.labels(r.finish_reason or "abort").inc()
+
+    async def open_all(self, prompts: list[list[int]], params: SamplingParams, salt: str | None) -> list:
+        """Open one cluster request per prompt; all or nothing (a rejection aborts the ones opened)."""
+        opened = []
+        try:
+            for p in prompts:
+                opened.append(await self.open(p, params, salt))
+        except BaseException:
+            for stream, _ in opened:
+                self.client.scheduler.abort.remote(stream.request_id)
+                self.client.forget(stream.request_id)
+            raise
+        return opened
+
+    # ---- prompts ----
+
+    def encode_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [self.tokenizer.encode(prompt)]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        elif isinstance(prompt, list) and prompt:
+            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        else:
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        for p in prompts:
+            self.check_prompt(p, "prompt")
+        return prompts
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise ApiError(400, f"{param} must not be empty", param)
+        if len(ids) >= self.max_model_len:
+            raise ApiError(400, f"{param} has {len(ids)} tokens; this model's context is {self.max_model_len}", param)
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"{param} holds a token id outside the vocabulary [0, {vocab})", param)
+
+    def check_common(self, req, max_tokens: int | None) -> int:
+        if req.model != self.model_name:
+            raise ApiError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "not_found_error")
+        if not 1 <= req.n <= self.max_n:
+            raise ApiError(400, f"n must be between 1 and {self.max_n}", "n")
+        if max_tokens is not None and max_tokens < 1:
+            raise ApiError(400, "max_tokens must be at least 1", "max_tokens")
+        return max_tokens if max_tokens is not None else self.max_model_len
+
+
+def create_app(ingress: Ingress, scheduler) -> FastAPI:
+    app = FastAPI(title="tandem", version="0.1.0")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None
+        return JSONResponse(ApiError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", param).body(),
+                            status_code=400)
+
+    @app.middleware("http")
+    async def _body_limit(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > ingress.max_body_bytes:
+            return JSONResponse(ApiError(413, f"request body over {ingress.max_body_bytes} bytes", None).body(), status_code=413)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        state = await scheduler.state.remote()
+        roles = {v["role"] for v in state["workers"].values()}
+        ok = roles >= {"prefill", "decode"} or "colocated" in roles
+        return JSONResponse({"ready": ok, "workers": sorted(state["workers"])}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        state = await scheduler.state.remote()
+        ingress.metrics.update_pools(state["workers"])
+        return Response(ingress.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": ingress.model_name, "object": "model", "created": 0, "owned_by": "tandem"}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        arrival = time.perf_counter()
+        max_tokens = ingress.check_common(req, req.max_tokens)
+        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+            raise ApiError(400, "logprobs must be between 0 and 20", "logprobs")
+        params = req.sampling_params(max_tokens, req.logprobs)
+        prompts = ingress.encode_prompts(req.prompt)
+        opened = await ingress.open_all(prompts, params, req.user)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        echo_texts = [ingress.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
+        if req.stream:
+            return _sse(_completion_chunks(ingress, opened, rid, req, echo_texts, arrival))
+        choices, completion_tokens, cached = [], 0, 0
+        for i, (stream, sink) in enumerate(opened):
+            async for _ in ingress.events(stream, sink, arrival):
+                pass
+            for r in stream.results:
+                _raise_if_failed(r)
+                lp = responses.completion_logprobs(ingress.tokenizer, r.logprobs, len(echo_texts[i])) if req.logprobs is not None else None
+                choices.append({"index": i * req.n + r.index, "text": echo_texts[i] + r.text, "logprobs": lp,
+                                "finish_reason": r.finish_reason})
+                completion_tokens += len(r.token_ids)
+            cached += stream.results[0].num_cached_tokens
+        usage = responses.usage(sum(len(p) for p in prompts), completion_tokens, cached)
+        return responses.completion_body(rid, ingress.model_name, choices, usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest):
+        arrival = time.perf_counter()
+        max_tokens = ingress.check_common(req, req.max_completion_tokens or req.max_tokens)
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise ApiError(400, "top_logprobs must be between 0 and 20", "top_logprobs")
+        try:
+            text = ingress.tokenizer.apply_chat_template([m.model_dump() for m in req.messages], tokenize=False,
+                                                         add_generation_prompt=True)
+        except Exception as exc:  # a template that rejects the conversation is the client's error
+            raise ApiError(400, f"messages: {exc}", "messages") from None
+        prompt = ingress.tokenizer.encode(text, add_special_tokens=False)
+        ingress.check_prompt(prompt, "messages")
+        max_tokens = min(max_tokens, ingress.max_model_len - len(prompt))  # unset: the rest of the context
+        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        stream, sink = await ingress.open(prompt, params, req.user)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return _sse(_chat_chunks(ingress, stream, sink, rid, req, arrival))
+        async for _ in ingress.events(stream, sink, arrival):
+            pass
+        choices = []
+        for r in stream.results:
+            _raise_if_failed(r)
+            lp = responses.chat_logprobs(ingress.tokenizer, r.logprobs) if req.logprobs else None
+            choices.append({"index": r.index, "message": {"role": "assistant", "content": r.text}, "logprobs": lp,
+                            "finish_reason": r.finish_reason})
+        usage = responses.usage(len(prompt), sum(len(r.token_ids) for r in stream.results), stream.results[0].num_cached_tokens)
+        return responses.chat_body(rid, ingress.model_name, choices, usage, chunk=False)
+
+    return app
+
+
+def _raise_if_failed(result) -> None:
+    if result.finish_reason == "error":
+        raise ApiError(500, f"the request failed in the cluster: {result.error}", None, "server_error")
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Interleave several async iterators as items arrive; cancelling the merge cancels them all."""
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, gen):
+        try:
+            async for item in gen:
+                await q.put((i, item))
+        finally:
+            await q.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is done:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionRequest, echo_texts: list[str],
+                             arrival: float) -> AsyncIterator[dict]:
+    model = ingress.model_name
+    offsets: dict[int, int] = {}
+    if req.echo:
+        for i, text in enumerate(echo_texts):
+            for s in range(req.n):
+                yield responses.completion_body(rid, model, [{"index": i * req.n + s, "text": text, "logprobs": None,
+                                                              "finish_reason": None}], None)
+    async for i, ev in _merge([ingress.events(stream, sink, arrival) for stream, sink in opened]):
+        index = i * req.n + ev.index
+        lp = None
+        if req.logprobs is not None and ev.logprobs:
+            lp = responses.completion_logprobs(ingress.tokenizer, ev.logprobs, offsets.get(index, len(echo_texts[i])))
+            offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets.get(index, 0)
+        yield responses.completion_body(rid, model, [{"index": index, "text": ev.text, "logprobs": lp,
+                                                      "finish_reason": ev.finish_reason if ev.finished else None}], None)
+    if req.stream_options and req.stream_options.include_usage:
+        completion = sum(len(r.token_ids) for stream, _ in opened for r in stream.results)
+        cached = sum(stream.results[0].num_cached_tokens for stream, _ in opened)
+        prompt = sum(len(stream.prompt_token_ids) for stream, _ in opened)
+        yield responses.completion_body(rid, model, [], responses.usage(prompt, completion, cached))
+
+
+async def _chat_chunks(ingress: Ingress, stream: RequestStream, sink, rid: str, req: ChatCompletionRequest,
+                       arrival: float) -> AsyncIterator[dict]:
+    model = ingress.model_name
+    for s in range(req.n):
+        yield responses.chat_body(rid, model, [{"index": s, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}], None, chunk=True)
+    async for ev in ingress.events(stream, sink, arrival):
+        lp = responses.chat_logprobs(ingress.tokenizer, ev.logprobs) if req.logprobs and ev.logprobs else None
+        delta = {"content": ev.text} if ev.text or not ev.finished else {}
+        yield responses.chat_body(rid, model, [{"index": ev.index, "delta": delta, "logprobs": lp,
+                                                "finish_reason": ev.finish_reason if ev.finished else None}], None, chunk=True)
+    if req.stream_options and req.stream_options.include_usage:
+        completion = sum(len(r.token_ids) for r in stream.results)
+        yield responses.chat_body(rid, model, [], responses.usage(len(stream.prompt_token_ids), completion,
+                                                                  stream.results[0].num_cached_tokens), chunk=True)

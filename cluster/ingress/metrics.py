@@ -1,0 +1,53 @@
+"""Prometheus metrics of the ingress, named `tandem:*`, in a registry of their own.
+
+Latencies follow DESIGN.md: TTFT = first emit - arrival at the ingress, ITL = gap between emits,
+TPOT = (last emit - first emit) / (N - 1).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class IngressMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("tandem:time_to_first_token_seconds", "first emit - arrival", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem:inter_token_latency_seconds", "gap between emits", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("tandem:time_per_output_token_seconds", "(last - first emit) / (N - 1)",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem:e2e_request_latency_seconds", "finish - arrival", buckets=_LATENCY_BUCKETS, registry=r)
+        self.finished = Counter("tandem:requests_finished", "requests finished, by finish reason", ["reason"], registry=r)
+        self.rejected = Counter("tandem:requests_rejected", "requests rejected, by reason", ["reason"], registry=r)
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("tandem:generation_tokens", "tokens emitted to clients", registry=r)
+        self.running = Gauge("tandem:pool_running_requests", "running sequences per pool", ["pool"], registry=r)
+        self.waiting = Gauge("tandem:pool_waiting_requests", "waiting sequences per pool", ["pool"], registry=r)
+        self.kv_usage = Gauge("tandem:pool_kv_usage", "fraction of KV blocks in use per pool", ["pool"], registry=r)
+
+    def observe_emits(self, arrival: float, emits: list[float]) -> None:
+        """One finished sample: its emit times (one per token) against the request's arrival."""
+        if not emits:
+            return
+        self.ttft.observe(emits[0] - arrival)
+        for a, b in zip(emits, emits[1:]):
+            self.itl.observe(b - a)
+        if len(emits) > 1:
+            self.tpot.observe((emits[-1] - emits[0]) / (len(emits) - 1))
+        self.e2e.observe(emits[-1] - arrival)
+
+    def update_pools(self, workers: dict) -> None:
+        pools: dict[str, list[dict]] = {}
+        for view in workers.values():
+            pools.setdefault(view["role"], []).append(view)
+        for pool, views in pools.items():
+            self.running.labels(pool).set(sum(v["running"] for v in views))
+            self.waiting.labels(pool).set(sum(v["waiting"] for v in views))
+            total = sum(v["num_blocks"] for v in views)
+            self.kv_usage.labels(pool).set(1 - sum(v["free_blocks"] for v in views) / total if total else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,31 @@
+"""Run the HTTP ingress in this process, in front of a started cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import uvicorn
+
+from actors.models.loader import read_hf_config
+from cluster.ingress.app import Ingress, create_app
+from cluster.launch import Cluster
+
+
+def served_model_name(cluster: Cluster) -> str:
+    config = cluster.config
+    if config.ingress.served_model_name:
+        return config.ingress.served_model_name
+    path = config.model.path
+    return path.split(":", 1)[1] if path.startswith("builtin:") else Path(path).name
+
+
+def build_ingress(cluster: Cluster) -> Ingress:
+    config = cluster.config
+    max_len = config.model.max_model_len or read_hf_config(cluster.model_dir)["max_position_embeddings"]
+    return Ingress(cluster.client(), served_model_name(cluster), max_len, max_n=config.ingress.max_n,
+                   max_body_bytes=config.ingress.max_body_bytes, queue_size=config.ingress.stream_queue_tokens)
+
+
+def make_server(cluster: Cluster, host: str, port: int) -> uvicorn.Server:
+    app = create_app(build_ingress(cluster), cluster.scheduler)
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
