@@ -130,7 +130,10 @@ def _serve(args: argparse.Namespace) -> int:
         pools = ", ".join(f"{role} x{pool.replicas}" for role, pool in config.pools().items())
         print(f"tandem: serving model {served_model_name(cluster)!r} ({config.mode}: {pools}) at "
               f"http://{host}:{port}/v1; Ctrl-C stops", flush=True)
-        server.run()  # returns on SIGINT/SIGTERM
+        try:
+            server.run()  # returns (or re-raises the interrupt) after a graceful HTTP shutdown
+        except KeyboardInterrupt:
+            pass
     finally:
         print("tandem: shutting down", flush=True)
         cluster.shutdown()
