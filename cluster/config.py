@@ -69,6 +69,13 @@ class TransferSection(_Strict):
     host: str = Field("127.0.0.1", description="address workers bind for tcp transfers and token streams")
 
 
+class TenantSection(_Strict):
+    tenant: str = Field(description="tenant name: also the prefix-cache salt of its requests")
+    requests_per_minute: float | None = Field(None, gt=0, description="request rate limit; null: none")
+    tokens_per_minute: float | None = Field(None, gt=0, description="prompt + max_tokens x n per minute; null: none")
+    max_concurrency: int | None = Field(None, gt=0, description="requests in flight at once; null: no quota")
+
+
 class IngressSection(_Strict):
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8000, gt=0, lt=65536, description="HTTP port")
@@ -76,6 +83,9 @@ class IngressSection(_Strict):
     max_n: int = Field(16, gt=0, description="largest `n` a request may ask for")
     max_body_bytes: int = Field(1 << 20, gt=0, description="larger request bodies get 413")
     stream_queue_tokens: int = Field(4096, gt=0, description="undelivered deltas per request before a slow client's request is aborted")
+    api_keys: dict[str, TenantSection] = Field(
+        default_factory=dict, description="API key -> tenant and its limits; empty: no authentication"
+    )
 
 
 class TandemConfig(_Strict):

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from actors.sampling_params import SamplingParams
 from cluster.client import AdmissionRejected, TandemClient
 from cluster.ingress import responses
+from cluster.ingress.gate import Gate
 from cluster.ingress.metrics import IngressMetrics
 from cluster.ingress.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from cluster.request_stream import RequestStream, StreamEvent
@@ -31,10 +32,12 @@ _OVERFLOW = object()
 class _LoopSink:
     """Thread-safe `put` from the zmq thread into a bounded asyncio queue of one request."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, maxsize: int):
+    def __init__(self, loop: asyncio.AbstractEventLoop, maxsize: int, tenant: str | None):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=maxsize)
         self.overflowed = False
+        self.tenant = tenant
+        self.closed = False
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self._put, item)
@@ -51,7 +54,7 @@ class _LoopSink:
 
 
 class Ingress:
-    def __init__(self, client: TandemClient, model_name: str, max_model_len: int, max_n: int = 16,
+    def __init__(self, client: TandemClient, model_name: str, max_model_len: int, gate: Gate, max_n: int = 16,
                  max_body_bytes: int = 1 << 20, queue_size: int = 4096, request_timeout_s: float = 600.0):
         self.client = client
         self.tokenizer = client.tokenizer
@@ -61,14 +64,17 @@ class Ingress:
         self.max_body_bytes = max_body_bytes
         self.queue_size = queue_size
         self.request_timeout_s = request_timeout_s
+        self.gate = gate
         self.metrics = IngressMetrics()
+        self._emits: dict[str, dict[int, list[float]]] = {}
 
     # ---- one cluster request ----
 
-    async def open(self, prompt_ids: list[int], params: SamplingParams, salt: str | None) -> tuple[RequestStream, _LoopSink]:
-        sink = _LoopSink(asyncio.get_running_loop(), self.queue_size)
+    async def open(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None) -> tuple[RequestStream, _LoopSink]:
+        sink = _LoopSink(asyncio.get_running_loop(), self.queue_size, tenant)
         try:
-            submitted = await self.client.asubmit(prompt_ids, params, salt, deltas=sink)
+            # The tenant is the cache salt: no request body can choose another tenant's.
+            submitted = await self.client.asubmit(prompt_ids, params, tenant, deltas=sink)
         except AdmissionRejected as exc:
             if exc.retry_after_s is None:
                 self.metrics.rejected.labels("inadmissible").inc()
@@ -81,6 +87,7 @@ class Ingress:
 
     async def events(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> AsyncIterator[StreamEvent]:
         emits: dict[int, list[float]] = {}
+        self._emits[stream.request_id] = emits
         try:
             while not stream.finished:
                 item = await asyncio.wait_for(sink.queue.get(), self.request_timeout_s)
@@ -93,23 +100,35 @@ class Ingress:
                     self.metrics.generation_tokens.inc(len(ev.token_ids))
                     yield ev
         finally:
-            if stream.needs_abort:
-                self.client.scheduler.abort.remote(stream.request_id)
-            self.client.forget(stream.request_id)
-            for r in stream.results:
-                self.metrics.observe_emits(arrival, emits.get(r.index, []))
-                self.metrics.finished.labels(r.finish_reason or "abort").inc()
+            self.finish(stream, sink, arrival)
 
-    async def open_all(self, prompts: list[list[int]], params: SamplingParams, salt: str | None) -> list:
-        """Open one cluster request per prompt; all or nothing (a rejection aborts the ones opened)."""
+    def finish(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> None:
+        """Every request ends here exactly once, however its response ended: abort what still runs,
+        free the tenant's slot, and record one usage/metrics entry."""
+        if sink.closed:
+            return
+        sink.closed = True
+        if stream.needs_abort:
+            self.client.scheduler.abort.remote(stream.request_id)
+        self.client.forget(stream.request_id)
+        self.gate.release(sink.tenant)
+        emits = self._emits.pop(stream.request_id, {})
+        for r in stream.results:
+            self.metrics.observe_emits(arrival, emits.get(r.index, []))
+            self.metrics.finished.labels(r.finish_reason or "abort").inc()
+
+    async def open_all(self, prompts: list[list[int]], params: SamplingParams, tenant: str | None) -> list:
+        """Pass the gate, then open one cluster request per prompt; all or nothing."""
+        cost = sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts)
+        self.gate.admit(tenant, cost, requests=len(prompts))
         opened = []
         try:
             for p in prompts:
-                opened.append(await self.open(p, params, salt))
+                opened.append(await self.open(p, params, tenant))
         except BaseException:
-            for stream, _ in opened:
-                self.client.scheduler.abort.remote(stream.request_id)
-                self.client.forget(stream.request_id)
+            for stream, sink in opened:
+                self.finish(stream, sink, 0.0)
+            self.gate.release(tenant, len(prompts) - len(opened))
             raise
         return opened
 
@@ -188,22 +207,25 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         return Response(ingress.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        ingress.gate.authenticate(request.headers.get("authorization"))
         return {"object": "list", "data": [{"id": ingress.model_name, "object": "model", "created": 0, "owned_by": "tandem"}]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         arrival = time.perf_counter()
+        tenant = ingress.gate.authenticate(request.headers.get("authorization"))
         max_tokens = ingress.check_common(req, req.max_tokens)
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise ApiError(400, "logprobs must be between 0 and 20", "logprobs")
         params = req.sampling_params(max_tokens, req.logprobs)
         prompts = ingress.encode_prompts(req.prompt)
-        opened = await ingress.open_all(prompts, params, req.user)
+        opened = await ingress.open_all(prompts, params, tenant)
         rid = f"cmpl-{uuid.uuid4().hex}"
         echo_texts = [ingress.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         if req.stream:
-            return _sse(_completion_chunks(ingress, opened, rid, req, echo_texts, arrival))
+            return _sse(_completion_chunks(ingress, opened, rid, req, echo_texts, arrival),
+                        lambda: [ingress.finish(st, sk, arrival) for st, sk in opened])
         choices, completion_tokens, cached = [], 0, 0
         for i, (stream, sink) in enumerate(opened):
             async for _ in ingress.events(stream, sink, arrival):
@@ -219,8 +241,9 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         return responses.completion_body(rid, ingress.model_name, choices, usage)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest):
+    async def chat(req: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
+        tenant = ingress.gate.authenticate(request.headers.get("authorization"))
         max_tokens = ingress.check_common(req, req.max_completion_tokens or req.max_tokens)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise ApiError(400, "top_logprobs must be between 0 and 20", "top_logprobs")
@@ -233,10 +256,11 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         ingress.check_prompt(prompt, "messages")
         max_tokens = min(max_tokens, ingress.max_model_len - len(prompt))  # unset: the rest of the context
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        stream, sink = await ingress.open(prompt, params, req.user)
+        ((stream, sink),) = await ingress.open_all([prompt], params, tenant)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(_chat_chunks(ingress, stream, sink, rid, req, arrival))
+            return _sse(_chat_chunks(ingress, stream, sink, rid, req, arrival),
+                        lambda: ingress.finish(stream, sink, arrival))
         async for _ in ingress.events(stream, sink, arrival):
             pass
         choices = []
@@ -256,11 +280,15 @@ def _raise_if_failed(result) -> None:
         raise ApiError(500, f"the request failed in the cluster: {result.error}", None, "server_error")
 
 
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict], on_close) -> StreamingResponse:
+    """Server-sent events; `on_close` runs however the stream ends (done, error, client gone)."""
     async def body():
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        finally:
+            on_close()
 
     return StreamingResponse(body(), media_type="text/event-stream")
 

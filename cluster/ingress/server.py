@@ -8,6 +8,7 @@ import uvicorn
 
 from actors.models.loader import read_hf_config
 from cluster.ingress.app import Ingress, create_app
+from cluster.ingress.gate import Gate, TenantLimits
 from cluster.launch import Cluster
 
 
@@ -22,7 +23,8 @@ def served_model_name(cluster: Cluster) -> str:
 def build_ingress(cluster: Cluster) -> Ingress:
     config = cluster.config
     max_len = config.model.max_model_len or read_hf_config(cluster.model_dir)["max_position_embeddings"]
-    return Ingress(cluster.client(), served_model_name(cluster), max_len, max_n=config.ingress.max_n,
+    gate = Gate({key: TenantLimits(**t.model_dump()) for key, t in config.ingress.api_keys.items()})
+    return Ingress(cluster.client(), served_model_name(cluster), max_len, gate, max_n=config.ingress.max_n,
                    max_body_bytes=config.ingress.max_body_bytes, queue_size=config.ingress.stream_queue_tokens)
 
 
