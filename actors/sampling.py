@@ -276,6 +276,11 @@ class Sampler:
         """Temperature, truncation filters, one draw per row. Takes adjusted logits of non-greedy rows."""
         device, vocab = logits.device, logits.shape[1]
         probs = torch.softmax(logits.float() / _per_row(rows, "temperature", device).unsqueeze(1), dim=-1)
+        broken = ~torch.isfinite(probs).all(dim=-1)
+        if bool(broken.any()):
+            # A temperature so small that logits / T overflows is the greedy limit: take the argmax.
+            greedy = torch.zeros_like(probs[broken]).scatter_(-1, logits[broken].argmax(-1, keepdim=True), 1.0)
+            probs[broken] = greedy
         filters = (
             (_top_k, [min(r.params.top_k or vocab, vocab) for r in rows], vocab),
             (_top_p, [r.params.top_p for r in rows], 1.0),

@@ -75,6 +75,8 @@ class SamplingParams:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63 - 64):
+            raise bad("seed", "must be an integer that fits in 64 bits")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20], or None")
         if any(not isinstance(s, str) or s == "" for s in self.stop):

@@ -147,7 +147,12 @@ class Worker:
             self._expire_leases()
             if self.engine.has_work():
                 start = time.perf_counter()
-                outputs = self.engine.step()
+                try:
+                    outputs = self.engine.step()
+                except Exception:  # a bug must cost the requests in flight, never the worker
+                    log.exception("worker %s: engine step failed; failing its requests", self.spec.worker_id)
+                    self._fail_everything("internal error in the engine step")
+                    continue
                 self._measure(time.perf_counter() - start)
                 self._publish(outputs)
             now = time.monotonic()
@@ -182,12 +187,16 @@ class Worker:
             future.set_result(result)
 
     def _do_submit(self, request: dict) -> None:
-        req = _request_from(request)
+        try:
+            req = _request_from(request)
+        except (TypeError, ValueError) as exc:
+            self._fail(_request_stub(request), f"bad request: {exc}")
+            return
         try:
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, req.cache_salt,
                                     hand_off=req.dest is not None)
-        except ValueError as exc:
-            self._fail(req, str(exc))
+        except Exception as exc:  # whatever went wrong, the request ends with an error, never hangs
+            self._fail(req, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc))
             return
         self._requests[req.request_id] = req
 
@@ -289,6 +298,14 @@ class Worker:
                 self._counters.leases_expired += 1
                 self._fail(req, f"KV for {request_id} did not arrive within the {self.spec.lease_s}s lease")
 
+    def _fail_everything(self, message: str) -> None:
+        for table in (self._requests, self._reserved, self._held):
+            for request_id, req in list(table.items()):
+                self.engine.abort(request_id)
+                del table[request_id]
+                if table is not self._held:
+                    self._fail(req, message)
+
     def _fail(self, req: _Request, message: str) -> None:
         delta = TokenDelta(req.request_id, 0, 0, [], int(RequestStatus.FAILED), len(req.prompt_token_ids), 0, message)
         self._publisher.publish(req.sink, [delta])
@@ -354,3 +371,9 @@ def _request_from(request: dict) -> _Request:
         sink=request["sink"],
         dest=request.get("dest"),
     )
+
+
+def _request_stub(request: dict) -> _Request:
+    """Enough of a request that could not be parsed to report its failure to its sink."""
+    return _Request(request["request_id"], list(request.get("prompt_token_ids", [])), SamplingParams(), None,
+                    request["sink"])

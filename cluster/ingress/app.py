@@ -54,7 +54,8 @@ class _LoopSink:
 
 
 class Ingress:
-    def __init__(self, client: TandemClient, model_name: str, max_model_len: int, gate: Gate, max_n: int = 16,
+    def __init__(self, client: TandemClient, model_name: str, max_model_len: int, gate: Gate, vocab_size: int,
+                 max_n: int = 16,
                  max_body_bytes: int = 1 << 20, queue_size: int = 4096, request_timeout_s: float = 600.0):
         self.client = client
         self.tokenizer = client.tokenizer
@@ -65,6 +66,7 @@ class Ingress:
         self.queue_size = queue_size
         self.request_timeout_s = request_timeout_s
         self.gate = gate
+        self.vocab_size = vocab_size
         self.metrics = IngressMetrics()
         self._emits: dict[str, dict[int, list[float]]] = {}
 
@@ -119,6 +121,10 @@ class Ingress:
 
     async def open_all(self, prompts: list[list[int]], params: SamplingParams, tenant: str | None) -> list:
         """Pass the gate, then open one cluster request per prompt; all or nothing."""
+        try:
+            params.validate_token_ids(self.vocab_size)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), str(exc).split("parameter ", 1)[-1].split(":", 1)[0]) from None
         cost = sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts)
         self.gate.admit(tenant, cost, requests=len(prompts))
         opened = []
@@ -152,9 +158,8 @@ class Ingress:
             raise ApiError(400, f"{param} must not be empty", param)
         if len(ids) >= self.max_model_len:
             raise ApiError(400, f"{param} has {len(ids)} tokens; this model's context is {self.max_model_len}", param)
-        vocab = len(self.tokenizer)
-        if any(not 0 <= t < vocab for t in ids):
-            raise ApiError(400, f"{param} holds a token id outside the vocabulary [0, {vocab})", param)
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise ApiError(400, f"{param} holds a token id outside the vocabulary [0, {self.vocab_size})", param)
 
     def check_common(self, req, max_tokens: int | None) -> int:
         if req.model != self.model_name:

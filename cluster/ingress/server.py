@@ -22,9 +22,10 @@ def served_model_name(cluster: Cluster) -> str:
 
 def build_ingress(cluster: Cluster) -> Ingress:
     config = cluster.config
-    max_len = config.model.max_model_len or read_hf_config(cluster.model_dir)["max_position_embeddings"]
+    hf = read_hf_config(cluster.model_dir)
+    max_len = config.model.max_model_len or hf["max_position_embeddings"]
     gate = Gate({key: TenantLimits(**t.model_dump()) for key, t in config.ingress.api_keys.items()})
-    return Ingress(cluster.client(), served_model_name(cluster), max_len, gate, max_n=config.ingress.max_n,
+    return Ingress(cluster.client(), served_model_name(cluster), max_len, gate, hf["vocab_size"], max_n=config.ingress.max_n,
                    max_body_bytes=config.ingress.max_body_bytes, queue_size=config.ingress.stream_queue_tokens)
 
 

@@ -421,3 +421,15 @@ def test_params_with_logit_bias_stay_hashable_and_finite():
     assert hash(params) == hash(SamplingParams(logit_bias={3: 2.0}))
     with pytest.raises(ValueError):
         SamplingParams(logit_bias={3: float("inf")})
+
+
+def test_extreme_temperature_is_the_greedy_limit():
+    """logits / T overflowing to inf must not poison the draw (it once sampled an out-of-vocab id)."""
+    from actors.sampling import Sampler, SamplingRow
+    from actors.sampling_params import SamplingParams
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [0.5, 0.1, 0.9, 0.2]])
+    rows = [SamplingRow(SamplingParams(temperature=1e-300), [1], [], None),
+            SamplingRow(SamplingParams(temperature=1e-300, top_p=0.5), [1], [], None)]
+    out = Sampler(vocab_size=4, eos_token_ids=[]).__call__(logits, rows)
+    assert [r.token_id for r in out] == [1, 2]

@@ -46,7 +46,7 @@ def test_gate_unit_limits():
 def gated(server):  # noqa: F811
     cluster = server[0]
     gate = Gate({"key-a": TenantLimits("tenant-a"), "key-b": TenantLimits("tenant-b", requests_per_minute=3)})
-    ingress = Ingress(cluster.client(), MODEL, 2048, gate)
+    ingress = Ingress(cluster.client(), MODEL, 2048, gate, 2048)
     http = uvicorn.Server(uvicorn.Config(create_app(ingress, cluster.scheduler), host="127.0.0.1", port=0,
                                          log_level="warning"))
     thread = threading.Thread(target=http.run, daemon=True)
