@@ -9,6 +9,7 @@ of the queue to be recomputed (prefix-cache hits make that cheap).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -88,6 +89,8 @@ class Batcher:
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.time()
             # An adopted sequence arrives with its prompt's KV already in place.
             prompt_done = seq.num_computed_tokens >= len(seq.prompt_token_ids)
             seq.status = RequestStatus.DECODING if prompt_done else RequestStatus.PREFILLING

@@ -260,7 +260,7 @@ class Engine:
         return RequestOutput(
             seq.request_id, seq.index, [token], new_text, seq.status,
             len(seq.prompt_token_ids), seq.num_cached_tokens or 0, logprobs, seq.stop_reason,
-            len(seq.output_token_ids),
+            len(seq.output_token_ids), seq.first_scheduled_time,
         )
 
     def _forget_if_done(self, request_id: str) -> None:

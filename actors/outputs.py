@@ -28,6 +28,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     num_output_tokens: int = 0  # output tokens of this sequence so far, these included
+    first_scheduled_time: float | None = None  # wall clock of the sequence's first step
 
     @property
     def finished(self) -> bool:

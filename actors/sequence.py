@@ -33,6 +33,7 @@ class Sequence:
     stop_reason: str | int | None = None
     pending_forks: int = 0  # children still to fork off once the prompt is computed (n > 1)
     hand_off: bool = False  # prefill role: after the first token, hold the KV for a decode worker
+    first_scheduled_time: float | None = None  # wall clock of its first step; None while it waits
 
     @property
     def seq_id(self) -> tuple[str, int]:

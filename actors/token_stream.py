@@ -26,10 +26,11 @@ class TokenDelta:
     num_cached_tokens: int = 0
     error: str | None = None
     logprobs: list | None = None  # [[token_id, logprob, [[id, logprob], ...]], ...] when asked for
+    timings: dict | None = None  # wall-clock phase stamps (received, scheduled, first_token, adopted, finished)
 
     def to_wire(self) -> list:
         return [self.request_id, self.index, self.offset, self.token_ids, self.status,
-                self.num_prompt_tokens, self.num_cached_tokens, self.error, self.logprobs]
+                self.num_prompt_tokens, self.num_cached_tokens, self.error, self.logprobs, self.timings]
 
 
 def encode_deltas(deltas: list[TokenDelta]) -> bytes:

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,6 +61,7 @@ class _Request:
     sink: str
     dest: dict | None = None  # prefill role: {"endpoint", "block_ids"} of the decode worker
     deadline: float | None = None  # lease end while reserved (decode) or held (prefill)
+    timings: dict = field(default_factory=dict)  # wall-clock phase stamps sent with the stream
 
 
 @dataclass
@@ -69,6 +70,7 @@ class _Counters:
     transfers_sent: int = 0
     transfers_failed: int = 0
     adopted: int = 0
+    bytes_sent: int = 0
 
 
 class Worker:
@@ -198,6 +200,7 @@ class Worker:
         except Exception as exc:  # whatever went wrong, the request ends with an error, never hangs
             self._fail(req, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc))
             return
+        req.timings["received"] = time.time()
         self._requests[req.request_id] = req
 
     def _do_reserve(self, request: dict) -> list[int] | None:
@@ -214,6 +217,7 @@ class Worker:
             return  # aborted meanwhile
         self.engine.adopt(req.request_id, req.prompt_token_ids, header.extra["first_token"], req.params,
                           req.cache_salt, header.extra.get("num_cached_tokens", 0))
+        req.timings.update(header.extra.get("timings", {}), adopted=time.time())
         self._requests[req.request_id] = req
         self._counters.adopted += 1
         if self.scheduler is not None:
@@ -251,9 +255,17 @@ class Worker:
             logprobs = None
             if out.new_logprobs is not None:
                 logprobs = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.new_logprobs]
+            offset = out.num_output_tokens - len(out.new_token_ids)
+            timings = None
+            if offset == 0 or out.finished:  # stamps travel on the first and the last delta only
+                if offset == 0:
+                    req.timings.update(scheduled=out.first_scheduled_time, first_token=time.time())
+                if out.finished:
+                    req.timings["finished"] = time.time()
+                timings = dict(req.timings)
             by_sink.setdefault(req.sink, []).append(TokenDelta(
-                out.request_id, out.index, out.num_output_tokens - len(out.new_token_ids), out.new_token_ids,
-                int(out.status), out.num_prompt_tokens, out.num_cached_tokens, None, logprobs,
+                out.request_id, out.index, offset, out.new_token_ids,
+                int(out.status), out.num_prompt_tokens, out.num_cached_tokens, None, logprobs, timings,
             ))
             if out.status == RequestStatus.TRANSFERRING:
                 self._hand_off(req, out)
@@ -267,7 +279,8 @@ class Worker:
                 self._finished.append((request_id, int(RequestStatus.FINISHED_STOPPED)))
 
     def _hand_off(self, req: _Request, out) -> None:
-        extra = {"first_token": out.new_token_ids[0], "num_cached_tokens": out.num_cached_tokens}
+        extra = {"first_token": out.new_token_ids[0], "num_cached_tokens": out.num_cached_tokens,
+                 "timings": req.timings}
         try:
             self._sender.send(req.dest["endpoint"], req.request_id, req.dest["lease_id"],
                               self.engine.handoff_blocks(req.request_id), req.dest["block_ids"], extra,
@@ -279,6 +292,7 @@ class Worker:
             self._fail(req, f"KV transfer to the decode worker failed: {exc}")
             return
         self._counters.transfers_sent += 1
+        self._counters.bytes_sent += len(req.dest["block_ids"]) * self.engine.runner.bytes_per_block
         self._requests.pop(req.request_id, None)
         req.deadline = time.monotonic() + self.spec.lease_s
         self._held[req.request_id] = req
@@ -352,6 +366,7 @@ class Worker:
             "transfers_sent": self._counters.transfers_sent,
             "transfers_failed": self._counters.transfers_failed,
             "adopted": self._counters.adopted,
+            "kv_bytes_sent": self._counters.bytes_sent,
             "tokens_dropped": self._publisher.dropped,
         }
 

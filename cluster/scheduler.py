@@ -48,6 +48,7 @@ class _Worker:
     info: dict
     view: WorkerView
     last_seen: float = field(default_factory=time.monotonic)
+    stats: dict = field(default_factory=dict)  # the worker's latest report, counters included
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Scheduler:
         if worker is None:
             return
         worker.last_seen = time.monotonic()
+        worker.stats = stats
         v = worker.view
         v.free_blocks, v.num_blocks = stats["free_blocks"], stats["num_blocks"]
         v.running, v.waiting = stats["running"], stats["waiting"]
@@ -241,6 +243,7 @@ class Scheduler:
     async def state(self) -> dict:
         return {
             "workers": {wid: dict(vars(w.view)) for wid, w in self._workers.items()},
+            "worker_stats": {wid: dict(w.stats) for wid, w in self._workers.items()},
             "in_flight": len(self._requests),
             "counters": dict(self.counters),
         }

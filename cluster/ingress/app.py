@@ -9,11 +9,12 @@ disconnects cancels its response generator, whose `finally` aborts the request i
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 import uuid
 from typing import AsyncIterator
 
-import json
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,6 +28,7 @@ from cluster.ingress.protocol import ApiError, ChatCompletionRequest, Completion
 from cluster.request_stream import RequestStream, StreamEvent
 
 _OVERFLOW = object()
+log = logging.getLogger("tandem.ingress")
 
 
 class _LoopSink:
@@ -115,6 +117,17 @@ class Ingress:
         self.client.forget(stream.request_id)
         self.gate.release(sink.tenant)
         emits = self._emits.pop(stream.request_id, {})
+        self.metrics.observe_phases(stream.timings)
+        first = stream.results[0]
+        self.metrics.prefix_queries.inc(len(stream.prompt_token_ids))
+        self.metrics.prefix_hits.inc(first.num_cached_tokens)
+        log.info("usage %s", json.dumps({
+            "request_id": stream.request_id, "tenant": sink.tenant, "prompt_tokens": len(stream.prompt_token_ids),
+            "cached_tokens": first.num_cached_tokens,
+            "generated_tokens": stream.received_tokens,
+            "emitted_tokens": sum(len(r.token_ids) for r in stream.results),
+            "finish_reasons": [r.finish_reason for r in stream.results],
+        }))
         for r in stream.results:
             self.metrics.observe_emits(arrival, emits.get(r.index, []))
             self.metrics.finished.labels(r.finish_reason or "abort").inc()
@@ -209,6 +222,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
     async def metrics():
         state = await scheduler.state.remote()
         ingress.metrics.update_pools(state["workers"])
+        ingress.metrics.update_workers(state["worker_stats"])
         return Response(ingress.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

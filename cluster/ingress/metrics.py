@@ -27,6 +27,20 @@ class IngressMetrics:
         self.running = Gauge("tandem:pool_running_requests", "running sequences per pool", ["pool"], registry=r)
         self.waiting = Gauge("tandem:pool_waiting_requests", "waiting sequences per pool", ["pool"], registry=r)
         self.kv_usage = Gauge("tandem:pool_kv_usage", "fraction of KV blocks in use per pool", ["pool"], registry=r)
+        self.prefix_queries = Counter("tandem:prefix_cache_queries", "prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("tandem:prefix_cache_hits", "prompt tokens served from the prefix cache", registry=r)
+        # Cumulative worker counters, as the workers last reported them (gauges: a restarted worker starts over).
+        self.kv_bytes = Gauge("tandem:kv_transfer_bytes", "KV page bytes sent by prefill workers", registry=r)
+        self.kv_transfers = Gauge("tandem:kv_transfers", "KV handoffs, by outcome", ["outcome"], registry=r)
+        self.leases_expired = Gauge("tandem:kv_leases_expired", "handoff leases that expired", registry=r)
+        self.queue_time = Histogram("tandem:request_queue_time_seconds", "arrival at a worker -> first scheduled",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("tandem:request_prefill_time_seconds", "first scheduled -> first token",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.transfer_time = Histogram("tandem:request_kv_transfer_time_seconds", "first token -> adopted by decode",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("tandem:request_decode_time_seconds", "first token -> finished",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
 
     def observe_emits(self, arrival: float, emits: list[float]) -> None:
         """One finished sample: its emit times (one per token) against the request's arrival."""
@@ -38,6 +52,21 @@ class IngressMetrics:
         if len(emits) > 1:
             self.tpot.observe((emits[-1] - emits[0]) / (len(emits) - 1))
         self.e2e.observe(emits[-1] - arrival)
+
+    def update_workers(self, stats: dict) -> None:
+        self.kv_bytes.set(sum(w.get("kv_bytes_sent", 0) for w in stats.values()))
+        self.kv_transfers.labels("sent").set(sum(w.get("transfers_sent", 0) for w in stats.values()))
+        self.kv_transfers.labels("failed").set(sum(w.get("transfers_failed", 0) for w in stats.values()))
+        self.kv_transfers.labels("adopted").set(sum(w.get("adopted", 0) for w in stats.values()))
+        self.leases_expired.set(sum(w.get("leases_expired", 0) for w in stats.values()))
+
+    def observe_phases(self, timings: dict) -> None:
+        """Per-request phase durations from worker timestamps (wall clock, seconds)."""
+        pairs = ((self.queue_time, "received", "scheduled"), (self.prefill_time, "scheduled", "first_token"),
+                 (self.transfer_time, "first_token", "adopted"), (self.decode_time, "first_token", "finished"))
+        for hist, start, end in pairs:
+            if start in timings and end in timings:
+                hist.observe(max(0.0, timings[end] - timings[start]))
 
     def update_pools(self, workers: dict) -> None:
         pools: dict[str, list[dict]] = {}

@@ -175,3 +175,9 @@ def test_models_health_ready_and_metrics(server, client):
     count = [s.value for s in ttft.samples if s.name.endswith("_count")][0]
     assert count > 0
     assert "tandem:pool_kv_usage" in families and "tandem:requests_finished" in families
+    for phase in ("queue_time", "prefill_time", "kv_transfer_time", "decode_time"):
+        samples = families[f"tandem:request_{phase}_seconds"].samples
+        assert [s.value for s in samples if s.name.endswith("_count")][0] > 0, phase
+    assert [s.value for s in families["tandem:kv_transfer_bytes"].samples][0] > 0
+    queries = [s.value for s in families["tandem:prefix_cache_queries"].samples if s.name.endswith("_total")][0]
+    assert queries > 0
