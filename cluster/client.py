@@ -27,10 +27,10 @@ from cluster.request_stream import RequestStream, SampleResult, StreamEvent
 class AdmissionRejected(RuntimeError):
     """The scheduler did not admit the request. `retry_after_s` None: it never will, as it is."""
 
-    def __init__(self, reason: str, retry_after_s: float | None):
+    def __init__(self, reason: str, retry_after_s: float | None, unavailable: bool = False):
         hint = "not admissible as it is" if retry_after_s is None else f"retry after {retry_after_s:.1f}s"
         super().__init__(f"request rejected: {reason} ({hint})")
-        self.reason, self.retry_after_s = reason, retry_after_s
+        self.reason, self.retry_after_s, self.unavailable = reason, retry_after_s, unavailable
 
 
 @dataclass
@@ -116,7 +116,7 @@ class TandemClient:
     def _admitted(self, request: dict, q, answer: dict) -> Submitted:
         if "rejected" in answer:
             self.forget(request["request_id"])
-            raise AdmissionRejected(answer["rejected"], answer["retry_after_s"])
+            raise AdmissionRejected(answer["rejected"], answer["retry_after_s"], answer.get("unavailable", False))
         return Submitted(request["request_id"], request["prompt_token_ids"], q, answer)
 
     def stream(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,

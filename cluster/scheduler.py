@@ -129,6 +129,8 @@ class Scheduler:
         blocks_needed = -(-reserve_tokens // self.s.block_size)
         hashes = hash_prompt_blocks(prompt, self.s.block_size, request.get("cache_salt"), self.s.model_id)
         pool = "colocated" if self.s.mode == "colocated" else "decode"
+        if not self._views(pool):
+            return {**self._reject(f"no {pool} worker is ready", 5.0), "unavailable": True}
         biggest = max((v.num_blocks for v in self._views(pool)), default=0)
         if blocks_needed > biggest:
             return self._reject(f"the request needs {blocks_needed} KV blocks (prompt + max_tokens x n); the largest "

@@ -24,6 +24,7 @@ from cluster.client import AdmissionRejected, TandemClient
 from cluster.ingress import responses
 from cluster.ingress.gate import Gate
 from cluster.ingress.metrics import IngressMetrics
+from cluster.ingress.openapi import ChatCompletionResponse, CompletionResponse, ModelList, documented
 from cluster.ingress.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from cluster.request_stream import RequestStream, StreamEvent
 
@@ -80,6 +81,10 @@ class Ingress:
             # The tenant is the cache salt: no request body can choose another tenant's.
             submitted = await self.client.asubmit(prompt_ids, params, tenant, deltas=sink)
         except AdmissionRejected as exc:
+            if exc.unavailable:
+                self.metrics.rejected.labels("unavailable").inc()
+                raise ApiError(503, exc.reason, None, "service_unavailable",
+                               {"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
             if exc.retry_after_s is None:
                 self.metrics.rejected.labels("inadmissible").inc()
                 raise ApiError(400, exc.reason, "max_tokens") from None
@@ -225,12 +230,13 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         ingress.metrics.update_workers(state["worker_stats"])
         return Response(ingress.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=documented(ModelList, 401))
     async def models(request: Request):
         ingress.gate.authenticate(request.headers.get("authorization"))
         return {"object": "list", "data": [{"id": ingress.model_name, "object": "model", "created": 0, "owned_by": "tandem"}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None,
+              responses=documented(CompletionResponse, 400, 401, 404, 413, 429, 500, 503, streams=True))
     async def completions(req: CompletionRequest, request: Request):
         arrival = time.perf_counter()
         tenant = ingress.gate.authenticate(request.headers.get("authorization"))
@@ -259,7 +265,8 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         usage = responses.usage(sum(len(p) for p in prompts), completion_tokens, cached)
         return responses.completion_body(rid, ingress.model_name, choices, usage)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=documented(ChatCompletionResponse, 400, 401, 404, 413, 429, 500, 503, streams=True))
     async def chat(req: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         tenant = ingress.gate.authenticate(request.headers.get("authorization"))

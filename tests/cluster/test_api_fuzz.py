@@ -1,4 +1,5 @@
-"""Acceptance 2 of the ingress issue: fuzz the API from its own OpenAPI schema; no input gives a 5xx."""
+"""Acceptance 2 of the ingress issue: fuzz the API from its own OpenAPI schema; no input gives a 5xx,
+and every JSON response matches the schema the server publishes."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 schemathesis = pytest.importorskip("schemathesis")
+from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance  # noqa: E402
+
 from tests.cluster.test_ingress import MODEL, server  # noqa: E402,F401  (the shared live cluster)
 
 
@@ -29,6 +32,12 @@ def test_no_input_gives_a_server_error(api):
                 case.body["model"] = MODEL  # else nearly every case stops at 404 before reaching the cluster
             response = case.call(timeout=60)
             statuses.setdefault(operation.path, []).append(response.status_code)
+            content_type = "".join(response.headers.get("content-type") or [])
+            if content_type.startswith("application/json"):
+                try:  # the body and status must be ones the OpenAPI document declares
+                    case.validate_response(response, checks=[response_schema_conformance, status_code_conformance])
+                except Exception as exc:
+                    failures.append((operation.path, case.body, response.status_code, f"schema: {exc}"[:400]))
             if response.status_code >= 500:
                 failures.append((operation.path, case.body, response.status_code, response.text[:300]))
 

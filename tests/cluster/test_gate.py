@@ -77,3 +77,36 @@ def test_keys_tenants_and_cache_isolation(gated):
                          json={"model": MODEL, "prompt": "x", "max_tokens": 1})
     assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
     assert limited.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_no_ready_worker_is_503(ray_session):
+    """A scheduler with no worker registered: the ingress answers 503 with Retry-After, not 5xx noise."""
+    import ray
+
+    from cluster.scheduler import Scheduler, SchedulerSettings
+
+    settings = SchedulerSettings(mode="disaggregated", routing="cache_aware", block_size=16, model_id="m",
+                                 reserve="prompt_plus_max_tokens", max_queued=8, queue_timeout_s=1.0,
+                                 local_prefill=True, local_prefill_penalty=1.0, prefill_s_per_token=1e-4,
+                                 transfer_bytes_per_s=1e9)
+    scheduler = ray.remote(Scheduler).options(num_cpus=0).remote(settings)
+    from actors.tokenizer import load_tokenizer
+    from cluster.client import TandemClient
+
+    client = TandemClient(scheduler, load_tokenizer())
+    http = uvicorn.Server(uvicorn.Config(create_app(Ingress(client, MODEL, 2048, Gate(None), 2048), scheduler),
+                                         host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    try:
+        while not http.started:
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
+        answer = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
+        assert answer.status_code == 503 and int(answer.headers["retry-after"]) >= 1, answer.text
+        assert httpx.get(base + "/ready").status_code == 503
+    finally:
+        http.should_exit = True
+        thread.join(timeout=10)
+        client.close()
+        ray.kill(scheduler)
