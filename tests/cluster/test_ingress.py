@@ -181,3 +181,29 @@ def test_models_health_ready_and_metrics(server, client):
     assert [s.value for s in families["tandem:kv_transfer_bytes"].samples][0] > 0
     queries = [s.value for s in families["tandem:prefix_cache_queries"].samples if s.name.endswith("_total")][0]
     assert queries > 0
+
+
+def test_slow_client_is_bounded_then_aborted(server):
+    """A reader that stalls never makes the server buffer more than the per-request bound."""
+    import asyncio
+
+    from cluster.ingress.app import Ingress
+    from cluster.ingress.gate import Gate
+
+    cluster = server[0]
+    ingress = Ingress(cluster.client(), MODEL, 2048, Gate(None), 2048, queue_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def stalled_reader():
+        ((stream, sink),) = await ingress.open_all([[11] * 8], params, None)
+        await asyncio.sleep(1.0)  # the client reads nothing while the cluster generates
+        held = sink.queue.qsize()
+        events = [ev async for ev in ingress.events(stream, sink, time.perf_counter())]
+        return held, sink.overflowed, events
+
+    held, overflowed, events = asyncio.run(stalled_reader())
+    assert overflowed and held <= 4 and events == []
+    rejected = [s.value for m in text_string_to_metric_families(ingress.metrics.render().decode())
+                for s in m.samples if s.name == "tandem:requests_rejected_total" and s.labels["reason"] == "slow_client"]
+    assert rejected == [1.0]
+    idle(server)
