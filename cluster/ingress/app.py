@@ -181,8 +181,7 @@ class Ingress:
 
     def check_common(self, req, max_tokens: int | None) -> int:
         if req.model != self.model_name:
-            raise ApiError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "not_found_error")
+            raise ApiError(400, f"model {req.model!r} does not exist; this server serves {self.model_name!r}", "model")
         if not 1 <= req.n <= self.max_n:
             raise ApiError(400, f"n must be between 1 and {self.max_n}", "n")
         if max_tokens is not None and max_tokens < 1:
@@ -236,7 +235,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         return {"object": "list", "data": [{"id": ingress.model_name, "object": "model", "created": 0, "owned_by": "tandem"}]}
 
     @app.post("/v1/completions", response_model=None,
-              responses=documented(CompletionResponse, 400, 401, 404, 413, 429, 500, 503, streams=True))
+              responses=documented(CompletionResponse, 400, 401, 413, 429, 500, 503, streams=True))
     async def completions(req: CompletionRequest, request: Request):
         arrival = time.perf_counter()
         tenant = ingress.gate.authenticate(request.headers.get("authorization"))
@@ -266,7 +265,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         return responses.completion_body(rid, ingress.model_name, choices, usage)
 
     @app.post("/v1/chat/completions", response_model=None,
-              responses=documented(ChatCompletionResponse, 400, 401, 404, 413, 429, 500, 503, streams=True))
+              responses=documented(ChatCompletionResponse, 400, 401, 413, 429, 500, 503, streams=True))
     async def chat(req: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         tenant = ingress.gate.authenticate(request.headers.get("authorization"))

@@ -127,8 +127,9 @@ def test_error_paths(server, client):
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=MODEL, prompt="x", n=99)
     assert bad.value.body["param"] == "n"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model="gpt-17", prompt="x")
+    assert bad.value.body["param"] == "model"
     too_big = httpx.post(server[1] + "/v1/completions", content=b"x" * (2 << 20),
                          headers={"content-type": "application/json"})
     assert too_big.status_code == 413 and too_big.json()["error"]["code"] == 413
