@@ -208,3 +208,19 @@ def test_slow_client_is_bounded_then_aborted(server):
                 for s in m.samples if s.name == "tandem:requests_rejected_total" and s.labels["reason"] == "slow_client"]
     assert rejected == [1.0]
     idle(server)
+
+
+def test_prompt_forms_and_echo(server, client, engine):
+    ids = engine.tokenizer.encode("Token ids in")
+    (ref,) = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0, echo=True,
+                                       extra_body={"ignore_eos": True})
+    prompt_text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+    assert by_ids.choices[0].text == prompt_text + ref.outputs[0].text
+    several = client.completions.create(model=MODEL, prompt=["first prompt", "second one"], max_tokens=3, n=2,
+                                        temperature=0, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in several.choices) == [0, 1, 2, 3]
+    assert several.usage.completion_tokens == 12
+    by_index = {c.index: c.text for c in several.choices}
+    assert by_index[0] == by_index[1] and by_index[2] == by_index[3]  # greedy: both samples agree
+    idle(server)
