@@ -22,6 +22,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import ray
 import torch
 
 from actors.engine import Engine
@@ -100,6 +101,9 @@ class Worker:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"engine-{spec.worker_id}", daemon=True)
         self._thread.start()
+        if scheduler is not None:
+            # Registering itself (not from the launcher) is what lets a restarted worker rejoin.
+            scheduler.register.remote(self.info(), ray.get_runtime_context().current_actor)
 
     # ---- Ray methods: called from any thread ----
 

@@ -61,6 +61,9 @@ class SchedulerSection(_Strict):
     prefill_s_per_token: float = Field(2e-4, gt=0, description="initial prefill cost per token, replaced by measurements")
     transfer_bytes_per_s: float = Field(2e9, gt=0, description="initial KV transfer bandwidth, replaced by measurements")
     heartbeat_s: float = Field(0.05, gt=0, description="how often workers report stats and finished requests")
+    heartbeat_timeout_s: float = Field(
+        10.0, gt=0, description="a worker whose engine loop is silent this long is declared dead (or hung) and routed around"
+    )
 
 
 class TransferSection(_Strict):

@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 
 import ray
@@ -50,6 +51,7 @@ class Cluster:
             local_prefill=config.scheduler.local_prefill, local_prefill_penalty=config.scheduler.local_prefill_penalty,
             prefill_s_per_token=config.scheduler.prefill_s_per_token,
             transfer_bytes_per_s=config.scheduler.transfer_bytes_per_s,
+            heartbeat_timeout_s=config.scheduler.heartbeat_timeout_s,
         )
         scheduler = ray.remote(Scheduler).options(name=SCHEDULER_NAME, namespace=NAMESPACE, num_cpus=0).remote(settings)
         workers = {}
@@ -72,16 +74,28 @@ class Cluster:
                 workers[worker_id] = ray.remote(Worker).options(
                     name=f"tandem-{worker_id}", namespace=NAMESPACE, num_cpus=pool.num_cpus,
                     num_gpus=pool.num_gpus, resources=pool.resources or None, max_concurrency=16,
+                    max_restarts=-1,  # a dead worker comes back and re-registers itself
                 ).remote(spec, scheduler)
         cluster = cls(config, scheduler, workers, owns_ray, engine.model)
         try:
-            infos = ray.get([w.info.remote() for w in workers.values()], timeout=ready_timeout_s)
-            ray.get([scheduler.register.remote(info, workers[info["worker_id"]]) for info in infos], timeout=30)
+            ray.get([w.info.remote() for w in workers.values()], timeout=ready_timeout_s)
+            cluster.wait_registered(set(workers), timeout_s=30.0)
         except BaseException:
             cluster.shutdown()
             raise
         log.info("cluster ready: %s", ", ".join(sorted(workers)))
         return cluster
+
+    def wait_registered(self, worker_ids: set[str], timeout_s: float) -> None:
+        """Workers register themselves; wait until the scheduler knows every one of them."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            known = set(ray.get(self.scheduler.state.remote(), timeout=timeout_s)["workers"])
+            if worker_ids <= known:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers {sorted(worker_ids - known)} never registered with the scheduler")
+            time.sleep(0.05)
 
     def client(self) -> TandemClient:
         tokenizer = load_tokenizer(self.model_dir) if has_tokenizer(self.model_dir) else None

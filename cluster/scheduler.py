@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 
 from actors.block_hash import hash_prompt_blocks
+from actors.request_status import RequestStatus
+from actors.token_stream import TokenDelta, TokenPublisher
 from cluster.prefix_index import PrefixIndex
 from cluster.routing import PrefillPlan, WorkerView, pick_decode, plan_prefill
 
@@ -40,6 +42,7 @@ class SchedulerSettings:
     local_prefill_penalty: float
     prefill_s_per_token: float
     transfer_bytes_per_s: float
+    heartbeat_timeout_s: float = 10.0
 
 
 @dataclass
@@ -59,6 +62,7 @@ class _Tracked:
     decode_id: str | None = None
     blocks: int = 0  # KV blocks committed on the decode (or colocated) worker until reclaim
     handed_off: bool = False
+    request: dict | None = None  # as submitted: enough to re-route it or to tell its client it failed
 
 
 class Scheduler:
@@ -70,15 +74,58 @@ class Scheduler:
         self._turn = itertools.count()
         self._queued = 0
         self._committed: dict[str, int] = {}  # worker id -> KV blocks promised to in-flight requests
-        self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "failed": 0, "local_prefills": 0}
+        self._watchdog: asyncio.Task | None = None
+        self._publisher = TokenPublisher()  # only to tell a client its request failed with a lost worker
+        self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "failed": 0, "local_prefills": 0,
+                         "workers_lost": 0, "rerouted": 0}
 
     # ---- workers ----
 
     async def register(self, info: dict, handle) -> None:
+        """A worker (new, or restarted by Ray) joins; a re-registration replaces its old view."""
         wid = info["worker_id"]
+        if wid in self._workers:
+            self._forget_worker(wid, "it restarted")
         view = WorkerView(wid, info["role"], info["num_blocks"], info["num_blocks"])
         self._workers[wid] = _Worker(handle, info, view)
         log.info("registered %s worker %s", info["role"], wid)
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Declare workers dead when their reports stop; their requests are re-routed or failed."""
+        while True:
+            await asyncio.sleep(min(0.5, self.s.heartbeat_timeout_s / 4))
+            now = time.monotonic()
+            for wid, worker in list(self._workers.items()):
+                if now - worker.last_seen > self.s.heartbeat_timeout_s:
+                    log.warning("worker %s sent no report for %.1fs: routing around it", wid, now - worker.last_seen)
+                    self._forget_worker(wid, "it stopped responding")
+                    del self._workers[wid]
+                    self.counters["workers_lost"] += 1
+
+    def _forget_worker(self, wid: str, why: str) -> None:
+        """Every request that touches a lost worker: re-route it if nothing was emitted yet, else fail it."""
+        self._index.forget(wid)
+        for tracked in [t for t in self._requests.values() if wid in t.workers]:
+            prefill_only = tracked.prefill is not None and tracked.prefill.worker_id == wid and not tracked.handed_off
+            self._reclaim(tracked.request_id, failed=not prefill_only, skip=wid)
+            if prefill_only:
+                # Nothing has reached the client from a prefill that never handed off: run it again.
+                self.counters["rerouted"] += 1
+                asyncio.get_running_loop().create_task(self._resubmit(tracked.request))
+            else:
+                self._tell_client(tracked.request, f"worker {wid} was lost ({why}) while serving the request")
+
+    async def _resubmit(self, request: dict) -> None:
+        answer = await self.submit(request)
+        if "rejected" in answer:
+            self._tell_client(request, f"could not re-route after a worker loss: {answer['rejected']}")
+
+    def _tell_client(self, request: dict, message: str) -> None:
+        delta = TokenDelta(request["request_id"], 0, 0, [], int(RequestStatus.FAILED),
+                           len(request["prompt_token_ids"]), 0, message)
+        self._publisher.publish(request["sink"], [delta])
 
     async def report(self, worker_id: str, stats: dict, finished: list, events: list) -> None:
         worker = self._workers.get(worker_id)
@@ -175,7 +222,8 @@ class Scheduler:
         dest_blocks = await asyncio.wait_for(decode_worker.handle.reserve.remote(request), _CALL_TIMEOUT_S)
         if dest_blocks is None:
             return None
-        self._commit(_Tracked(request_id, {plan.worker_id, decode.worker_id}, plan, decode.worker_id, blocks_needed))
+        self._commit(_Tracked(request_id, {plan.worker_id, decode.worker_id}, plan, decode.worker_id, blocks_needed,
+                              request=request))
         dest = {"endpoint": decode_worker.info["kv_endpoint"], "block_ids": dest_blocks, "lease_id": request_id,
                 "decode_worker": decode.worker_id}
         self._workers[plan.worker_id].handle.submit.remote({**request, "dest": dest})
@@ -185,20 +233,20 @@ class Scheduler:
     async def _run_local(self, request: dict, worker_id: str, blocks_needed: int) -> dict:
         worker = self._workers[worker_id]
         worker.view.queued_prefill_tokens += len(request["prompt_token_ids"])
-        self._commit(_Tracked(request["request_id"], {worker_id}, None, worker_id, blocks_needed))
+        self._commit(_Tracked(request["request_id"], {worker_id}, None, worker_id, blocks_needed, request=request))
         worker.handle.submit.remote(request)
         return {"ok": True, "prefill": worker_id, "decode": worker_id, "local": True}
 
     async def abort(self, request_id: str) -> bool:
         return self._reclaim(request_id, failed=False, cancelled=True)
 
-    def _reclaim(self, request_id: str, failed: bool, cancelled: bool = False) -> bool:
+    def _reclaim(self, request_id: str, failed: bool, cancelled: bool = False, skip: str | None = None) -> bool:
         """Every terminal path ends here; a second call for the same request does nothing."""
         tracked = self._requests.pop(request_id, None)
         if tracked is None:
             return False
         self._committed[tracked.decode_id] -= tracked.blocks
-        for wid in tracked.workers:
+        for wid in tracked.workers - {skip}:
             worker = self._workers.get(wid)
             if worker is not None:
                 worker.handle.abort.remote(request_id)  # idempotent on the worker
