@@ -66,14 +66,31 @@ class Engine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         hand_off: bool = False,
+        output_prefix: Seq[int] = (),
     ) -> None:
         """Queue a request. With `hand_off`, the prompt is computed, the first token sampled, and the
-        sequence then waits as TRANSFERRING, its blocks held, until `release_handoff`."""
+        sequence then waits as TRANSFERRING, its blocks held, until `release_handoff`.
+
+        `output_prefix`: tokens this request already generated elsewhere (a migration). They are
+        recomputed with the prompt, count against max_tokens, and the seeded stream skips their draws,
+        so the continuation is the one a single engine would have produced."""
         params = params or SamplingParams()
         prompt_ids = self._validate(request_id, prompt, params)
         if hand_off and params.n > 1:
             raise ValueError("a request handed off to a decode worker must have n=1")
         first = self._new_sequence(request_id, 0, prompt_ids, params, cache_salt)
+        if output_prefix:
+            if params.n > 1 or hand_off:
+                raise ValueError("only an n=1 request that is not handed off can resume from an output prefix")
+            if len(prompt_ids) + len(output_prefix) >= self.max_model_len or len(output_prefix) >= params.max_tokens:
+                raise ValueError("output_prefix leaves no room for another token (max_model_len or max_tokens)")
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in output_prefix):
+                raise ValueError(f"output_prefix holds a token id outside the vocabulary [0, {self.vocab_size})")
+            first.output_token_ids.extend(output_prefix)
+            if first.generator is not None:
+                skip_draws(first.generator, params, len(output_prefix))
+            if first.detokenizer is not None:
+                first.detokenizer.add_tokens(list(output_prefix))  # already streamed by the lost worker
         first.pending_forks = params.n - 1
         first.hand_off = hand_off
         self._requests[request_id] = [first]

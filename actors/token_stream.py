@@ -27,10 +27,12 @@ class TokenDelta:
     error: str | None = None
     logprobs: list | None = None  # [[token_id, logprob, [[id, logprob], ...]], ...] when asked for
     timings: dict | None = None  # wall-clock phase stamps (received, scheduled, first_token, adopted, finished)
+    retryable: bool = False  # a FAILED delta the client may retry elsewhere (its worker was lost)
 
     def to_wire(self) -> list:
         return [self.request_id, self.index, self.offset, self.token_ids, self.status,
-                self.num_prompt_tokens, self.num_cached_tokens, self.error, self.logprobs, self.timings]
+                self.num_prompt_tokens, self.num_cached_tokens, self.error, self.logprobs, self.timings,
+                self.retryable]
 
 
 def encode_deltas(deltas: list[TokenDelta]) -> bytes:

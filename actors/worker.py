@@ -61,6 +61,7 @@ class _Request:
     cache_salt: str | None
     sink: str
     dest: dict | None = None  # prefill role: {"endpoint", "block_ids"} of the decode worker
+    output_prefix: list[int] = field(default_factory=list)  # tokens already generated (a migration)
     deadline: float | None = None  # lease end while reserved (decode) or held (prefill)
     timings: dict = field(default_factory=dict)  # wall-clock phase stamps sent with the stream
 
@@ -200,7 +201,7 @@ class Worker:
             return
         try:
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, req.cache_salt,
-                                    hand_off=req.dest is not None)
+                                    hand_off=req.dest is not None, output_prefix=req.output_prefix)
         except Exception as exc:  # whatever went wrong, the request ends with an error, never hangs
             self._fail(req, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc))
             return
@@ -389,6 +390,7 @@ def _request_from(request: dict) -> _Request:
         cache_salt=request.get("cache_salt"),
         sink=request["sink"],
         dest=request.get("dest"),
+        output_prefix=list(request.get("output_prefix") or []),
     )
 
 

@@ -39,6 +39,7 @@ class Submitted:
     prompt_token_ids: list[int]
     queue: queue.Queue
     route: dict  # the scheduler's answer: which workers prefill and decode it, cached tokens
+    request: dict  # as sent, to migrate it after a worker loss
 
 
 class TandemClient:
@@ -117,7 +118,7 @@ class TandemClient:
         if "rejected" in answer:
             self.forget(request["request_id"])
             raise AdmissionRejected(answer["rejected"], answer["retry_after_s"], answer.get("unavailable", False))
-        return Submitted(request["request_id"], request["prompt_token_ids"], q, answer)
+        return Submitted(request["request_id"], request["prompt_token_ids"], q, answer, request)
 
     def stream(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
                timeout_s: float = 120.0) -> Iterator[StreamEvent]:
@@ -152,10 +153,24 @@ class TandemClient:
                 except queue.Empty:
                     raise TimeoutError(f"request {submitted.request_id} produced nothing for {timeout_s}s") from None
                 yield from stream.feed(delta)
+                if stream.migration_pending:
+                    yield from self._migrate(submitted, stream)
         finally:
             if stream.needs_abort:
                 self.scheduler.abort.remote(submitted.request_id)
             self.forget(submitted.request_id)
+
+    def _migrate(self, submitted: Submitted, stream: RequestStream) -> Iterator[StreamEvent]:
+        """Resubmit a request whose worker was lost, continuing after the tokens it already emitted."""
+        request = stream.migration_request(submitted.request)
+        with self._lock:
+            self._queues[submitted.request_id] = submitted.queue
+        try:
+            answer = ray.get(self.scheduler.submit.remote(request), timeout=60)
+        except Exception as exc:  # the scheduler itself is unreachable: the request ends here
+            answer = {"rejected": str(exc)}
+        if "rejected" in answer:
+            yield from stream.fail(f"worker lost and the request could not be migrated: {answer['rejected']}")
 
     def forget(self, request_id: str) -> None:
         with self._lock:

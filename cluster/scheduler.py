@@ -115,16 +115,17 @@ class Scheduler:
                 self.counters["rerouted"] += 1
                 asyncio.get_running_loop().create_task(self._resubmit(tracked.request))
             else:
-                self._tell_client(tracked.request, f"worker {wid} was lost ({why}) while serving the request")
+                self._tell_client(tracked.request, f"worker {wid} was lost ({why}) while serving the request",
+                                  retryable=True)
 
     async def _resubmit(self, request: dict) -> None:
         answer = await self.submit(request)
         if "rejected" in answer:
             self._tell_client(request, f"could not re-route after a worker loss: {answer['rejected']}")
 
-    def _tell_client(self, request: dict, message: str) -> None:
+    def _tell_client(self, request: dict, message: str, retryable: bool = False) -> None:
         delta = TokenDelta(request["request_id"], 0, 0, [], int(RequestStatus.FAILED),
-                           len(request["prompt_token_ids"]), 0, message)
+                           len(request["prompt_token_ids"]), 0, message, retryable=retryable)
         self._publisher.publish(request["sink"], [delta])
 
     async def report(self, worker_id: str, stats: dict, finished: list, events: list) -> None:
@@ -176,17 +177,18 @@ class Scheduler:
         blocks_needed = -(-reserve_tokens // self.s.block_size)
         hashes = hash_prompt_blocks(prompt, self.s.block_size, request.get("cache_salt"), self.s.model_id)
         pool = "colocated" if self.s.mode == "colocated" else "decode"
-        if not self._views(pool):
-            return {**self._reject(f"no {pool} worker is ready", 5.0), "unavailable": True}
-        biggest = max((v.num_blocks for v in self._views(pool)), default=0)
-        if blocks_needed > biggest:
-            return self._reject(f"the request needs {blocks_needed} KV blocks (prompt + max_tokens x n); the largest "
-                                f"{pool} worker has {biggest}: lower max_tokens or n", None)
         while True:
-            placed = await self._place(request, hashes, blocks_needed)
-            if placed is not None:
-                return placed
+            if self._views(pool):
+                biggest = max(v.num_blocks for v in self._views(pool))
+                if blocks_needed > biggest:
+                    return self._reject(f"the request needs {blocks_needed} KV blocks (prompt + max_tokens x n); the "
+                                        f"largest {pool} worker has {biggest}: lower max_tokens or n", None)
+                placed = await self._place(request, hashes, blocks_needed)
+                if placed is not None:
+                    return placed
             if time.monotonic() >= deadline:
+                if not self._views(pool):
+                    return {**self._reject(f"no {pool} worker is ready", 5.0), "unavailable": True}
                 return self._reject("no worker has room for the request's KV", self._retry_after_s())
             await asyncio.sleep(0.01)
 
@@ -209,12 +211,12 @@ class Scheduler:
         candidates = prefill_pool + [decode]
         cached = {v.worker_id: self._index.cached_blocks(v.worker_id, hashes) * self.s.block_size for v in candidates}
         transfer_s = prompt_len * self._workers[decode.worker_id].info["kv_bytes_per_token"] / self.s.transfer_bytes_per_s
-        local_ok = self.s.local_prefill or request["params"].get("n", 1) > 1 or not prefill_pool
+        local_ok = self.s.local_prefill or not prefill_pool
         plan = plan_prefill(
             self.s.routing, prefill_pool, cached, prompt_len, transfer_s, self._typical_cost(prefill_pool),
             next(self._turn), local=decode if local_ok else None, local_penalty=self.s.local_prefill_penalty,
         ) if prefill_pool else PrefillPlan(decode.worker_id, True, cached[decode.worker_id], 0.0)
-        if plan.local or request["params"].get("n", 1) > 1:
+        if plan.local or request["params"].get("n", 1) > 1 or request.get("output_prefix"):
             self.counters["local_prefills"] += 1
             return await self._run_local(request, decode.worker_id, blocks_needed)
 

@@ -80,6 +80,7 @@ class Ingress:
         try:
             # The tenant is the cache salt: no request body can choose another tenant's.
             submitted = await self.client.asubmit(prompt_ids, params, tenant, deltas=sink)
+            sink.request = submitted.request
         except AdmissionRejected as exc:
             if exc.unavailable:
                 self.metrics.rejected.labels("unavailable").inc()
@@ -103,13 +104,28 @@ class Ingress:
                 if item is _OVERFLOW:
                     self.metrics.rejected.labels("slow_client").inc()
                     return
-                for ev in stream.feed(item):
+                events = stream.feed(item)
+                if stream.migration_pending:
+                    events += await self._migrate(stream, sink)
+                for ev in events:
                     now = time.perf_counter()
                     emits.setdefault(ev.index, []).extend([now] * len(ev.token_ids))
                     self.metrics.generation_tokens.inc(len(ev.token_ids))
                     yield ev
         finally:
             self.finish(stream, sink, arrival)
+
+    async def _migrate(self, stream: RequestStream, sink: _LoopSink) -> list[StreamEvent]:
+        """Resubmit after a worker loss, continuing from what the client already received."""
+        self.metrics.migrations.inc()
+        request = stream.migration_request(sink.request)
+        try:
+            answer = await asyncio.wait_for(_ref(self.client.scheduler.submit.remote(request)), 60)
+        except Exception as exc:
+            answer = {"rejected": str(exc)}
+        if "rejected" in answer:
+            return stream.fail(f"worker lost and the request could not be migrated: {answer['rejected']}")
+        return []
 
     def finish(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> None:
         """Every request ends here exactly once, however its response ended: abort what still runs,
@@ -298,6 +314,10 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         return responses.chat_body(rid, ingress.model_name, choices, usage, chunk=False)
 
     return app
+
+
+async def _ref(ref):
+    return await ref
 
 
 def _raise_if_failed(result) -> None:

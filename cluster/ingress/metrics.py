@@ -22,6 +22,7 @@ class IngressMetrics:
         self.e2e = Histogram("tandem:e2e_request_latency_seconds", "finish - arrival", buckets=_LATENCY_BUCKETS, registry=r)
         self.finished = Counter("tandem:requests_finished", "requests finished, by finish reason", ["reason"], registry=r)
         self.rejected = Counter("tandem:requests_rejected", "requests rejected, by reason", ["reason"], registry=r)
+        self.migrations = Counter("tandem:request_migrations", "requests resubmitted after their worker was lost", registry=r)
         self.prompt_tokens = Counter("tandem:prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("tandem:generation_tokens", "tokens emitted to clients", registry=r)
         self.running = Gauge("tandem:pool_running_requests", "running sequences per pool", ["pool"], registry=r)

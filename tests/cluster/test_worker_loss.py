@@ -44,21 +44,19 @@ def test_lost_prefill_worker_is_rerouted(cluster):
     wait_until_idle(cluster)
 
 
-def test_lost_decode_worker_ends_the_stream_with_an_error(cluster):
+def test_lost_decode_worker_mid_stream_is_migrated(cluster):
+    """The stream continues on a live decode worker with no token lost or duplicated."""
+    prompt = list(range(30, 50))
+    long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    (expected,) = Engine(load("local.yaml").engine_config()).generate([prompt], long)
     client = cluster.client()
-    long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
-    stream = client.stream(list(range(30, 50)), long, timeout_s=60)
-    first = next(stream)
-    assert not first.finished
-    ray.kill(cluster.workers["decode-0"], no_restart=False)
-    start = time.monotonic()
-    events = list(stream)
-    assert events[-1].finished and events[-1].finish_reason == "error", events[-1:]
-    assert "lost" in events[-1].error
-    assert time.monotonic() - start < 10  # heartbeat timeout 2 s, or the restart's re-registration
-    # The restarted decode worker serves again; the cluster holds nothing for the lost request.
-    time.sleep(2.5)  # past the heartbeat timeout: the old incarnation is forgotten either way
-    cluster.wait_registered({"prefill-0", "decode-0"}, timeout_s=60)
-    (again,) = client.generate([list(range(70, 90))], GREEDY, timeout_s=60)[0]
-    assert again.finish_reason == "length", again.error
+    stream = client.stream(prompt, long, timeout_s=120)
+    events = [next(stream) for _ in range(3)]
+    ray.kill(cluster.workers["decode-0"], no_restart=False)  # Ray restarts it; it re-registers
+    events += list(stream)
+    assert events[-1].finished and events[-1].finish_reason == "length", events[-1]
+    tokens = [t for ev in events for t in ev.token_ids]
+    assert tokens == expected.outputs[0].token_ids
+    counters = ray.get(cluster.scheduler.state.remote(), timeout=10)["counters"]
+    assert counters["workers_lost"] + counters["finished"] >= 1
     wait_until_idle(cluster)
