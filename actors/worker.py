@@ -294,7 +294,8 @@ class Worker:
             self._counters.transfers_failed += 1
             self.engine.release_handoff(req.request_id)
             self._requests.pop(req.request_id, None)
-            self._fail(req, f"KV transfer to the decode worker failed: {exc}")
+            # The decode side is gone or unreachable: the client may continue the request elsewhere.
+            self._fail(req, f"KV transfer to the decode worker failed: {exc}", retryable=True)
             return
         self._counters.transfers_sent += 1
         self._counters.bytes_sent += len(req.dest["block_ids"]) * self.engine.runner.bytes_per_block
@@ -325,8 +326,9 @@ class Worker:
                 if table is not self._held:
                     self._fail(req, message)
 
-    def _fail(self, req: _Request, message: str) -> None:
-        delta = TokenDelta(req.request_id, 0, 0, [], int(RequestStatus.FAILED), len(req.prompt_token_ids), 0, message)
+    def _fail(self, req: _Request, message: str, retryable: bool = False) -> None:
+        delta = TokenDelta(req.request_id, 0, 0, [], int(RequestStatus.FAILED), len(req.prompt_token_ids), 0, message,
+                           retryable=retryable)
         self._publisher.publish(req.sink, [delta])
         self._finished.append((req.request_id, int(RequestStatus.FAILED)))
 

@@ -73,7 +73,10 @@ class Cluster:
                 )
                 workers[worker_id] = ray.remote(Worker).options(
                     name=f"tandem-{worker_id}", namespace=NAMESPACE, num_cpus=pool.num_cpus,
-                    num_gpus=pool.num_gpus, resources=pool.resources or None, max_concurrency=16,
+                    num_gpus=pool.num_gpus, resources=pool.resources or None,
+                    # One call at a time, in the order each caller sent them: an abort sent before a new
+                    # reservation for the same request id is applied first.
+                    max_concurrency=1,
                     max_restarts=-1,  # a dead worker comes back and re-registers itself
                 ).remote(spec, scheduler)
         cluster = cls(config, scheduler, workers, owns_ray, engine.model)

@@ -19,6 +19,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import ray
+
 from actors.block_hash import hash_prompt_blocks
 from actors.request_status import RequestStatus
 from actors.token_stream import TokenDelta, TokenPublisher
@@ -158,6 +160,8 @@ class Scheduler:
         """Admit and route one request; returns {"ok": True} or {"rejected": reason, "retry_after_s": s}."""
         self.counters["submitted"] += 1
         request_id = request["request_id"]
+        if request.get("output_prefix") and request_id in self._requests:
+            self._reclaim(request_id, failed=True)  # a migration: the old incarnation's worker is gone
         if request_id in self._requests:
             return self._reject(f"request_id {request_id!r} is already in flight", None)
         if self._queued >= self.s.max_queued:
@@ -221,7 +225,12 @@ class Scheduler:
             return await self._run_local(request, decode.worker_id, blocks_needed)
 
         decode_worker = self._workers[decode.worker_id]
-        dest_blocks = await asyncio.wait_for(decode_worker.handle.reserve.remote(request), _CALL_TIMEOUT_S)
+        try:
+            dest_blocks = await asyncio.wait_for(decode_worker.handle.reserve.remote(request), _CALL_TIMEOUT_S)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+            # The worker is dying or restarting: try again (elsewhere) until the admission deadline.
+            log.warning("reserve on %s failed: %s", decode.worker_id, exc)
+            return None
         if dest_blocks is None:
             return None
         self._commit(_Tracked(request_id, {plan.worker_id, decode.worker_id}, plan, decode.worker_id, blocks_needed,
