@@ -113,8 +113,13 @@ class RequestStream:
         self.migration_pending = False
         return {**request, "output_prefix": list(self.samples[0].result.token_ids)}
 
-    def fail(self, message: str) -> list[StreamEvent]:
-        return self.feed(TokenDelta(self.request_id, 0, 0, [], int(RequestStatus.FAILED), 0, 0, message))
+    def fail(self, message: str, status: RequestStatus = RequestStatus.FAILED) -> list[StreamEvent]:
+        """End every unfinished sample here (FAILED, or TIMED_OUT at the request's deadline)."""
+        events = []
+        for s in self.samples:
+            if not s.result.status.is_finished():
+                events += s.feed(TokenDelta(self.request_id, s.result.index, 0, [], int(status), 0, 0, message))
+        return events
 
     @property
     def results(self) -> list[SampleResult]:

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from actors.request_status import RequestStatus
 from actors.sampling_params import SamplingParams
 from cluster.client import AdmissionRejected, TandemClient
 from cluster.ingress import responses
@@ -41,6 +42,7 @@ class _LoopSink:
         self.overflowed = False
         self.tenant = tenant
         self.closed = False
+        self.timeout_s: float | None = None  # the request's own deadline, if it set one
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self._put, item)
@@ -98,9 +100,17 @@ class Ingress:
     async def events(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> AsyncIterator[StreamEvent]:
         emits: dict[int, list[float]] = {}
         self._emits[stream.request_id] = emits
+        deadline = arrival + (sink.timeout_s or self.request_timeout_s)
         try:
             while not stream.finished:
-                item = await asyncio.wait_for(sink.queue.get(), self.request_timeout_s)
+                try:
+                    item = await asyncio.wait_for(sink.queue.get(), max(deadline - time.perf_counter(), 0.0))
+                except asyncio.TimeoutError:
+                    # The request's deadline, wherever it is in the cluster: TIMED_OUT, then aborted.
+                    self.metrics.rejected.labels("timed_out").inc()
+                    for ev in stream.fail("the request ran past its deadline", RequestStatus.TIMED_OUT):
+                        yield ev
+                    return
                 if item is _OVERFLOW:
                     self.metrics.rejected.labels("slow_client").inc()
                     return
@@ -153,7 +163,8 @@ class Ingress:
             self.metrics.observe_emits(arrival, emits.get(r.index, []))
             self.metrics.finished.labels(r.finish_reason or "abort").inc()
 
-    async def open_all(self, prompts: list[list[int]], params: SamplingParams, tenant: str | None) -> list:
+    async def open_all(self, prompts: list[list[int]], params: SamplingParams, tenant: str | None,
+                       timeout_s: float | None = None) -> list:
         """Pass the gate, then open one cluster request per prompt; all or nothing."""
         try:
             params.validate_token_ids(self.vocab_size)
@@ -165,6 +176,7 @@ class Ingress:
         try:
             for p in prompts:
                 opened.append(await self.open(p, params, tenant))
+                opened[-1][1].timeout_s = timeout_s
         except BaseException:
             for stream, sink in opened:
                 self.finish(stream, sink, 0.0)
@@ -260,7 +272,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
             raise ApiError(400, "logprobs must be between 0 and 20", "logprobs")
         params = req.sampling_params(max_tokens, req.logprobs)
         prompts = ingress.encode_prompts(req.prompt)
-        opened = await ingress.open_all(prompts, params, tenant)
+        opened = await ingress.open_all(prompts, params, tenant, req.timeout)
         rid = f"cmpl-{uuid.uuid4().hex}"
         echo_texts = [ingress.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         if req.stream:
@@ -297,7 +309,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         ingress.check_prompt(prompt, "messages")
         max_tokens = min(max_tokens, ingress.max_model_len - len(prompt))  # unset: the rest of the context
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        ((stream, sink),) = await ingress.open_all([prompt], params, tenant)
+        ((stream, sink),) = await ingress.open_all([prompt], params, tenant, req.timeout)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse(_chat_chunks(ingress, stream, sink, rid, req, arrival),

@@ -50,6 +50,7 @@ class _Common(BaseModel):
     user: str | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    timeout: float | None = Field(None, gt=0, description="seconds before the request ends as timed out")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         bias = None

@@ -224,3 +224,11 @@ def test_prompt_forms_and_echo(server, client, engine):
     by_index = {c.index: c.text for c in several.choices}
     assert by_index[0] == by_index[1] and by_index[2] == by_index[3]  # greedy: both samples agree
     idle(server)
+
+
+def test_request_deadline_times_out_and_frees_blocks(server, client):
+    out = client.completions.create(model=MODEL, prompt="deadline", max_tokens=1500, temperature=0,
+                                    extra_body={"ignore_eos": True, "timeout": 0.3})
+    assert out.choices[0].finish_reason == "abort"  # TIMED_OUT; OpenAI has no reason of its own for it
+    assert 0 < out.usage.completion_tokens < 1500
+    idle(server)
