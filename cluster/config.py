@@ -86,6 +86,7 @@ class IngressSection(_Strict):
     max_n: int = Field(16, gt=0, description="largest `n` a request may ask for")
     max_body_bytes: int = Field(1 << 20, gt=0, description="larger request bodies get 413")
     stream_queue_tokens: int = Field(4096, gt=0, description="undelivered deltas per request before a slow client's request is aborted")
+    request_timeout_s: float = Field(600.0, gt=0, description="default deadline of a request; a request's own `timeout` overrides it")
     api_keys: dict[str, TenantSection] = Field(
         default_factory=dict, description="API key -> tenant and its limits; empty: no authentication"
     )

@@ -26,7 +26,8 @@ def build_ingress(cluster: Cluster) -> Ingress:
     max_len = config.model.max_model_len or hf["max_position_embeddings"]
     gate = Gate({key: TenantLimits(**t.model_dump()) for key, t in config.ingress.api_keys.items()})
     return Ingress(cluster.client(), served_model_name(cluster), max_len, gate, hf["vocab_size"], max_n=config.ingress.max_n,
-                   max_body_bytes=config.ingress.max_body_bytes, queue_size=config.ingress.stream_queue_tokens)
+                   max_body_bytes=config.ingress.max_body_bytes, queue_size=config.ingress.stream_queue_tokens,
+                   request_timeout_s=config.ingress.request_timeout_s)
 
 
 def make_server(cluster: Cluster, host: str, port: int) -> uvicorn.Server:
