@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from actors.request_status import RequestStatus
 from actors.sampling_params import SamplingParams
@@ -27,6 +27,7 @@ from cluster.ingress.gate import Gate
 from cluster.ingress.metrics import IngressMetrics
 from cluster.ingress.openapi import ChatCompletionResponse, CompletionResponse, ModelList, documented
 from cluster.ingress.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from cluster.ingress.streaming import chat_chunks, completion_chunks, sse
 from cluster.request_stream import RequestStream, StreamEvent
 
 _OVERFLOW = object()
@@ -276,7 +277,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         echo_texts = [ingress.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         if req.stream:
-            return _sse(_completion_chunks(ingress, opened, rid, req, echo_texts, arrival),
+            return sse(completion_chunks(ingress, opened, rid, req, echo_texts, arrival),
                         lambda: [ingress.finish(st, sk, arrival) for st, sk in opened])
         choices, completion_tokens, cached = [], 0, 0
         for i, (stream, sink) in enumerate(opened):
@@ -312,7 +313,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         ((stream, sink),) = await ingress.open_all([prompt], params, tenant, req.timeout)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(_chat_chunks(ingress, stream, sink, rid, req, arrival),
+            return sse(chat_chunks(ingress, stream, sink, rid, req, arrival),
                         lambda: ingress.finish(stream, sink, arrival))
         async for _ in ingress.events(stream, sink, arrival):
             pass
@@ -335,83 +336,3 @@ async def _ref(ref):
 def _raise_if_failed(result) -> None:
     if result.finish_reason == "error":
         raise ApiError(500, f"the request failed in the cluster: {result.error}", None, "server_error")
-
-
-def _sse(chunks: AsyncIterator[dict], on_close) -> StreamingResponse:
-    """Server-sent events; `on_close` runs however the stream ends (done, error, client gone)."""
-    async def body():
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
-        finally:
-            on_close()
-
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
-async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
-    """Interleave several async iterators as items arrive; cancelling the merge cancels them all."""
-    q: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i, gen):
-        try:
-            async for item in gen:
-                await q.put((i, item))
-        finally:
-            await q.put((i, done))
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await q.get()
-            if item is done:
-                remaining -= 1
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def _completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionRequest, echo_texts: list[str],
-                             arrival: float) -> AsyncIterator[dict]:
-    model = ingress.model_name
-    offsets: dict[int, int] = {}
-    if req.echo:
-        for i, text in enumerate(echo_texts):
-            for s in range(req.n):
-                yield responses.completion_body(rid, model, [{"index": i * req.n + s, "text": text, "logprobs": None,
-                                                              "finish_reason": None}], None)
-    async for i, ev in _merge([ingress.events(stream, sink, arrival) for stream, sink in opened]):
-        index = i * req.n + ev.index
-        lp = None
-        if req.logprobs is not None and ev.logprobs:
-            lp = responses.completion_logprobs(ingress.tokenizer, ev.logprobs, offsets.get(index, len(echo_texts[i])))
-            offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets.get(index, 0)
-        yield responses.completion_body(rid, model, [{"index": index, "text": ev.text, "logprobs": lp,
-                                                      "finish_reason": ev.finish_reason if ev.finished else None}], None)
-    if req.stream_options and req.stream_options.include_usage:
-        completion = sum(len(r.token_ids) for stream, _ in opened for r in stream.results)
-        cached = sum(stream.results[0].num_cached_tokens for stream, _ in opened)
-        prompt = sum(len(stream.prompt_token_ids) for stream, _ in opened)
-        yield responses.completion_body(rid, model, [], responses.usage(prompt, completion, cached))
-
-
-async def _chat_chunks(ingress: Ingress, stream: RequestStream, sink, rid: str, req: ChatCompletionRequest,
-                       arrival: float) -> AsyncIterator[dict]:
-    model = ingress.model_name
-    for s in range(req.n):
-        yield responses.chat_body(rid, model, [{"index": s, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}], None, chunk=True)
-    async for ev in ingress.events(stream, sink, arrival):
-        lp = responses.chat_logprobs(ingress.tokenizer, ev.logprobs) if req.logprobs and ev.logprobs else None
-        delta = {"content": ev.text} if ev.text or not ev.finished else {}
-        yield responses.chat_body(rid, model, [{"index": ev.index, "delta": delta, "logprobs": lp,
-                                                "finish_reason": ev.finish_reason if ev.finished else None}], None, chunk=True)
-    if req.stream_options and req.stream_options.include_usage:
-        completion = sum(len(r.token_ids) for r in stream.results)
-        yield responses.chat_body(rid, model, [], responses.usage(len(stream.prompt_token_ids), completion,
-                                                                  stream.results[0].num_cached_tokens), chunk=True)
