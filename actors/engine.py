@@ -8,7 +8,6 @@ and the offline `generate`. The engine is single-threaded and knows nothing of R
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -25,7 +24,7 @@ from actors.request_status import RequestStatus
 from actors.sampling import Sampler, SampleResult, SamplingRow, skip_draws
 from actors.sampling_params import SamplingParams
 from actors.sequence import Sequence
-from actors.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
+from actors.tokenizer import has_tokenizer, load_tokenizer, model_eos_token_ids
 
 
 class Engine:
@@ -44,7 +43,7 @@ class Engine:
                 f"{self.runner.cfg.max_position_embeddings}"
             )
         self.tokenizer = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
-        self.eos_token_ids = _eos_ids(model_dir, self.tokenizer)
+        self.eos_token_ids = model_eos_token_ids(model_dir, self.tokenizer)
         self.kv = KVCacheManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
             model_id=config.model_id or model_dir.name,
@@ -395,18 +394,3 @@ class Engine:
     @property
     def num_used_blocks(self) -> int:
         return self.kv.pool.num_used_blocks
-
-
-def _eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:
-    gen_path = model_dir / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-    if tokenizer is not None:
-        return eos_token_ids(tokenizer, gen)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    ids: set[int] = set()
-    for source in (gen.get("eos_token_id"), cfg.get("eos_token_id")):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, list):
-            ids.update(source)
-    return frozenset(ids)

@@ -10,6 +10,7 @@ tokenizer: the post-processor in tokenizer.json decides, not that attribute.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -64,4 +65,22 @@ def eos_token_ids(
                 f"generation_config eos_token_id must be an int or a list of ints, got {configured!r}"
             )
         ids.update(configured)
+    return frozenset(ids)
+
+
+def model_eos_token_ids(model_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    """Ids that end generation for a checkpoint: its tokenizer's and generation_config's, or, without
+    a tokenizer, those named in generation_config.json and config.json."""
+    model_dir = Path(model_dir)
+    gen_path = model_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    if tokenizer is not None:
+        return eos_token_ids(tokenizer, gen)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    ids: set[int] = set()
+    for source in (gen.get("eos_token_id"), cfg.get("eos_token_id")):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(source)
     return frozenset(ids)
