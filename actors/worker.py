@@ -20,50 +20,20 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ray
 import torch
 
 from actors.engine import Engine
-from actors.engine_config import EngineConfig
 from actors.kv_handoff import HandoffReceiver, HandoffSender
 from actors.request_status import RequestStatus
-from actors.sampling_params import SamplingParams
 from actors.token_stream import TokenDelta, TokenPublisher
+from actors.worker_request import WorkerRequest, WorkerSpec, request_from_wire, request_stub
 from kv_transfer.collective_transport import init_collective
 
 log = logging.getLogger("tandem.worker")
 _CALL_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    worker_id: str
-    role: str  # prefill | decode | colocated
-    engine: EngineConfig
-    torch_threads: int = 1
-    lease_s: float = 30.0
-    heartbeat_s: float = 0.05
-    zmq_transport: str = "ipc"
-    host: str = "127.0.0.1"
-    transfer_backend: str = "zmq"  # or "collective": torch.distributed over every worker of the cluster
-    collective_init: str | None = None  # "tcp://host:port" rendezvous of the collective group
-    rank: int | None = None
-    world_size: int | None = None
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    sink: str
-    dest: dict | None = None  # prefill role: {"endpoint", "block_ids"} of the decode worker
-    output_prefix: list[int] = field(default_factory=list)  # tokens already generated (a migration)
-    deadline: float | None = None  # lease end while reserved (decode) or held (prefill)
-    timings: dict = field(default_factory=dict)  # wall-clock phase stamps sent with the stream
 
 
 @dataclass
@@ -83,9 +53,9 @@ class Worker:
         self.engine = Engine(spec.engine)
         self._inbox: queue.Queue = queue.Queue()
         self._publisher = TokenPublisher()
-        self._requests: dict[str, _Request] = {}
-        self._reserved: dict[str, _Request] = {}  # decode: blocks reserved, KV not yet adopted
-        self._held: dict[str, _Request] = {}  # prefill: KV sent, blocks held until released
+        self._requests: dict[str, WorkerRequest] = {}
+        self._reserved: dict[str, WorkerRequest] = {}  # decode: blocks reserved, KV not yet adopted
+        self._held: dict[str, WorkerRequest] = {}  # prefill: KV sent, blocks held until released
         self._finished: list[tuple[str, int]] = []  # (request id, final status) not yet reported
         self._counters = _Counters()
         self._prefill_s_per_token: float | None = None
@@ -195,9 +165,9 @@ class Worker:
 
     def _do_submit(self, request: dict) -> None:
         try:
-            req = _request_from(request)
+            req = request_from_wire(request)
         except (TypeError, ValueError) as exc:
-            self._fail(_request_stub(request), f"bad request: {exc}")
+            self._fail(request_stub(request), f"bad request: {exc}")
             return
         try:
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, req.cache_salt,
@@ -209,7 +179,7 @@ class Worker:
         self._requests[req.request_id] = req
 
     def _do_reserve(self, request: dict) -> list[int] | None:
-        req = _request_from(request)
+        req = request_from_wire(request)
         blocks = self.engine.reserve(req.request_id, len(req.prompt_token_ids))
         if blocks is not None:
             req.deadline = time.monotonic() + self.spec.lease_s
@@ -283,7 +253,7 @@ class Worker:
                 self._requests.pop(request_id, None)
                 self._finished.append((request_id, int(RequestStatus.FINISHED_STOPPED)))
 
-    def _hand_off(self, req: _Request, out) -> None:
+    def _hand_off(self, req: WorkerRequest, out) -> None:
         extra = {"first_token": out.new_token_ids[0], "num_cached_tokens": out.num_cached_tokens,
                  "timings": req.timings}
         try:
@@ -326,7 +296,7 @@ class Worker:
                 if table is not self._held:
                     self._fail(req, message)
 
-    def _fail(self, req: _Request, message: str, retryable: bool = False) -> None:
+    def _fail(self, req: WorkerRequest, message: str, retryable: bool = False) -> None:
         delta = TokenDelta(req.request_id, 0, 0, [], int(RequestStatus.FAILED), len(req.prompt_token_ids), 0, message,
                            retryable=retryable)
         self._publisher.publish(req.sink, [delta])
@@ -382,21 +352,3 @@ class Worker:
         events = self.engine.take_kv_events()
         if self.scheduler is not None:
             self.scheduler.report.remote(self.spec.worker_id, self._stats(), finished, events)
-
-
-def _request_from(request: dict) -> _Request:
-    return _Request(
-        request_id=request["request_id"],
-        prompt_token_ids=list(request["prompt_token_ids"]),
-        params=SamplingParams(**request["params"]),
-        cache_salt=request.get("cache_salt"),
-        sink=request["sink"],
-        dest=request.get("dest"),
-        output_prefix=list(request.get("output_prefix") or []),
-    )
-
-
-def _request_stub(request: dict) -> _Request:
-    """Enough of a request that could not be parsed to report its failure to its sink."""
-    return _Request(request["request_id"], list(request.get("prompt_token_ids", [])), SamplingParams(), None,
-                    request["sink"])

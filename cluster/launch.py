@@ -13,7 +13,8 @@ from pathlib import Path
 import ray
 
 from actors.tokenizer import has_tokenizer, load_tokenizer
-from actors.worker import Worker, WorkerSpec
+from actors.worker import Worker
+from actors.worker_request import WorkerSpec
 from cluster.client import TandemClient
 from cluster.config import TandemConfig
 from cluster.scheduler import Scheduler, SchedulerSettings

@@ -1,6 +1,5 @@
 """The batched Sampler: draws, greedy, constraints and penalties, seeds, logprobs."""
 
-
 import pytest
 import torch
 from scipy.stats import chisquare

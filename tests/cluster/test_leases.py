@@ -10,7 +10,8 @@ import zmq
 
 from actors.request_status import RequestStatus
 from actors.token_stream import decode_deltas
-from actors.worker import Worker, WorkerSpec
+from actors.worker import Worker
+from actors.worker_request import WorkerSpec
 from tests.cluster.test_cluster_parity import load
 
 LEASE_S = 1.0

@@ -8,7 +8,8 @@ import dataclasses
 import ray
 
 from actors.sampling_params import SamplingParams
-from actors.worker import Worker, WorkerSpec
+from actors.worker import Worker
+from actors.worker_request import WorkerSpec
 from cluster.client import TandemClient
 from cluster.launch import Cluster
 from cluster.scheduler import Scheduler, SchedulerSettings
