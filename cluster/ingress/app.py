@@ -32,6 +32,7 @@ from cluster.request_stream import RequestStream, StreamEvent
 
 _OVERFLOW = object()
 log = logging.getLogger("tandem.ingress")
+_STATE_TIMEOUT_S = 5.0
 
 
 class _LoopSink:
@@ -244,16 +245,23 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    async def scheduler_state() -> dict:
+        try:
+            return await asyncio.wait_for(_ref(scheduler.state.remote()), _STATE_TIMEOUT_S)
+        except Exception as exc:  # a scheduler that is gone or stuck: not ready, never a hung probe
+            raise ApiError(503, f"the scheduler did not answer: {type(exc).__name__}", None, "service_unavailable",
+                           {"Retry-After": "5"}) from None
+
     @app.get("/ready")
     async def ready():
-        state = await scheduler.state.remote()
+        state = await scheduler_state()
         roles = {v["role"] for v in state["workers"].values()}
         ok = roles >= {"prefill", "decode"} or "colocated" in roles
         return JSONResponse({"ready": ok, "workers": sorted(state["workers"])}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():
-        state = await scheduler.state.remote()
+        state = await scheduler_state()
         ingress.metrics.update_pools(state["workers"])
         ingress.metrics.update_workers(state["worker_stats"])
         return Response(ingress.metrics.render(), media_type="text/plain; version=0.0.4")
