@@ -16,9 +16,11 @@ Roles:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
+import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -39,6 +41,7 @@ _CALL_TIMEOUT_S = 30.0
 @dataclass
 class _Counters:
     leases_expired: int = 0
+    lease_overrun_s: float = 0.0  # the latest any lease was released after its deadline
     transfers_sent: int = 0
     transfers_failed: int = 0
     adopted: int = 0
@@ -69,12 +72,18 @@ class Worker:
         if spec.role == "decode":
             self._receiver = HandoffReceiver(caches, self._accept_pages, self._on_pages,
                                              spec.zmq_transport, spec.host, group)
+        # A fresh id per process: the scheduler tells a restarted worker (new incarnation, its requests
+        # lost) from one that re-announces itself (same incarnation, its requests still live).
+        self._incarnation = uuid.uuid4().hex
+        self._last_report = None  # the previous report's reply: False means "register again"
+        self._registering = None
+        self._faults: set[str] = set()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"engine-{spec.worker_id}", daemon=True)
-        self._thread.start()
         if scheduler is not None:
             # Registering itself (not from the launcher) is what lets a restarted worker rejoin.
-            scheduler.register.remote(self.info(), ray.get_runtime_context().current_actor)
+            self._register()
+        self._thread = threading.Thread(target=self._run, name=f"engine-{spec.worker_id}", daemon=True)
+        self._thread.start()
 
     # ---- Ray methods: called from any thread ----
 
@@ -86,7 +95,15 @@ class Worker:
             "num_blocks": self.engine.runner.num_kv_blocks,
             "block_size": self.engine.config.block_size,
             "kv_bytes_per_token": self.engine.runner.bytes_per_block // self.engine.config.block_size,
+            "incarnation": self._incarnation,
         }
+
+    def inject_fault(self, fault: str | None) -> None:
+        """Chaos hook: `drop_kv_sends` (prefill: pages are lost on the wire), `ignore_kv_arrivals`
+        (decode: pages land but are never adopted or acked); None clears every fault."""
+        if fault not in (None, "drop_kv_sends", "ignore_kv_arrivals"):
+            raise ValueError(f"unknown fault {fault!r}")
+        self._inbox.put(("fault", fault))
 
     def submit(self, request: dict) -> None:
         self._inbox.put(("submit", request))
@@ -187,6 +204,8 @@ class Worker:
         return blocks
 
     def _do_adopt(self, header) -> None:
+        if "ignore_kv_arrivals" in self._faults:
+            return  # the reservation stays until its lease ends, and the sender never gets an ack
         req = self._reserved.pop(header.transfer_id, None)
         if req is None:
             return  # aborted meanwhile
@@ -196,7 +215,7 @@ class Worker:
         self._requests[req.request_id] = req
         self._counters.adopted += 1
         if self.scheduler is not None:
-            self.scheduler.handoff_done.remote(req.request_id)
+            self.scheduler.handoff_done.remote(req.request_id, header.extra.get("prefill_worker"))
 
     def _do_transfer_failed(self, arg: tuple[str, str]) -> None:
         request_id, reason = arg
@@ -213,6 +232,12 @@ class Worker:
         self.engine.abort(request_id)
         for table in (self._requests, self._reserved, self._held):
             table.pop(request_id, None)
+
+    def _do_fault(self, fault: str | None) -> None:
+        if fault is None:
+            self._faults.clear()
+        else:
+            self._faults.add(fault)
 
     def _do_integrity(self, _) -> dict:
         self.engine.check_integrity()
@@ -255,11 +280,12 @@ class Worker:
 
     def _hand_off(self, req: WorkerRequest, out) -> None:
         extra = {"first_token": out.new_token_ids[0], "num_cached_tokens": out.num_cached_tokens,
-                 "timings": req.timings}
+                 "timings": req.timings, "prefill_worker": self.spec.worker_id}
         try:
-            self._sender.send(req.dest["endpoint"], req.request_id, req.dest["lease_id"],
-                              self.engine.handoff_blocks(req.request_id), req.dest["block_ids"], extra,
-                              timeout_s=min(self.spec.lease_s, 10.0))
+            if "drop_kv_sends" not in self._faults:
+                self._sender.send(req.dest["endpoint"], req.request_id, req.dest["lease_id"],
+                                  self.engine.handoff_blocks(req.request_id), req.dest["block_ids"], extra,
+                                  timeout_s=min(self.spec.lease_s, 10.0))
         except Exception as exc:
             self._counters.transfers_failed += 1
             self.engine.release_handoff(req.request_id)
@@ -280,13 +306,19 @@ class Worker:
                 log.warning("worker %s: no release for %s within the lease; freeing its blocks", self.spec.worker_id, request_id)
                 del self._held[request_id]
                 self.engine.release_handoff(request_id)
-                self._counters.leases_expired += 1
+                self._count_expiry(now - req.deadline)
         for request_id, req in list(self._reserved.items()):
             if req.deadline < now and self._receiver.begin_expiry(request_id):
                 del self._reserved[request_id]
                 self.engine.release_reservation(request_id)
-                self._counters.leases_expired += 1
-                self._fail(req, f"KV for {request_id} did not arrive within the {self.spec.lease_s}s lease")
+                self._count_expiry(now - req.deadline)
+                # The first token may have reached the client already: it can continue the request elsewhere.
+                self._fail(req, f"KV for {request_id} did not arrive within the {self.spec.lease_s}s lease",
+                           retryable=True)
+
+    def _count_expiry(self, late_s: float) -> None:
+        self._counters.leases_expired += 1
+        self._counters.lease_overrun_s = max(self._counters.lease_overrun_s, late_s)
 
     def _fail_everything(self, message: str) -> None:
         for table in (self._requests, self._reserved, self._held):
@@ -340,6 +372,8 @@ class Worker:
             "held": len(self._held),
             "live_requests": len(self._requests),
             "leases_expired": self._counters.leases_expired,
+            "lease_overrun_s": self._counters.lease_overrun_s,
+            "rss_bytes": _rss_bytes(),
             "transfers_sent": self._counters.transfers_sent,
             "transfers_failed": self._counters.transfers_failed,
             "adopted": self._counters.adopted,
@@ -350,5 +384,46 @@ class Worker:
     def _report(self) -> None:
         finished, self._finished = self._finished, []
         events = self.engine.take_kv_events()
-        if self.scheduler is not None:
-            self.scheduler.report.remote(self.spec.worker_id, self._stats(), finished, events)
+        if self.scheduler is None:
+            return
+        if self._scheduler_forgot_us():
+            self._register()
+        self._last_report = self.scheduler.report.remote(self.spec.worker_id, self._stats(), finished, events)
+
+    def _scheduler_forgot_us(self) -> bool:
+        """The previous report was answered "unknown worker": the scheduler restarted, or its
+        watchdog gave up on this worker during a stall. Either way this worker must register again."""
+        if self._last_report is None or (self._registering is not None and not _done(self._registering)):
+            return False
+        if not _done(self._last_report):
+            return False
+        try:
+            known = ray.get(self._last_report, timeout=0)
+        except Exception:  # the scheduler is down or restarting: keep reporting until it answers
+            return False
+        self._last_report = None
+        return known is False
+
+    def _register(self) -> None:
+        handle = ray.get_runtime_context().current_actor
+        self._registering = self.scheduler.register.remote(self.info(), handle, self._live())
+
+    def _live(self) -> list[dict]:
+        """Every request this worker holds state for, so a restarted scheduler can rebuild its view."""
+        phases = (("running", self._requests), ("reserved", self._reserved), ("held", self._held))
+        return [{"phase": phase, "request": _wire(req)} for phase, table in phases for req in table.values()]
+
+
+def _wire(req: WorkerRequest) -> dict:
+    return {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids, "params": vars(req.params),
+            "cache_salt": req.cache_salt, "sink": req.sink, "dest": req.dest, "output_prefix": req.output_prefix}
+
+
+def _done(ref) -> bool:
+    ready, _ = ray.wait([ref], timeout=0)
+    return bool(ready)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -54,7 +54,13 @@ class Cluster:
             transfer_bytes_per_s=config.scheduler.transfer_bytes_per_s,
             heartbeat_timeout_s=config.scheduler.heartbeat_timeout_s,
         )
-        scheduler = ray.remote(Scheduler).options(name=SCHEDULER_NAME, namespace=NAMESPACE, num_cpus=0).remote(settings)
+        _clear_orphaned_scheduler()
+        scheduler = ray.remote(Scheduler).options(
+            name=SCHEDULER_NAME, namespace=NAMESPACE, num_cpus=0,
+            # Detached and restarted by Ray: a restarted scheduler starts empty and rebuilds its view as
+            # the workers, finding their reports unanswered, register again with their live requests.
+            lifetime="detached", max_restarts=-1,
+        ).remote(settings)
         workers = {}
         world_size = sum(p.replicas for p in config.pools().values())
         collective_init = None
@@ -94,7 +100,10 @@ class Cluster:
         """Workers register themselves; wait until the scheduler knows every one of them."""
         deadline = time.monotonic() + timeout_s
         while True:
-            known = set(ray.get(self.scheduler.state.remote(), timeout=timeout_s)["workers"])
+            try:
+                known = set(ray.get(self.scheduler.state.remote(), timeout=timeout_s)["workers"])
+            except ray.exceptions.RayActorError:  # the scheduler is restarting
+                known = set()
             if worker_ids <= known:
                 return
             if time.monotonic() > deadline:
@@ -121,9 +130,33 @@ class Cluster:
         except Exception as exc:  # a worker that is already gone must not stop the teardown
             log.warning("worker shutdown: %s", exc)
         for handle in [*self.workers.values(), self.scheduler]:
-            ray.kill(handle)
+            ray.kill(handle, no_restart=True)
         if self._owns_ray:
             ray.shutdown()
+
+
+def _clear_orphaned_scheduler() -> None:
+    """A detached scheduler outlives a `tandem serve` that crashed; with no workers left it is an
+    orphan and goes. One that still has workers belongs to a running cluster: refuse to start."""
+    try:
+        stale = ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return
+    try:
+        workers = ray.get(stale.state.remote(), timeout=10)["workers"]
+    except Exception:  # dead or stuck: nothing to keep
+        workers = {}
+    if workers:
+        raise ValueError(f"a tandem cluster already runs on this Ray cluster (workers {sorted(workers)}); "
+                         "stop it first, or use --address to join another Ray cluster")
+    ray.kill(stale, no_restart=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.05)
 
 
 def _free_port(host: str) -> int:

@@ -76,6 +76,7 @@ class Scheduler:
         self._turn = itertools.count()
         self._queued = 0
         self._committed: dict[str, int] = {}  # worker id -> KV blocks promised to in-flight requests
+        self._lost: dict[str, str] = {}  # worker id -> incarnation the watchdog declared dead
         self._watchdog: asyncio.Task | None = None
         self._publisher = TokenPublisher()  # only to tell a client its request failed with a lost worker
         self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "failed": 0, "local_prefills": 0,
@@ -83,16 +84,48 @@ class Scheduler:
 
     # ---- workers ----
 
-    async def register(self, info: dict, handle) -> None:
-        """A worker (new, or restarted by Ray) joins; a re-registration replaces its old view."""
+    async def register(self, info: dict, handle, live: list[dict] = ()) -> bool:
+        """A worker joins: new, restarted by Ray (a new incarnation: its old requests are gone), or
+        re-announcing itself (same incarnation) because this scheduler restarted or its watchdog gave
+        up on it. `live` is every request the worker still holds state for."""
         wid = info["worker_id"]
-        if wid in self._workers:
+        known = self._workers.get(wid)
+        if known is not None and known.info["incarnation"] != info["incarnation"]:
             self._forget_worker(wid, "it restarted")
-        view = WorkerView(wid, info["role"], info["num_blocks"], info["num_blocks"])
-        self._workers[wid] = _Worker(handle, info, view)
-        log.info("registered %s worker %s", info["role"], wid)
+            known = None
+        if known is None:
+            view = WorkerView(wid, info["role"], info["num_blocks"], info["num_blocks"])
+            self._workers[wid] = _Worker(handle, info, view)
+            log.info("registered %s worker %s (%d live requests)", info["role"], wid, len(live))
+        if self._lost.pop(wid, None) == info["incarnation"]:
+            # Declared dead during a stall: its requests were re-routed or failed since; stop its copies.
+            for entry in live:
+                handle.abort.remote(entry["request"]["request_id"])
+        else:
+            for entry in live:
+                self._adopt_live(wid, entry["phase"], entry["request"])
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        return True
+
+    def _adopt_live(self, wid: str, phase: str, request: dict) -> None:
+        """Rebuild the tracking of a request a worker still serves (after this scheduler restarted).
+        Idempotent: a worker may announce the same request more than once."""
+        request_id = request["request_id"]
+        role = self._workers[wid].view.role
+        tracked = self._requests.get(request_id)
+        if tracked is None:
+            decode_id = request["dest"]["decode_worker"] if role == "prefill" else wid
+            tracked = _Tracked(request_id, set(), None, decode_id, self._blocks_needed(request), request=request)
+            self._commit(tracked)
+        tracked.workers.add(wid)
+        if role == "prefill":
+            tracked.prefill = PrefillPlan(wid, False, 0, 0.0)
+        elif phase == "running" and tracked.prefill is not None and tracked.prefill.worker_id != wid:
+            tracked.handed_off = True
+        if tracked.handed_off and tracked.prefill is not None and tracked.prefill.worker_id in tracked.workers:
+            # The decode side adopted the pages while no scheduler could pass on its ack.
+            self._release_prefill(tracked)
 
     async def _watch(self) -> None:
         """Declare workers dead when their reports stop; their requests are re-routed or failed."""
@@ -103,6 +136,7 @@ class Scheduler:
                 if now - worker.last_seen > self.s.heartbeat_timeout_s:
                     log.warning("worker %s sent no report for %.1fs: routing around it", wid, now - worker.last_seen)
                     self._forget_worker(wid, "it stopped responding")
+                    self._lost[wid] = worker.info["incarnation"]
                     del self._workers[wid]
                     self.counters["workers_lost"] += 1
 
@@ -130,10 +164,11 @@ class Scheduler:
                            len(request["prompt_token_ids"]), 0, message, retryable=retryable)
         self._publisher.publish(request["sink"], [delta])
 
-    async def report(self, worker_id: str, stats: dict, finished: list, events: list) -> None:
+    async def report(self, worker_id: str, stats: dict, finished: list, events: list) -> bool:
+        """False tells the worker this scheduler does not know it: it registers again."""
         worker = self._workers.get(worker_id)
         if worker is None:
-            return
+            return False
         worker.last_seen = time.monotonic()
         worker.stats = stats
         v = worker.view
@@ -144,14 +179,24 @@ class Scheduler:
         self._index.apply(worker_id, events)
         for request_id, status in finished:
             self._reclaim(request_id, failed=status >= 14)
+        return True
 
-    async def handoff_done(self, request_id: str) -> None:
+    async def handoff_done(self, request_id: str, prefill_worker: str | None = None) -> None:
         tracked = self._requests.get(request_id)
         if tracked is None or tracked.prefill is None:
+            # Not tracked (this scheduler restarted since): the prefill worker still holds the pages.
+            worker = self._workers.get(prefill_worker)
+            if worker is not None and worker.view.role == "prefill":
+                worker.handle.release.remote(request_id)
             return
         tracked.handed_off = True
+        self._release_prefill(tracked)
+
+    def _release_prefill(self, tracked: _Tracked) -> None:
         prefill_id = tracked.prefill.worker_id
-        self._workers[prefill_id].handle.release.remote(request_id)
+        worker = self._workers.get(prefill_id)
+        if worker is not None:
+            worker.handle.release.remote(tracked.request_id)
         tracked.workers.discard(prefill_id)
 
     # ---- requests ----
@@ -174,11 +219,8 @@ class Scheduler:
 
     async def _admit(self, request: dict) -> dict:
         prompt = request["prompt_token_ids"]
-        params = request["params"]
         deadline = time.monotonic() + self.s.queue_timeout_s
-        reserve_tokens = len(prompt) + (params.get("max_tokens", 16) * params.get("n", 1)
-                                        if self.s.reserve == "prompt_plus_max_tokens" else 1)
-        blocks_needed = -(-reserve_tokens // self.s.block_size)
+        blocks_needed = self._blocks_needed(request)
         hashes = hash_prompt_blocks(prompt, self.s.block_size, request.get("cache_salt"), self.s.model_id)
         pool = "colocated" if self.s.mode == "colocated" else "decode"
         while True:
@@ -263,6 +305,12 @@ class Scheduler:
                 worker.handle.abort.remote(request_id)  # idempotent on the worker
         self.counters["failed" if failed else "finished"] += 1
         return True
+
+    def _blocks_needed(self, request: dict) -> int:
+        params = request["params"]
+        reserve_tokens = len(request["prompt_token_ids"]) + (params.get("max_tokens", 16) * params.get("n", 1)
+                                                             if self.s.reserve == "prompt_plus_max_tokens" else 1)
+        return -(-reserve_tokens // self.s.block_size)
 
     def _reject(self, reason: str, retry_after_s: float | None) -> dict:
         """retry_after_s None: the request can never be admitted as it is (a client error)."""

@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -85,6 +86,11 @@ class Ingress:
             # The tenant is the cache salt: no request body can choose another tenant's.
             submitted = await self.client.asubmit(prompt_ids, params, tenant, deltas=sink)
             sink.request = submitted.request
+        except ray.exceptions.RayError as exc:
+            # The scheduler died while admitting it (Ray restarts it): nothing of the request runs.
+            self.metrics.rejected.labels("unavailable").inc()
+            raise ApiError(503, f"the scheduler was lost while admitting the request ({type(exc).__name__}); retry",
+                           None, "service_unavailable", {"Retry-After": "1"}) from None
         except AdmissionRejected as exc:
             if exc.unavailable:
                 self.metrics.rejected.labels("unavailable").inc()
