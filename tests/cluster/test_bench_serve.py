@@ -1,0 +1,88 @@
+"""`tandem bench serve` against a live 1P+1D tandem cluster behind its HTTP ingress."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from cluster.cli import main
+from cluster.ingress.server import make_server
+from cluster.launch import Cluster
+from tests.cluster.test_cluster_parity import load, wait_until_idle
+
+
+@pytest.fixture(scope="module")
+def server(ray_session):
+    cluster = Cluster.start(load("local.yaml"))
+    http = make_server(cluster, "127.0.0.1", 0)
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not http.started:
+        assert time.monotonic() < deadline, "the HTTP server did not start"
+        time.sleep(0.05)
+    yield cluster, f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
+    http.should_exit = True
+    thread.join(timeout=10)
+    cluster.shutdown()
+
+
+def check_run(run: dict) -> None:
+    counts, slo = run["counts"], run["slo"]
+    assert counts["completed"] + counts["failed"] == counts["sent"]
+    assert counts["failed"] == sum(run["failures"].values())
+    measured = [r for r in run["requests"] if not r["warmup"]]
+    assert len(measured) == counts["sent"]
+    assert sum(r["error"] is None for r in measured) == counts["completed"]
+    for name, stats in run["latency_ms"].items():
+        if stats["n"]:
+            assert 0 <= stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"], (name, stats)
+    assert run["latency_ms"]["ttft"]["n"] == counts["completed"]
+    assert 0.0 <= slo["attainment"] <= 1.0
+    assert slo["good"] <= counts["completed"]
+    assert slo["goodput_rps"] <= run["throughput"]["requests_per_s"] + 1e-9
+    assert run["client_lag_ms"]["max"] is not None
+
+
+def test_bench_serve_against_tandem(server, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    code = main(["bench", "serve", "--base-url", server[1], "--rate", "4", "--duration", "3", "--warmup", "2",
+                 "--prompt-len", "uniform:16:96", "--output-len", "uniform:4:12", "--slo-ttft-ms", "2000",
+                 "--slo-tpot-ms", "500", "--out", str(out), "--no-progress"])
+    assert code == 0
+    run = json.loads(out.read_text())
+    check_run(run)
+    assert run["model"] == "tiny-llama" and run["loop"] == "open"
+    assert run["warmup"]["counts"]["sent"] == 2
+    assert len(run["requests"]) == 2 + run["counts"]["sent"]
+    assert run["counts"]["failed"] == 0, run["failures"]
+    # ignore_eos + max_tokens: the server returned exactly the lengths the workload asked for.
+    assert run["output_len_mismatches"] == 0
+    for r in run["requests"]:
+        assert r["output_tokens"] == r["max_tokens"] and r["prompt_tokens"] == r["prompt_len"]
+    assert (tmp_path / "serve_cdf.png").stat().st_size > 0 and (tmp_path / "serve_timeline.png").stat().st_size > 0
+    table = capsys.readouterr().out
+    assert "TTFT" in table and "attainment" in table and "client lag" in table
+    wait_until_idle(server[0])
+
+
+def test_bench_serve_sweep_and_shared_prefixes_against_tandem(server, tmp_path):
+    out = tmp_path / "sweep.json"
+    code = main(["bench", "serve", "--base-url", server[1], "--rates", "2,6", "--num-requests", "6",
+                 "--shared-prefixes", "2", "--prefix-len", "64", "--prompt-len", "16", "--output-len", "6",
+                 "--slo-ttft-ms", "2000", "--out", str(out), "--no-progress"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["rates"] == [2.0, 6.0] and len(data["runs"]) == 2
+    for run in data["runs"]:
+        check_run(run)
+        assert run["counts"]["sent"] == 6
+        assert all(r["prompt_tokens"] == 80 for r in run["requests"] if r["error"] is None)
+    passing = [rate for rate, a in zip(data["rates"], data["attainment"]) if a >= 0.9]
+    assert data["best_rate"] == (max(passing) if passing else None)
+    for suffix in ("attainment", "cdf", "timeline"):
+        assert (tmp_path / f"sweep_{suffix}.png").stat().st_size > 0
+    wait_until_idle(server[0])
