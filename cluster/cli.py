@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.loadgen.cli import add_arguments as add_bench_serve
 
     add_bench_serve(bench_sub.add_parser("serve", help="open-loop load against an OpenAI-compatible server: latency, SLO goodput"))
+    from cluster.planner.cli import add_arguments as add_plan
+
+    add_plan(sub.add_parser("plan", help="simulate the cluster and recommend prefill/decode pool sizes under SLOs"))
 
     args = parser.parse_args(argv)
     try:
