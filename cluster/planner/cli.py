@@ -16,6 +16,7 @@ from cluster.planner.workload import Lengths, Workload
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.allow_abbrev = False  # else `plan profile --model` reads as an ambiguous --model-preset/--model-config
     src = p.add_argument_group("costs (one of --profile or --gpu)")
     src.add_argument("--profile", default=None, help="profile JSON from `tandem plan profile` (or hand-written)")
     src.add_argument("--gpu", default=None, choices=sorted(GPUS), help="roofline profile for this GPU")

@@ -126,6 +126,15 @@ class EngineLimits:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs="
                              f"{self.max_num_seqs}: every running decode must fit in one step's token budget")
 
+    @classmethod
+    def from_config(cls, config, num_kv_blocks: int | None = None) -> "EngineLimits":
+        """The engine section of a `TandemConfig`; `num_kv_blocks` is needed when the config sizes the cache in GB."""
+        e = config.engine
+        blocks = e.num_kv_blocks or num_kv_blocks
+        if blocks is None:
+            raise ValueError("the config sizes the KV cache in GB (engine.num_kv_blocks is null): pass num_kv_blocks")
+        return cls(e.block_size, blocks, e.max_num_seqs, e.max_num_batched_tokens)
+
 
 @dataclass(frozen=True)
 class LinearCost:

@@ -65,6 +65,13 @@ class Layout:
     def describe(self) -> str:
         return f"{self.prefill}P:{self.decode}D" if self.mode == "disaggregated" else f"{self.colocated}C"
 
+    @classmethod
+    def from_config(cls, config) -> "Layout":
+        """The layout a `TandemConfig` (cluster/config.py) starts."""
+        if config.mode == "colocated":
+            return cls.colocated_workers(config.colocated.replicas)
+        return cls.disaggregated(config.prefill.replicas, config.decode.replicas)
+
 
 @dataclass(frozen=True)
 class SimOptions:
@@ -72,6 +79,12 @@ class SimOptions:
     local_prefill: bool = True
     local_prefill_penalty: float = 1.0
     default_prefill_s_per_token: float = 2e-4  # the scheduler's guess until a worker has measured itself
+
+    @classmethod
+    def from_config(cls, config) -> "SimOptions":
+        """The routing policy of a `TandemConfig`'s scheduler section."""
+        s = config.scheduler
+        return cls(s.routing, s.local_prefill, s.local_prefill_penalty, s.prefill_s_per_token)
 
 
 @dataclass

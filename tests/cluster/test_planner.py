@@ -171,3 +171,22 @@ def test_profile_of_the_default_model_then_plan_from_it(tmp_path, capsys):
 def test_bad_plan_input_is_a_clear_error(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_tandem_config_gives_the_layout_limits_and_routing_to_simulate():
+    from dataclasses import replace
+    from pathlib import Path
+
+    from cluster.config import TandemConfig
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    colocated, local = TandemConfig.from_file(configs / "colocated.yaml"), TandemConfig.from_file(configs / "local.yaml")
+    assert (Layout.from_config(colocated), Layout.from_config(local)) == (Layout.colocated_workers(2), Layout.disaggregated(1, 1))
+    limits = EngineLimits.from_config(colocated)
+    assert (limits.num_kv_blocks, limits.max_num_batched_tokens, limits.max_num_seqs) == (4096, 512, 64)
+    options = SimOptions.from_config(local)
+    assert (options.routing, options.local_prefill) == ("cache_aware", True)
+    # A 1000-token prompt on the colocated config is chunked by its 512-token budget: two prefill steps.
+    profile = replace(linear_profile(), engine=limits)
+    result = simulate(profile, Layout.from_config(colocated), [SimRequest(0.0, 1000, 2)], options)
+    assert len(result.step_ends["colocated-0"]) == 3 and result.seqs[0].first_token_s == pytest.approx(1.0)
