@@ -29,7 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--prefix-len", type=int, default=256, help="tokens per shared system prompt (default: %(default)s)")
     w.add_argument("--trace", default=None, metavar="FILE",
                    help="JSONL trace: timestamp, prompt (text or token ids) or prompt_len, output_len")
-    w.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrival draws")
+    w.add_argument("--seed", type=int, default=0, help="seeds the workload lengths and the arrival draws")
+    w.add_argument("--prompt-salt", type=int, default=None,
+                   help="fixes prompt contents (default: fresh each run, so the server's prefix cache is cold)")
     a = p.add_argument_group("arrivals")
     a.add_argument("--arrival", choices=["poisson", "gamma", "constant", "trace"], default=None,
                    help="open-loop process (default: trace with --trace, gamma with --burstiness, else poisson)")
@@ -66,7 +68,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         kind = "synthetic"
     workload = WorkloadSpec(kind=kind, prompt_len=args.prompt_len, output_len=args.output_len, vocab_size=args.vocab_size,
                             num_prefixes=args.shared_prefixes or 1, prefix_len=args.prefix_len, trace_path=args.trace,
-                            seed=args.seed)
+                            seed=args.seed, prompt_salt=args.prompt_salt)
     if args.concurrency is not None:
         if args.arrival or args.rate is not None:
             raise ValueError("--concurrency runs a closed loop; it does not combine with --arrival or --rate")

@@ -31,6 +31,7 @@ class RequestRecord:
     end: float | None = None
     prompt_tokens: int | None = None  # from the server's usage
     output_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache served, if it says
     error: str | None = None
     error_detail: str | None = None
 
@@ -152,6 +153,7 @@ def _on_chunk(chunk: dict, now: float, record: RequestRecord) -> None:
     if usage:
         record.prompt_tokens = usage.get("prompt_tokens")
         record.output_tokens = usage.get("completion_tokens")
+        record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
 async def fetch_model(client: httpx.AsyncClient) -> str:

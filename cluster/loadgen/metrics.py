@@ -84,6 +84,7 @@ def summarize(records: list[RequestRecord], spec: BenchSpec) -> dict:
                 "attainment": good / len(measured) if measured else 0.0, "goodput_rps": per_s(good)},
         "client_lag_ms": {"mean": float(np.mean(lags)) * 1e3 if lags else None,
                           "max": float(np.max(lags)) * 1e3 if lags else None},
+        "cached_prompt_fraction": sum(r.cached_tokens or 0 for r in ok) / prompt_tokens if prompt_tokens else None,
         "output_len_mismatches": sum(r.output_tokens is not None and r.output_tokens != r.max_tokens for r in ok),
         "warmup": {"counts": counts(warm), "failures": failures(warm), "latency_ms": latency_stats(warm)},
     }

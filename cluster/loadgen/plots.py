@@ -42,12 +42,18 @@ def plot_cdfs(runs: list[tuple[str | None, dict]], path: Path, slo: dict | None 
     for label, run in runs:
         for ax, (name, values) in zip(axes, latency_samples_ms(run).items()):
             _cdf(ax, values, label)
+    itl = [v for _, run in runs for v in latency_samples_ms(run)["ITL"]]
+    if itl:  # a few long gaps would squash the body of the curve into the y axis
+        axes[2].set_xlim(0, 1.1 * float(np.percentile(itl, 99.5)))
+        axes[2].set_title("ITL CDF (to p99.5)")
     slo = slo or {}
     for ax, name in zip(axes, ("TTFT", "TPOT", "ITL", "E2E")):
         limit = {"TTFT": slo.get("ttft_ms"), "TPOT": slo.get("tpot_ms")}.get(name)
         if limit:
             ax.axvline(limit, color="red", linestyle="--", linewidth=1, label="SLO")
-        ax.set(title=f"{name} CDF", xlabel="ms", ylim=(0, 1.02))
+        if name != "ITL" or not itl:
+            ax.set_title(f"{name} CDF")
+        ax.set(xlabel="ms", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of samples")
     if any(label for label, _ in runs) or slo.get("ttft_ms"):
@@ -63,10 +69,15 @@ def plot_timeline(run: dict, path: Path) -> Path:
     ok = _ok(run)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     top.scatter([r["scheduled_s"] for r in ok], [1e3 * (r["emits_s"][0] - r["scheduled_s"]) for r in ok], s=6)
+    warm = [r for r in run["requests"] if r["warmup"] and r["error"] is None and r["emits_s"]]
+    if warm:
+        top.scatter([r["scheduled_s"] for r in warm], [1e3 * (r["emits_s"][0] - r["scheduled_s"]) for r in warm],
+                    s=6, color="gray", label="warm-up")
     failed = [r for r in run["requests"] if not r["warmup"] and r["error"] is not None]
     if failed:
         top.scatter([r["scheduled_s"] for r in failed], [0] * len(failed), s=14, marker="x", color="red",
                     label="failed")
+    if warm or failed:
         top.legend(fontsize=7)
     top.set(ylabel="TTFT (ms)", title=f"{run['model']}: {run['arrival']}")
     bottom.scatter([b for r in ok for b in r["emits_s"][1:]],

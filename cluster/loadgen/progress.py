@@ -1,4 +1,5 @@
-"""A one-line progress bar on stderr, redrawn at most ten times a second."""
+"""A one-line progress bar on stderr, redrawn at most ten times a second; only on a terminal, since
+carriage returns in a log file are noise."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import time
 
 class Progress:
     def __init__(self, total: int | None, label: str, enabled: bool = True, stream=sys.stderr):
-        self.total, self.label, self.enabled, self.stream = total, label, enabled, stream
+        self.total, self.label, self.stream = total, label, stream
+        self.enabled = enabled and stream.isatty()
         self.done = self.failed = self.in_flight = 0
         self._start = time.perf_counter()
         self._last_draw = 0.0

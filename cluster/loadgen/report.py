@@ -48,6 +48,8 @@ def format_run(result: dict) -> str:
         f"goodput {slo['goodput_rps']:.2f} req/s",
         f"client lag (sent - scheduled): mean {_ms(lag['mean'])} ms, max {_ms(lag['max'])} ms",
     ]
+    if result["cached_prompt_fraction"] is not None:
+        lines.append(f"prompt tokens served from the server's prefix cache: {100 * result['cached_prompt_fraction']:.1f}%")
     if result["output_len_mismatches"]:
         lines.append(f"warning: {result['output_len_mismatches']} completed requests returned a different number "
                      "of tokens than max_tokens (does the server honour ignore_eos?)")

@@ -51,7 +51,7 @@ def _record_dict(r: RequestRecord) -> dict:
     return {"index": r.index, "warmup": r.warmup, "prompt_len": r.prompt_len, "max_tokens": r.max_tokens,
             "scheduled_s": rounded(r.scheduled), "sent_s": rounded(r.sent), "end_s": rounded(r.end),
             "emits_s": [rounded(t) for t in r.emits], "prompt_tokens": r.prompt_tokens,
-            "output_tokens": r.output_tokens, "error": r.error, "error_detail": r.error_detail}
+            "output_tokens": r.output_tokens, "cached_tokens": r.cached_tokens, "error": r.error, "error_detail": r.error_detail}
 
 
 def run_benchmark(spec: BenchSpec) -> BenchResult:
@@ -60,6 +60,7 @@ def run_benchmark(spec: BenchSpec) -> BenchResult:
 
 
 async def run_benchmark_async(spec: BenchSpec) -> BenchResult:
+    spec = spec.with_fixed_salt()
     workload = build_workload(spec.workload)
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
     # No pool limit: a capped pool would queue sends inside the client, which is closed loop in disguise.

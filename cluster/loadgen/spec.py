@@ -66,7 +66,10 @@ class WorkloadSpec(_Strict):
     num_prefixes: int = Field(4, ge=1, description="shared_prefix: how many distinct system prompts")
     prefix_len: int = Field(256, ge=1, description="shared_prefix: tokens in each system prompt")
     trace_path: str | None = Field(None, description="trace: JSONL with timestamp, prompt or prompt_len, output_len")
-    seed: int = Field(0, description="seeds prompt contents and lengths")
+    seed: int = Field(0, description="seeds prompt lengths and contents")
+    prompt_salt: int | None = Field(
+        None, description="varies prompt contents but not lengths; None draws one per run (recorded in the "
+                          "result), so a repeated run is not served from the server's prefix cache")
 
     @model_validator(mode="after")
     def _check(self):
@@ -140,3 +143,14 @@ class BenchSpec(_Strict):
     def with_rate(self, rate: float) -> BenchSpec:
         """The same run at another arrival rate (the sweep's step)."""
         return self.model_copy(update={"arrival": self.arrival.model_copy(update={"rate": rate})})
+
+    def with_salt(self, salt: int) -> BenchSpec:
+        return self.model_copy(update={"workload": self.workload.model_copy(update={"prompt_salt": salt})})
+
+    def with_fixed_salt(self) -> BenchSpec:
+        """This spec with a concrete prompt salt (a fresh random one if none was given)."""
+        if self.workload.prompt_salt is not None:
+            return self
+        import secrets
+
+        return self.with_salt(secrets.randbelow(2**31))

@@ -2,8 +2,9 @@
 
 With no list of rates, the sweep starts at the spec's rate (light load), multiplies it by `factor`
 until attainment drops below the target (saturation), then bisects (geometrically) between the
-last passing and the first failing rate `refine` times. Every step sends the same requests
-(workloads are seeded by request index), so only the rate differs.
+last passing and the first failing rate `refine` times. Every step sends requests of the same
+lengths (workloads are seeded by request index) with fresh token contents, so the server's prefix
+cache does not carry over from one step to the next and only the rate differs.
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ def sweep(spec: BenchSpec, rates: list[float] | None = None, *, factor: float = 
     if not 0 < target <= 1:
         raise ValueError(f"the target attainment must be in (0, 1], got {target}")
     results: dict[float, BenchResult] = {}
+    spec = spec.with_fixed_salt()
+    salt = spec.workload.prompt_salt
 
     def run(rate: float) -> bool:
-        result = run_benchmark(spec.with_rate(rate))
+        # Fresh prompt contents at each step: the server's prefix cache must not carry over from the last.
+        result = run_benchmark(spec.with_rate(rate).with_salt(salt + len(results)))
         results[rate] = result
         if on_run:
             on_run(result)

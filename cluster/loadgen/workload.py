@@ -3,8 +3,9 @@
 Prompts are token ids rather than text because we cannot assume the server's tokenizer: a list of
 ints is an exact prompt length on any server whose completions API accepts it (tandem and vLLM do).
 Ids start at 10 to stay clear of the special tokens at the bottom of common vocabularies.
-Request i draws from its own generator (seed, i), so a run of n requests is a prefix of a run of
-n + 1, and a sweep sends the same requests at every rate.
+Request i draws its lengths from its own generator (seed, i), so a run of n requests is a prefix of
+a run of n + 1, and a sweep sends the same lengths at every rate. Token contents also depend on a
+salt, so a repeated run (or the next step of a sweep) is not answered from the server's prefix cache.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from cluster.loadgen.spec import LengthDist, WorkloadSpec
 
 FIRST_TOKEN_ID = 10
-_PREFIX_STREAM, _REQUEST_STREAM = 0, 1
+_PREFIX_STREAM, _LENGTH_STREAM, _CONTENT_STREAM = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -63,24 +64,34 @@ class SyntheticWorkload(Workload):
     def __init__(self, spec: WorkloadSpec):
         self.spec = spec
 
+    def lengths(self, i: int) -> tuple[int, int]:
+        rng = np.random.default_rng([self.spec.seed, _LENGTH_STREAM, i])
+        return sample_length(self.spec.prompt_len, rng), sample_length(self.spec.output_len, rng)
+
+    def tokens(self, i: int, n: int) -> list[int]:
+        rng = np.random.default_rng([self.spec.seed, _CONTENT_STREAM, _salt(self.spec), i])
+        return random_tokens(rng, n, self.spec.vocab_size)
+
     def request(self, i: int) -> RequestSpec:
-        rng = np.random.default_rng([self.spec.seed, _REQUEST_STREAM, i])
-        n_prompt = sample_length(self.spec.prompt_len, rng)
-        return RequestSpec(random_tokens(rng, n_prompt, self.spec.vocab_size), sample_length(self.spec.output_len, rng))
+        n_prompt, n_output = self.lengths(i)
+        return RequestSpec(self.tokens(i, n_prompt), n_output)
 
 
-class SharedPrefixWorkload(Workload):
+class SharedPrefixWorkload(SyntheticWorkload):
     """k system prompts, each followed by fresh suffixes; request i uses prefix i mod k."""
 
     def __init__(self, spec: WorkloadSpec):
-        self.spec = spec
-        self.prefixes = [random_tokens(np.random.default_rng([spec.seed, _PREFIX_STREAM, j]), spec.prefix_len,
-                                       spec.vocab_size) for j in range(spec.num_prefixes)]
+        super().__init__(spec)
+        self.prefixes = [random_tokens(np.random.default_rng([spec.seed, _PREFIX_STREAM, _salt(spec), j]),
+                                       spec.prefix_len, spec.vocab_size) for j in range(spec.num_prefixes)]
 
     def request(self, i: int) -> RequestSpec:
-        rng = np.random.default_rng([self.spec.seed, _REQUEST_STREAM, i])
-        suffix = random_tokens(rng, sample_length(self.spec.prompt_len, rng), self.spec.vocab_size)
-        return RequestSpec(self.prefixes[i % len(self.prefixes)] + suffix, sample_length(self.spec.output_len, rng))
+        n_suffix, n_output = self.lengths(i)
+        return RequestSpec(self.prefixes[i % len(self.prefixes)] + self.tokens(i, n_suffix), n_output)
+
+
+def _salt(spec: WorkloadSpec) -> int:
+    return spec.prompt_salt or 0
 
 
 class TraceWorkload(Workload):
@@ -90,20 +101,21 @@ class TraceWorkload(Workload):
     """
 
     def __init__(self, spec: WorkloadSpec):
-        self.requests = load_trace(Path(spec.trace_path), spec.vocab_size, spec.seed)
+        self.requests = load_trace(Path(spec.trace_path), spec.vocab_size, [spec.seed, _salt(spec)])
         self.natural_count = len(self.requests)
 
     def request(self, i: int) -> RequestSpec:
         return self.requests[i % len(self.requests)]
 
 
-def load_trace(path: Path, vocab_size: int, seed: int) -> list[RequestSpec]:
+def load_trace(path: Path, vocab_size: int, seed: list[int]) -> list[RequestSpec]:
+    """Requests sorted by timestamp; a prompt_len line gets token ids drawn from (seed, line number)."""
     if not path.is_file():
         raise ValueError(f"trace file {str(path)!r} does not exist")
     out = []
     for line_no, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
-            out.append(_trace_request(line, f"{path}:{line_no}", vocab_size, np.random.default_rng([seed, line_no])))
+            out.append(_trace_request(line, f"{path}:{line_no}", vocab_size, np.random.default_rng([*seed, line_no])))
     if not out:
         raise ValueError(f"trace file {str(path)!r} holds no requests")
     return sorted(out, key=lambda r: r.timestamp)

@@ -17,6 +17,7 @@ from cluster.cli import main
 from cluster.loadgen.runner import run_benchmark
 from cluster.loadgen.spec import ArrivalSpec, BenchSpec, LengthDist, WorkloadSpec
 from cluster.loadgen.sweep import _search, sweep
+from cluster.loadgen.workload import build_workload
 
 STALL_S = 1.0
 
@@ -155,8 +156,12 @@ def test_sweep_over_given_rates_and_its_plots(fake, tmp_path):
     data = result.to_dict()
     assert data["rates"] == [20.0, 40.0] and data["best_rate"] == 40.0
     assert all(run["counts"]["sent"] == 4 for run in data["runs"])
-    # Same requests at every rate: the workload is seeded by request index.
-    assert [r.max_tokens for r in result.runs[0].records] == [r.max_tokens for r in result.runs[1].records]
+    # The same lengths at every rate (seeded by request index), fresh contents (a salt per step, recorded).
+    salts = [run["spec"]["workload"]["prompt_salt"] for run in data["runs"]]
+    assert salts[1] == salts[0] + 1
+    again = [build_workload(WorkloadSpec(**run["spec"]["workload"])) for run in data["runs"]]
+    assert [r.prompt_len for r in result.runs[0].records] == [again[1].request(i).prompt_len for i in range(4)]
+    assert again[0].request(0).prompt != again[1].request(0).prompt
     paths = write_plots(data, tmp_path / "sweep.json")
     assert [p.name for p in paths] == ["sweep_attainment.png", "sweep_cdf.png", "sweep_timeline.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)

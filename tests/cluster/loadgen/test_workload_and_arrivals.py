@@ -49,6 +49,10 @@ def test_synthetic_workload_is_seeded_per_request():
     assert all(FIRST_TOKEN_ID <= t < 50 for r in reqs for t in r.prompt)
     other = build_workload(spec.model_copy(update={"seed": 4}))
     assert [other.request(i) for i in range(20)] != reqs
+    # Another salt: the same lengths, other tokens (a repeated run must miss the server's prefix cache).
+    salted = [build_workload(spec.model_copy(update={"prompt_salt": 1})).request(i) for i in range(20)]
+    assert [(r.prompt_len, r.output_len) for r in salted] == [(r.prompt_len, r.output_len) for r in reqs]
+    assert all(a.prompt != b.prompt for a, b in zip(salted, reqs))
 
 
 def test_shared_prefix_workload_rotates_k_prefixes():
@@ -62,6 +66,8 @@ def test_shared_prefix_workload_rotates_k_prefixes():
     assert all(prefixes[i] == tuple(w.prefixes[i % 3]) for i in range(12))
     assert all(r.prompt_len == 14 for r in reqs)
     assert len({tuple(r.prompt[10:]) for r in reqs}) == 12  # fresh suffixes
+    salted = build_workload(spec.model_copy(update={"prompt_salt": 5}))
+    assert not {tuple(p) for p in salted.prefixes} & {tuple(p) for p in w.prefixes}
 
 
 def test_trace_workload_reads_all_prompt_forms(tmp_path):
