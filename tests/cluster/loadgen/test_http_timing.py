@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster.cli import main
+from cluster.loadgen.report import format_run
 from cluster.loadgen.runner import run_benchmark
 from cluster.loadgen.spec import ArrivalSpec, BenchSpec, LengthDist, WorkloadSpec
 from cluster.loadgen.sweep import _search, sweep
@@ -144,6 +145,7 @@ def test_closed_loop_keeps_its_concurrency_and_says_so(fake):
     assert [r.index for r in result.records] == list(range(7))
     assert 1 <= fake[1]["max_in_flight"] <= 2
     assert all(r.output_tokens == 4 for r in result.records)
+    assert "note: closed loop" in format_run(result.to_dict())
 
 
 def test_sweep_over_given_rates_and_its_plots(fake, tmp_path):
