@@ -1,6 +1,7 @@
 """What a worker is told: its spec (role, engine, transfer) and the request dicts it receives.
 
-A request arrives as a plain dict (Ray control calls, from the scheduler): `request_id`,
+A request arrives as a plain dict (Ray control calls, from the scheduler): `request_id` (one per attempt:
+`<client id>@<attempt>`, so a stale message never touches a newer attempt),
 `prompt_token_ids`, `params` (SamplingParams fields), `cache_salt`, `sink` (the client's zmq
 endpoint), and optionally `dest` (prefill role: the decode worker's endpoint, block ids, lease id)
 and `output_prefix` (tokens already generated, for a migrated request).

@@ -22,6 +22,7 @@ import zmq
 from actors.sampling_params import SamplingParams
 from actors.token_stream import decode_deltas
 from cluster.request_stream import RequestStream, SampleResult, StreamEvent
+from cluster.scheduler import attempt_of
 
 
 class AdmissionRejected(RuntimeError):
@@ -64,7 +65,7 @@ class TandemClient:
                 continue
             for delta in decode_deltas(self._socket.recv()):
                 with self._lock:
-                    q = self._queues.get(delta.request_id)
+                    q = self._queues.get(attempt_of(delta.request_id))
                 if q is not None:
                     q.put(delta)
 

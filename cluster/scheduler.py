@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import ray
@@ -56,9 +57,15 @@ class _Worker:
     stats: dict = field(default_factory=dict)  # the worker's latest report, counters included
 
 
+def attempt_of(wire_id: str) -> str:
+    """The client's request id of a worker-facing id `<request id>@<attempt>`."""
+    return wire_id.partition("@")[0]
+
+
 @dataclass
 class _Tracked:
     request_id: str
+    wire_id: str  # what workers know it as: one id per attempt, so a stale message cannot touch a newer one
     workers: set[str]  # every worker that may hold state for the request
     prefill: PrefillPlan | None = None
     decode_id: str | None = None
@@ -77,6 +84,8 @@ class Scheduler:
         self._queued = 0
         self._committed: dict[str, int] = {}  # worker id -> KV blocks promised to in-flight requests
         self._lost: dict[str, str] = {}  # worker id -> incarnation the watchdog declared dead
+        self._epoch = uuid.uuid4().hex[:6]  # attempt ids stay unique across scheduler restarts
+        self._attempts = itertools.count()
         self._watchdog: asyncio.Task | None = None
         self._publisher = TokenPublisher()  # only to tell a client its request failed with a lost worker
         self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "failed": 0, "local_prefills": 0,
@@ -111,12 +120,17 @@ class Scheduler:
     def _adopt_live(self, wid: str, phase: str, request: dict) -> None:
         """Rebuild the tracking of a request a worker still serves (after this scheduler restarted).
         Idempotent: a worker may announce the same request more than once."""
-        request_id = request["request_id"]
+        wire_id = request["request_id"]
+        request_id = attempt_of(wire_id)
         role = self._workers[wid].view.role
         tracked = self._requests.get(request_id)
+        if tracked is not None and tracked.wire_id != wire_id:
+            self._workers[wid].handle.abort.remote(wire_id)  # an attempt that was superseded
+            return
         if tracked is None:
             decode_id = request["dest"]["decode_worker"] if role == "prefill" else wid
-            tracked = _Tracked(request_id, set(), None, decode_id, self._blocks_needed(request), request=request)
+            tracked = _Tracked(request_id, wire_id, set(), None, decode_id, self._blocks_needed(request),
+                               request={**request, "request_id": request_id})
             self._commit(tracked)
         tracked.workers.add(wid)
         if role == "prefill":
@@ -145,22 +159,22 @@ class Scheduler:
         self._index.forget(wid)
         for tracked in [t for t in self._requests.values() if wid in t.workers]:
             prefill_only = tracked.prefill is not None and tracked.prefill.worker_id == wid and not tracked.handed_off
-            self._reclaim(tracked.request_id, failed=not prefill_only, skip=wid)
+            self._reclaim(tracked.request_id, tracked.wire_id, failed=not prefill_only, skip=wid)
             if prefill_only:
                 # Nothing has reached the client from a prefill that never handed off: run it again.
                 self.counters["rerouted"] += 1
                 asyncio.get_running_loop().create_task(self._resubmit(tracked.request))
             else:
                 self._tell_client(tracked.request, f"worker {wid} was lost ({why}) while serving the request",
-                                  retryable=True)
+                                  retryable=True, wire_id=tracked.wire_id)
 
     async def _resubmit(self, request: dict) -> None:
         answer = await self.submit(request)
         if "rejected" in answer:
             self._tell_client(request, f"could not re-route after a worker loss: {answer['rejected']}")
 
-    def _tell_client(self, request: dict, message: str, retryable: bool = False) -> None:
-        delta = TokenDelta(request["request_id"], 0, 0, [], int(RequestStatus.FAILED),
+    def _tell_client(self, request: dict, message: str, retryable: bool = False, wire_id: str | None = None) -> None:
+        delta = TokenDelta(wire_id or request["request_id"], 0, 0, [], int(RequestStatus.FAILED),
                            len(request["prompt_token_ids"]), 0, message, retryable=retryable)
         self._publisher.publish(request["sink"], [delta])
 
@@ -177,17 +191,17 @@ class Scheduler:
         v.queued_prefill_tokens = stats["queued_prefill_tokens"]
         v.prefill_s_per_token = stats["prefill_s_per_token"]
         self._index.apply(worker_id, events)
-        for request_id, status in finished:
-            self._reclaim(request_id, failed=status >= 14)
+        for wire_id, status in finished:
+            self._reclaim(attempt_of(wire_id), wire_id, failed=status >= 14)
         return True
 
-    async def handoff_done(self, request_id: str, prefill_worker: str | None = None) -> None:
-        tracked = self._requests.get(request_id)
-        if tracked is None or tracked.prefill is None:
+    async def handoff_done(self, wire_id: str, prefill_worker: str | None = None) -> None:
+        tracked = self._requests.get(attempt_of(wire_id))
+        if tracked is None or tracked.wire_id != wire_id or tracked.prefill is None:
             # Not tracked (this scheduler restarted since): the prefill worker still holds the pages.
             worker = self._workers.get(prefill_worker)
             if worker is not None and worker.view.role == "prefill":
-                worker.handle.release.remote(request_id)
+                worker.handle.release.remote(wire_id)
             return
         tracked.handed_off = True
         self._release_prefill(tracked)
@@ -196,7 +210,7 @@ class Scheduler:
         prefill_id = tracked.prefill.worker_id
         worker = self._workers.get(prefill_id)
         if worker is not None:
-            worker.handle.release.remote(tracked.request_id)
+            worker.handle.release.remote(tracked.wire_id)
         tracked.workers.discard(prefill_id)
 
     # ---- requests ----
@@ -206,9 +220,11 @@ class Scheduler:
         self.counters["submitted"] += 1
         request_id = request["request_id"]
         if request.get("output_prefix") and request_id in self._requests:
-            self._reclaim(request_id, failed=True)  # a migration: the old incarnation's worker is gone
+            self._reclaim(request_id, None, failed=True)  # a migration: the old attempt's worker is gone
         if request_id in self._requests:
             return self._reject(f"request_id {request_id!r} is already in flight", None)
+        if "@" in request_id:
+            return self._reject(f"request_id {request_id!r} contains '@', which marks attempts", None)
         if self._queued >= self.s.max_queued:
             return self._reject("the admission queue is full", self._retry_after_s())
         self._queued += 1
@@ -240,6 +256,7 @@ class Scheduler:
 
     async def _place(self, request: dict, hashes: list[int], blocks_needed: int) -> dict | None:
         request_id = request["request_id"]
+        wire = {**request, "request_id": f"{request_id}@{self._epoch}{next(self._attempts)}"}
         prompt_len = len(request["prompt_token_ids"])
         if self.s.mode == "colocated":
             pool = self._views_with_room("colocated")
@@ -248,7 +265,7 @@ class Scheduler:
             if not fits:
                 return None
             plan = plan_prefill(self.s.routing, fits, cached, prompt_len, 0.0, self._typical_cost(pool), next(self._turn))
-            return await self._run_local(request, plan.worker_id, blocks_needed)
+            return await self._run_local(wire, plan.worker_id, blocks_needed)
 
         decode = pick_decode(self._views_with_room("decode"), blocks_needed)
         if decode is None:
@@ -264,45 +281,51 @@ class Scheduler:
         ) if prefill_pool else PrefillPlan(decode.worker_id, True, cached[decode.worker_id], 0.0)
         if plan.local or request["params"].get("n", 1) > 1 or request.get("output_prefix"):
             self.counters["local_prefills"] += 1
-            return await self._run_local(request, decode.worker_id, blocks_needed)
+            return await self._run_local(wire, decode.worker_id, blocks_needed)
 
         decode_worker = self._workers[decode.worker_id]
         try:
-            dest_blocks = await asyncio.wait_for(decode_worker.handle.reserve.remote(request), _CALL_TIMEOUT_S)
+            dest_blocks = await asyncio.wait_for(decode_worker.handle.reserve.remote(wire), _CALL_TIMEOUT_S)
         except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
             # The worker is dying or restarting: try again (elsewhere) until the admission deadline.
             log.warning("reserve on %s failed: %s", decode.worker_id, exc)
+            decode_worker.handle.abort.remote(wire["request_id"])  # in case the reservation landed after all
             return None
         if dest_blocks is None:
             return None
-        self._commit(_Tracked(request_id, {plan.worker_id, decode.worker_id}, plan, decode.worker_id, blocks_needed,
-                              request=request))
-        dest = {"endpoint": decode_worker.info["kv_endpoint"], "block_ids": dest_blocks, "lease_id": request_id,
+        self._commit(_Tracked(request_id, wire["request_id"], {plan.worker_id, decode.worker_id}, plan,
+                              decode.worker_id, blocks_needed, request=request))
+        dest = {"endpoint": decode_worker.info["kv_endpoint"], "block_ids": dest_blocks, "lease_id": wire["request_id"],
                 "decode_worker": decode.worker_id}
-        self._workers[plan.worker_id].handle.submit.remote({**request, "dest": dest})
+        self._workers[plan.worker_id].handle.submit.remote({**wire, "dest": dest})
         self._workers[plan.worker_id].view.queued_prefill_tokens += prompt_len - plan.cached_tokens
         return {"ok": True, "prefill": plan.worker_id, "decode": decode.worker_id, "cached_tokens": plan.cached_tokens}
 
-    async def _run_local(self, request: dict, worker_id: str, blocks_needed: int) -> dict:
+    async def _run_local(self, wire: dict, worker_id: str, blocks_needed: int) -> dict:
         worker = self._workers[worker_id]
-        worker.view.queued_prefill_tokens += len(request["prompt_token_ids"])
-        self._commit(_Tracked(request["request_id"], {worker_id}, None, worker_id, blocks_needed, request=request))
-        worker.handle.submit.remote(request)
+        worker.view.queued_prefill_tokens += len(wire["prompt_token_ids"])
+        request_id = attempt_of(wire["request_id"])
+        self._commit(_Tracked(request_id, wire["request_id"], {worker_id}, None, worker_id, blocks_needed,
+                              request={**wire, "request_id": request_id}))
+        worker.handle.submit.remote(wire)
         return {"ok": True, "prefill": worker_id, "decode": worker_id, "local": True}
 
     async def abort(self, request_id: str) -> bool:
-        return self._reclaim(request_id, failed=False, cancelled=True)
+        return self._reclaim(request_id, None, failed=False, cancelled=True)
 
-    def _reclaim(self, request_id: str, failed: bool, cancelled: bool = False, skip: str | None = None) -> bool:
-        """Every terminal path ends here; a second call for the same request does nothing."""
-        tracked = self._requests.pop(request_id, None)
-        if tracked is None:
+    def _reclaim(self, request_id: str, wire_id: str | None, failed: bool, cancelled: bool = False,
+                 skip: str | None = None) -> bool:
+        """Every terminal path ends here; a second call for the same request does nothing, and a report
+        about an older attempt (`wire_id`) leaves the current one alone."""
+        tracked = self._requests.get(request_id)
+        if tracked is None or (wire_id is not None and wire_id != tracked.wire_id):
             return False
+        del self._requests[request_id]
         self._committed[tracked.decode_id] -= tracked.blocks
         for wid in tracked.workers - {skip}:
             worker = self._workers.get(wid)
             if worker is not None:
-                worker.handle.abort.remote(request_id)  # idempotent on the worker
+                worker.handle.abort.remote(tracked.wire_id)  # idempotent on the worker
         self.counters["failed" if failed else "finished"] += 1
         return True
 
