@@ -61,23 +61,30 @@ def _block_rows(cache: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def gather_pages(cache: torch.Tensor, block_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+def gather_pages(cache: torch.Tensor, block_ids: torch.Tensor, device: torch.device,
+                 non_blocking: bool = False) -> torch.Tensor:
     """The given blocks of one cache tensor, in order, as a fresh contiguous 1-D uint8 tensor on
-    `device`. A CUDA cache bound for the host is staged through pinned memory."""
+    `device`. A CUDA cache bound for the host is staged through pinned memory; with `non_blocking`
+    the copy is only queued, and the caller synchronizes the stream before reading the bytes."""
     pages = _block_rows(cache).index_select(0, block_ids).view(torch.uint8).view(-1)
     if pages.device == device:
         return pages
     if device.type == "cpu":
         host = torch.empty(pages.shape, dtype=torch.uint8, pin_memory=True)
-        host.copy_(pages)
+        host.copy_(pages, non_blocking=non_blocking)
         return host
     return pages.to(device)
 
 
 def scatter_pages(cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
-    """Write 1-D uint8 `pages` (len(block_ids) blocks, in order) into those blocks of `cache`."""
+    """Write 1-D uint8 `pages` (len(block_ids) blocks, in order) into those blocks of `cache`.
+
+    Pinned host pages bound for a CUDA cache are copied asynchronously, on the current stream: the
+    caller synchronizes it before declaring the blocks written (`KVReceiver._complete` does)."""
     rows = _block_rows(cache)
-    rows.index_copy_(0, block_ids, pages.to(cache.device).view(rows.dtype).view(len(block_ids), -1))
+    staged = cache.device.type == "cuda" and pages.device.type == "cpu" and pages.is_pinned()
+    pages = pages.to(cache.device, non_blocking=staged)
+    rows.index_copy_(0, block_ids, pages.view(rows.dtype).view(len(block_ids), -1))
 
 
 @dataclass(frozen=True)

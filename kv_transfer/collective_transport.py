@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer.base import Admit, KVCaches, KVReceiver, KVSender, OnComplete, OnError, gather_pages, scatter_pages
+from kv_transfer.endpoints import advertised_host
 from kv_transfer.page_format import PageFormatError, TransferError, TransferHeader, decode_header, encode_header
 
 MAGIC = int.from_bytes(b"TANDEMKV", "little")  # every byte non-zero: a half-written word never matches
@@ -64,16 +65,42 @@ class CollectiveGroup:
 
 
 def init_collective(init_method: str, rank: int, world_size: int, *, backend: str | None = None,
-                    timeout_s: float = 60.0) -> CollectiveGroup:
-    """Join the worker set's group (call once per process, on every rank); init_method "tcp://host:port"."""
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                    device: str | torch.device | None = None, timeout_s: float = 60.0) -> CollectiveGroup:
+    """Join the worker set's group (call once per process, on every rank).
+
+    init_method: "tcp://host:port" (torch's scheme: rank 0 hosts the rendezvous, so host must be rank
+    0's address) or "store://host:port" (a rendezvous hosted elsewhere by `host_rendezvous`; every rank
+    joins it as a client). The pages travel where the KV cache lives, `device`: NCCL for CUDA, gloo for
+    CPU (None: CUDA when this process sees a GPU); `backend` overrides that choice."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = timedelta(seconds=timeout_s)
+    scheme, _, address = init_method.partition("://")
+    if scheme == "store":
+        host, _, port = address.rpartition(":")
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
     world = dist.group.WORLD
     if backend == "gloo":
         return CollectiveGroup(rank, world_size, world, world, torch.device("cpu"))
-    header_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    return CollectiveGroup(rank, world_size, header_group, world, torch.device("cuda", torch.cuda.current_device()))
+    cuda = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    torch.cuda.set_device(cuda)  # NCCL binds a communicator to the current device
+    header_group = dist.new_group(backend="gloo", timeout=timeout)
+    return CollectiveGroup(rank, world_size, header_group, world, cuda)
+
+
+def host_rendezvous(bind_host: str, timeout_s: float = 300.0) -> tuple[dist.TCPStore, str]:
+    """Host a worker set's rendezvous in this process (the driver), on a free port of `bind_host`.
+
+    With torch's "tcp://" scheme rank 0 hosts it, so its address must be known before rank 0 is even
+    placed; hosting it here needs only this node's address. Returns the store, which must stay alive
+    while ranks may join, and the `init_method` to give every rank."""
+    store = dist.TCPStore(bind_host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return store, f"store://{advertised_host(bind_host)}:{store.port}"
 
 
 def rank_endpoint(rank: int) -> str:

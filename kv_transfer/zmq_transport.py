@@ -3,10 +3,15 @@
 Wire: one multipart message per transfer: the msgpack header frame, then for each layer the K pages
 and the V pages as raw bytes (`2 * num_layers` frames of `num_blocks * page_nbytes` bytes each). The
 sender gathers one layer at a time (`index_select` into a fresh tensor) and hands it to zmq without
-copying; a CUDA cache is staged through pinned host memory. A multipart message is delivered whole
-or not at all, so concurrent senders to one receiver never interleave and a transfer is never half
-written. zmq queues the frames of a message until its last one, so gathering and wire time do not
-overlap within one transfer.
+copying. A multipart message is delivered whole or not at all, so concurrent senders to one receiver
+never interleave and a transfer is never half written. zmq queues the frames of a message until its
+last one, so gathering and wire time do not overlap within one transfer.
+
+A CUDA cache is staged through pinned host memory both ways: the sender queues every layer's
+device-to-host copy, waits for them once, then hands the pinned pages to zmq; the receiver reads the
+page frames straight into pinned buffers sized from the header (`recv_into`) and queues the
+host-to-device copies, which finish before the transfer is reported complete. A CPU cache takes
+neither detour.
 
 Limits: `send` returning means zmq has the message queued, not that the receiver got it (a receiver
 that dies with messages in flight loses them; the lease's ack covers that). A receiver queues at most
@@ -25,6 +30,7 @@ import torch
 import zmq
 
 from kv_transfer.base import Admit, KVCaches, KVReceiver, KVSender, OnComplete, OnError, gather_pages, scatter_pages
+from kv_transfer.endpoints import advertised_host
 from kv_transfer.page_format import PageFormatError, TransferError, TransferHeader, decode_header, encode_header
 
 _RCV_HWM = 16
@@ -57,10 +63,9 @@ class ZmqKVSender(KVSender):
             # the first frame waits for SNDTIMEO and fails. Once it is in, the rest of the message follows.
             sock.setsockopt(zmq.SNDTIMEO, max(0, int((deadline - time.monotonic()) * 1000)))
             sock.send(header_bytes, zmq.SNDMORE)
-            last = len(kv_caches) - 1
-            for layer, (k, v) in enumerate(kv_caches):
-                sock.send(gather_pages(k, src, _CPU).numpy(), zmq.SNDMORE, copy=False)
-                sock.send(gather_pages(v, src, _CPU).numpy(), 0 if layer == last else zmq.SNDMORE, copy=False)
+            pages = _host_pages(kv_caches, src)
+            for i, page in enumerate(pages):
+                sock.send(page.numpy(), 0 if i == len(pages) - 1 else zmq.SNDMORE, copy=False)
         except zmq.Again:
             self._drop(endpoint)
             raise TransferError(f"transfer {header.transfer_id}: no receiver at {endpoint} took it "
@@ -97,23 +102,39 @@ class ZmqKVSender(KVSender):
             sock.close(linger=0)
 
 
+def _host_pages(kv_caches: KVCaches, src: torch.Tensor) -> list[torch.Tensor]:
+    """Every layer's K then V pages as host byte tensors, in wire order."""
+    device = kv_caches[0][0].device
+    if device.type != "cuda":
+        return [gather_pages(t, src, _CPU) for pair in kv_caches for t in pair]
+    # Queue all device-to-host copies (into pinned memory), then wait once: zmq reads the host bytes.
+    pages = [gather_pages(t, src, _CPU, non_blocking=True) for pair in kv_caches for t in pair]
+    torch.cuda.current_stream(device).synchronize()
+    return pages
+
+
 class ZmqKVReceiver(KVReceiver):
     """A PULL socket served by one thread.
 
     transport="ipc": binds a socket file in a fresh temp dir (removed by `close`); endpoint "ipc://...".
     transport="tcp": binds `host` on a random port; `endpoint` advertises `advertise_host` (default:
-    `host`), which must be an address the senders can reach (bind "0.0.0.0" and advertise the node IP).
+    `host`, or this node's IP when `host` is a wildcard such as "0.0.0.0"), which must be an address
+    the senders can reach.
+    staged: receive page frames into host buffers of our own (pinned) before writing them into the
+    cache; None means "when the cache is on CUDA". On a CPU cache it only adds a copy (tests use it).
     """
 
     def __init__(self, kv_caches: KVCaches, on_complete: OnComplete, on_error: OnError, *,
                  transport: str = "ipc", host: str = "127.0.0.1", advertise_host: str | None = None,
-                 poll_interval_s: float = 0.05, context: zmq.Context | None = None, admit: Admit | None = None):
+                 poll_interval_s: float = 0.05, context: zmq.Context | None = None, admit: Admit | None = None,
+                 staged: bool | None = None):
         super().__init__(kv_caches, on_complete, on_error, admit)
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         self.transport = transport
         self._host = host
-        self._advertise_host = advertise_host or host
+        self._advertise_host = advertise_host
+        self._staged = self.device.type == "cuda" if staged is None else staged
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
@@ -137,7 +158,7 @@ class ZmqKVReceiver(KVReceiver):
         else:
             sock.bind(f"tcp://{self._host}:*")
             port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
-            self._endpoint = f"tcp://{self._advertise_host}:{port}"
+            self._endpoint = f"tcp://{self._advertise_host or advertised_host(self._host)}:{port}"
         self._sock = sock  # handed to the receiving thread; only it touches the socket from now on
         self._start_thread(f"kv-recv-{self.transport}")
 
@@ -152,23 +173,54 @@ class ZmqKVReceiver(KVReceiver):
         try:
             while not self._stop.is_set():
                 if sock.poll(self._poll_ms, zmq.POLLIN):
-                    self._serve(sock.recv_multipart(copy=False))
+                    self._serve(*(self._recv_staged(sock) if self._staged else _recv_frames(sock)))
         finally:
             sock.close(linger=0)
 
-    def _serve(self, frames: list[zmq.Frame]) -> None:
+    def _recv_staged(self, sock: zmq.Socket) -> tuple[memoryview, list[int], list]:
+        """One message whose page frames land straight in fresh (pinned, for CUDA) host buffers, sized
+        from the header; a frame of another size, or any frame after a bad header, is only drained (the
+        size check then refuses the transfer)."""
+        head = sock.recv(copy=False).buffer
+        try:
+            nbytes = decode_header(head).num_blocks * self.spec.page_nbytes
+        except PageFormatError:
+            nbytes = 0
+        sizes, payloads = [], []
+        while sock.getsockopt(zmq.RCVMORE):
+            if nbytes:
+                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+                sizes.append(sock.recv_into(buf.numpy()))  # the frame's full size, even if it did not fit
+                payloads.append(buf)
+            else:
+                sizes.append(len(sock.recv(copy=False).buffer))
+        return head, sizes, payloads
+
+    def _serve(self, head: memoryview, sizes: list[int], payloads: list) -> None:
+        """`payloads`: the page frames as byte buffers (memoryviews or uint8 tensors), `sizes` their lengths."""
         header = None
         try:
-            header = decode_header(frames[0].buffer)
-            dest = self._admit(header, [len(f.buffer) for f in frames[1:]])
+            header = decode_header(head)
+            dest = self._admit(header, sizes)
         except PageFormatError as e:
             self._refuse(header, e)
             return
         try:
-            for layer, (k, v) in enumerate(self.kv_caches):
-                scatter_pages(k, dest, torch.frombuffer(frames[1 + 2 * layer].buffer, dtype=torch.uint8))
-                scatter_pages(v, dest, torch.frombuffer(frames[2 + 2 * layer].buffer, dtype=torch.uint8))
+            pages = iter(payloads)
+            for k, v in self.kv_caches:
+                scatter_pages(k, dest, _as_bytes(next(pages)))
+                scatter_pages(v, dest, _as_bytes(next(pages)))
         except Exception as e:  # not expected once admitted; the dest blocks may be partly written
             self._refuse(header, TransferError(f"transfer {header.transfer_id}: writing pages failed: {e}"))
             return
         self._complete(header)
+
+
+def _recv_frames(sock: zmq.Socket) -> tuple[memoryview, list[int], list[memoryview]]:
+    frames = sock.recv_multipart(copy=False)
+    payloads = [f.buffer for f in frames[1:]]
+    return frames[0].buffer, [len(p) for p in payloads], payloads
+
+
+def _as_bytes(payload) -> torch.Tensor:
+    return payload if isinstance(payload, torch.Tensor) else torch.frombuffer(payload, dtype=torch.uint8)

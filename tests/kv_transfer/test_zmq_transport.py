@@ -9,6 +9,7 @@ import time
 
 import msgpack
 import pytest
+import ray.util
 import torch
 import zmq
 
@@ -22,11 +23,11 @@ WAIT_S = 10.0
 class Receiver:
     """A started ZmqKVReceiver whose callbacks land in a queue: ("ok", header) or ("error", header, exc)."""
 
-    def __init__(self, caches, transport="ipc", on_complete=None, admit=None):
+    def __init__(self, caches, transport="ipc", on_complete=None, admit=None, **kw):
         self.caches = caches
         self.events: queue.Queue = queue.Queue()
         self.rx = ZmqKVReceiver(caches, on_complete or (lambda h: self.events.put(("ok", h))),
-                                lambda h, e: self.events.put(("error", h, e)), transport=transport, admit=admit)
+                                lambda h, e: self.events.put(("error", h, e)), transport=transport, admit=admit, **kw)
         self.rx.start()
 
     def next_event(self):
@@ -53,11 +54,13 @@ def sender():
     s.close()
 
 
+# staged: the page frames are received into buffers of our own, as for a CUDA cache (pinned there).
+@pytest.mark.parametrize("staged", [False, True], ids=["frames", "staged"])
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_pages_arrive_bit_identical(make_receiver, sender, transport, dtype):
+def test_pages_arrive_bit_identical(make_receiver, sender, transport, dtype, staged):
     src = make_caches(dtype, seed=1)
-    recv = make_receiver(make_caches(dtype, seed=2), transport)
+    recv = make_receiver(make_caches(dtype, seed=2), transport, staged=staged)
     before = clone_caches(recv.caches)
     header = header_for(src, [7, 2, 12], "t1", token_ids=[3, 1, 4])
 
@@ -176,8 +179,9 @@ def _raw_push(endpoint: str, messages: list[list[bytes]]) -> None:
             s.send_multipart(frames)
 
 
-def test_malformed_messages_write_nothing(make_receiver, sender):
-    recv = make_receiver(make_caches(seed=2))
+@pytest.mark.parametrize("staged", [False, True], ids=["frames", "staged"])
+def test_malformed_messages_write_nothing(make_receiver, sender, staged):
+    recv = make_receiver(make_caches(seed=2), staged=staged)
     before = clone_caches(recv.caches)
     src = make_caches(seed=1)
     header = header_for(src, [7, 2], "short")
@@ -187,21 +191,24 @@ def test_malformed_messages_write_nothing(make_receiver, sender):
         [msgpack.packb({"v": 99})] + [page] * 4,  # unknown version
         [encode_header(header), page, page, page],  # a frame missing
         [encode_header(header), page, page, page, page[:-1]],  # a frame short by one byte
+        [encode_header(header), page, page + b"x", page, page],  # a frame long by one byte
         [encode_header(header_for(src, [7, 16], "oob"))] + [page] * 4,  # dest block outside the pool
         [encode_header(header_for(src, [7, 7], "dup"))] + [page] * 4,  # dest block twice
     ]
     _raw_push(recv.rx.endpoint, bad_messages)
     events = [recv.next_event() for _ in bad_messages]
     assert [(e[0], e[1] and e[1].transfer_id) for e in events] == [
-        ("error", None), ("error", None), ("error", "short"), ("error", "short"), ("error", "oob"), ("error", "dup")]
+        ("error", None), ("error", None), ("error", "short"), ("error", "short"), ("error", "short"),
+        ("error", "oob"), ("error", "dup")]
     messages = [str(e[2]) for e in events]
     assert "not msgpack" in messages[0] and "version 99" in messages[1]
     assert "expected 4 page payloads of 512 bytes, got 3 of sizes [512]" in messages[2]
     assert "got 4 of sizes [511, 512]" in messages[3]
-    assert "dest block ids [16] outside the receiver's pool [0, 16)" in messages[4]
-    assert "repeat" in messages[5]
+    assert "got 4 of sizes [512, 513]" in messages[4]
+    assert "dest block ids [16] outside the receiver's pool [0, 16)" in messages[5]
+    assert "repeat" in messages[6]
     assert bit_equal(recv.caches, before)
-    assert recv.rx.stats().transfers_refused == 6
+    assert recv.rx.stats().transfers_refused == 7
 
     sender.send(recv.rx.endpoint, header, src, [0, 1], timeout_s=5.0)
     assert recv.next_event() == ("ok", header)
@@ -268,6 +275,16 @@ def test_send_to_dead_endpoint_times_out(make_receiver, sender, transport):
     elapsed = time.monotonic() - start
     assert 1.0 <= elapsed <= 1.1
     assert sender.open_endpoints == ()  # the failed socket is dropped, the next send starts fresh
+
+
+def test_wildcard_bind_advertises_a_reachable_host(make_receiver, sender):
+    """Bound to every interface, the endpoint names this node's IP (what other machines connect to)."""
+    recv = make_receiver(make_caches(seed=2), "tcp", host="0.0.0.0")
+    assert recv.rx.endpoint.startswith(f"tcp://{ray.util.get_node_ip_address()}:")
+    src = make_caches(seed=1)
+    header = header_for(src, [3])
+    sender.send(recv.rx.endpoint, header, src, [0], timeout_s=5.0)
+    assert recv.next_event() == ("ok", header)
 
 
 def test_close_is_prompt_and_idempotent(make_receiver):
