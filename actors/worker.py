@@ -55,6 +55,8 @@ class Worker:
         self.scheduler = scheduler
         self.engine = Engine(spec.engine)
         self._inbox: queue.Queue = queue.Queue()
+        self._inbox_lock = threading.Lock()
+        self._inbox_prompt_tokens = 0
         self._publisher = TokenPublisher()
         self._requests: dict[str, WorkerRequest] = {}
         self._reserved: dict[str, WorkerRequest] = {}  # decode: blocks reserved, KV not yet adopted
@@ -106,6 +108,10 @@ class Worker:
         self._inbox.put(("fault", fault))
 
     def submit(self, request: dict) -> None:
+        with self._inbox_lock:
+            # Prompts waiting in the inbox behind a long step are queued prefill work too: without them
+            # the scheduler's TTFT prediction misses exactly the backlog that overload builds.
+            self._inbox_prompt_tokens += len(request.get("prompt_token_ids", ()))
         self._inbox.put(("submit", request))
 
     def reserve(self, request: dict) -> list[int] | None:
@@ -181,6 +187,8 @@ class Worker:
             future.set_result(result)
 
     def _do_submit(self, request: dict) -> None:
+        with self._inbox_lock:
+            self._inbox_prompt_tokens -= len(request.get("prompt_token_ids", ()))
         try:
             req = request_from_wire(request)
         except (TypeError, ValueError) as exc:
@@ -366,7 +374,7 @@ class Worker:
             "used_blocks": pool.num_used_blocks,
             "running": len(self.engine.batcher.running),
             "waiting": len(self.engine.batcher.waiting),
-            "queued_prefill_tokens": self.engine.batcher.queued_prefill_tokens(),
+            "queued_prefill_tokens": self.engine.batcher.queued_prefill_tokens() + self._inbox_prompt_tokens,
             "prefill_s_per_token": self._prefill_s_per_token,
             "reserved": len(self._reserved),
             "held": len(self._held),

@@ -54,6 +54,10 @@ class SchedulerSection(_Strict):
     )
     max_queued: int = Field(1024, ge=0, description="requests waiting for admission before new ones are rejected")
     queue_timeout_s: float = Field(30.0, gt=0, description="how long a request may wait for admission")
+    max_predicted_ttft_s: float | None = Field(
+        None, gt=0, description="load shedding: a request whose predicted time to first token (its wait so far + "
+        "the prefill queue ahead of it + its own prefill + transfer) exceeds this gets 429 with Retry-After; "
+        "null admits on KV room alone")
     local_prefill: bool = Field(True, description="let the cost model prefill short or cached prompts on the decode worker")
     local_prefill_penalty: float = Field(
         1.0, ge=0, description="a local prefill must be predicted (1 + penalty) times faster than the best remote one"

@@ -6,7 +6,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from actors.worker_request import WorkerSpec
 from cluster.client import TandemClient
 from cluster.config import TandemConfig
 from cluster.scheduler import Scheduler, SchedulerSettings
+from kv_transfer.collective_transport import host_rendezvous
 
 log = logging.getLogger("tandem.launch")
 NAMESPACE = "tandem"
@@ -32,6 +32,7 @@ class Cluster:
         self._owns_ray = owns_ray
         self.model_dir = model_dir
         self._clients: list[TandemClient] = []
+        self.rendezvous = None  # the collective transport's store, hosted by this process for the workers
 
     @classmethod
     def start(cls, config: TandemConfig, address: str | None = None, ready_timeout_s: float = 300.0) -> "Cluster":
@@ -49,6 +50,7 @@ class Cluster:
             mode=config.mode, routing=config.scheduler.routing, block_size=engine.block_size,
             model_id=engine.model_id or Path(engine.model).name, reserve=config.scheduler.reserve,
             max_queued=config.scheduler.max_queued, queue_timeout_s=config.scheduler.queue_timeout_s,
+            max_predicted_ttft_s=config.scheduler.max_predicted_ttft_s,
             local_prefill=config.scheduler.local_prefill, local_prefill_penalty=config.scheduler.local_prefill_penalty,
             prefill_s_per_token=config.scheduler.prefill_s_per_token,
             transfer_bytes_per_s=config.scheduler.transfer_bytes_per_s,
@@ -63,9 +65,10 @@ class Cluster:
         ).remote(settings)
         workers = {}
         world_size = sum(p.replicas for p in config.pools().values())
-        collective_init = None
+        collective_init = rendezvous = None
         if config.transfer.backend == "collective":
-            collective_init = f"tcp://{config.transfer.host}:{_free_port(config.transfer.host)}"
+            # Hosted here rather than by rank 0, which may land on any node: this node's address is known.
+            rendezvous, collective_init = host_rendezvous(config.transfer.host)
         rank = itertools.count()
         for role, pool in config.pools().items():
             for i in range(pool.replicas):
@@ -87,6 +90,7 @@ class Cluster:
                     max_restarts=-1,  # a dead worker comes back and re-registers itself
                 ).remote(spec, scheduler)
         cluster = cls(config, scheduler, workers, owns_ray, engine.model)
+        cluster.rendezvous = rendezvous
         try:
             ray.get([w.info.remote() for w in workers.values()], timeout=ready_timeout_s)
             cluster.wait_registered(set(workers), timeout_s=30.0)
@@ -157,9 +161,3 @@ def _clear_orphaned_scheduler() -> None:
         except ValueError:
             return
         time.sleep(0.05)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host if host != "0.0.0.0" else "", 0))
-        return s.getsockname()[1]

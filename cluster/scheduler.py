@@ -26,7 +26,7 @@ from actors.block_hash import hash_prompt_blocks
 from actors.request_status import RequestStatus
 from actors.token_stream import TokenDelta, TokenPublisher
 from cluster.prefix_index import PrefixIndex
-from cluster.routing import PrefillPlan, WorkerView, pick_decode, plan_prefill
+from cluster.routing import PrefillPlan, WorkerView, pick_decode, plan_prefill, predicted_ttft
 
 log = logging.getLogger("tandem.scheduler")
 _CALL_TIMEOUT_S = 30.0
@@ -46,6 +46,7 @@ class SchedulerSettings:
     prefill_s_per_token: float
     transfer_bytes_per_s: float
     heartbeat_timeout_s: float = 10.0
+    max_predicted_ttft_s: float | None = None  # shed requests predicted to miss this (None: no shedding)
 
 
 @dataclass
@@ -89,7 +90,8 @@ class Scheduler:
         self._watchdog: asyncio.Task | None = None
         self._publisher = TokenPublisher()  # only to tell a client its request failed with a lost worker
         self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "failed": 0, "local_prefills": 0,
-                         "workers_lost": 0, "rerouted": 0}
+                         "workers_lost": 0, "rerouted": 0,
+                         "shed": 0}
 
     # ---- workers ----
 
@@ -235,7 +237,9 @@ class Scheduler:
 
     async def _admit(self, request: dict) -> dict:
         prompt = request["prompt_token_ids"]
-        deadline = time.monotonic() + self.s.queue_timeout_s
+        arrived = time.monotonic()
+        # Waiting for KV room past the TTFT target is pointless too: the request would miss it.
+        deadline = arrived + min(self.s.queue_timeout_s, self.s.max_predicted_ttft_s or self.s.queue_timeout_s)
         blocks_needed = self._blocks_needed(request)
         hashes = hash_prompt_blocks(prompt, self.s.block_size, request.get("cache_salt"), self.s.model_id)
         pool = "colocated" if self.s.mode == "colocated" else "decode"
@@ -245,7 +249,7 @@ class Scheduler:
                 if blocks_needed > biggest:
                     return self._reject(f"the request needs {blocks_needed} KV blocks (prompt + max_tokens x n); the "
                                         f"largest {pool} worker has {biggest}: lower max_tokens or n", None)
-                placed = await self._place(request, hashes, blocks_needed)
+                placed = await self._place(request, hashes, blocks_needed, arrived)
                 if placed is not None:
                     return placed
             if time.monotonic() >= deadline:
@@ -254,7 +258,7 @@ class Scheduler:
                 return self._reject("no worker has room for the request's KV", self._retry_after_s())
             await asyncio.sleep(0.01)
 
-    async def _place(self, request: dict, hashes: list[int], blocks_needed: int) -> dict | None:
+    async def _place(self, request: dict, hashes: list[int], blocks_needed: int, arrived: float) -> dict | None:
         request_id = request["request_id"]
         wire = {**request, "request_id": f"{request_id}@{self._epoch}{next(self._attempts)}"}
         prompt_len = len(request["prompt_token_ids"])
@@ -265,7 +269,7 @@ class Scheduler:
             if not fits:
                 return None
             plan = plan_prefill(self.s.routing, fits, cached, prompt_len, 0.0, self._typical_cost(pool), next(self._turn))
-            return await self._run_local(wire, plan.worker_id, blocks_needed)
+            return self._shed(plan, arrived) or await self._run_local(wire, plan.worker_id, blocks_needed)
 
         decode = pick_decode(self._views_with_room("decode"), blocks_needed)
         if decode is None:
@@ -278,7 +282,11 @@ class Scheduler:
         plan = plan_prefill(
             self.s.routing, prefill_pool, cached, prompt_len, transfer_s, self._typical_cost(prefill_pool),
             next(self._turn), local=decode if local_ok else None, local_penalty=self.s.local_prefill_penalty,
-        ) if prefill_pool else PrefillPlan(decode.worker_id, True, cached[decode.worker_id], 0.0)
+        ) if prefill_pool else PrefillPlan(decode.worker_id, True, cached[decode.worker_id], predicted_ttft(
+            decode, prompt_len, cached[decode.worker_id], self._typical_cost([decode]), 0.0))
+        shed = self._shed(plan, arrived)
+        if shed is not None:
+            return shed
         if plan.local or request["params"].get("n", 1) > 1 or request.get("output_prefix"):
             self.counters["local_prefills"] += 1
             return await self._run_local(wire, decode.worker_id, blocks_needed)
@@ -328,6 +336,19 @@ class Scheduler:
                 worker.handle.abort.remote(tracked.wire_id)  # idempotent on the worker
         self.counters["failed" if failed else "finished"] += 1
         return True
+
+    def _shed(self, plan: PrefillPlan, arrived: float) -> dict | None:
+        """Reject now (429) a request that would miss the TTFT target anyway: admitting it would only
+        make every request behind it later too."""
+        limit = self.s.max_predicted_ttft_s
+        if limit is None:
+            return None
+        ttft = time.monotonic() - arrived + plan.predicted_ttft_s
+        if ttft <= limit:
+            return None
+        self.counters["shed"] += 1
+        return self._reject(f"overloaded: predicted time to first token {ttft:.2f}s exceeds the "
+                            f"{limit:.2f}s target", max(1.0, ttft - limit))
 
     def _blocks_needed(self, request: dict) -> int:
         params = request["params"]

@@ -34,6 +34,7 @@ class IngressMetrics:
         self.kv_bytes = Gauge("tandem:kv_transfer_bytes", "KV page bytes sent by prefill workers", registry=r)
         self.kv_transfers = Gauge("tandem:kv_transfers", "KV handoffs, by outcome", ["outcome"], registry=r)
         self.leases_expired = Gauge("tandem:kv_leases_expired", "handoff leases that expired", registry=r)
+        self.worker_rss = Gauge("tandem:worker_rss_bytes", "resident memory of each worker process", ["worker"], registry=r)
         self.queue_time = Histogram("tandem:request_queue_time_seconds", "arrival at a worker -> first scheduled",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.prefill_time = Histogram("tandem:request_prefill_time_seconds", "first scheduled -> first token",
@@ -60,6 +61,8 @@ class IngressMetrics:
         self.kv_transfers.labels("failed").set(sum(w.get("transfers_failed", 0) for w in stats.values()))
         self.kv_transfers.labels("adopted").set(sum(w.get("adopted", 0) for w in stats.values()))
         self.leases_expired.set(sum(w.get("leases_expired", 0) for w in stats.values()))
+        for worker_id, w in stats.items():
+            self.worker_rss.labels(worker_id).set(w.get("rss_bytes", 0))
 
     def observe_phases(self, timings: dict) -> None:
         """Per-request phase durations from worker timestamps (wall clock, seconds)."""
