@@ -23,6 +23,7 @@ from actors.sampling_params import SamplingParams
 from actors.token_stream import decode_deltas
 from cluster.request_stream import RequestStream, SampleResult, StreamEvent
 from cluster.scheduler import attempt_of
+from kv_transfer.endpoints import advertised_host
 
 
 class AdmissionRejected(RuntimeError):
@@ -50,7 +51,7 @@ class TandemClient:
         self._socket = zmq.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
         port = self._socket.bind_to_random_port(f"tcp://{host}")
-        self.sink = f"tcp://{host}:{port}"
+        self.sink = f"tcp://{advertised_host(host)}:{port}"  # workers on other nodes connect to it
         self._queues: dict[str, queue.Queue] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
