@@ -1,0 +1,298 @@
+"""The GPU path, checked on one CUDA GPU; skipped without one.
+
+(a) bfloat16 parity with transformers: prefill logits and the paged KV cache (two chunks through a
+    shuffled block table), and greedy decoding through the engine, teacher-forced against HF.
+    bf16 rounding is judged against HF's own: both are compared with HF in float32 on the same
+    weights, and ours may not stray more than a small multiple of what HF's bf16 run strays.
+(b) decode step time against the floor set by reading the weights (and the KV context) once at the
+    memory bandwidth measured in the same run (a large device-to-device copy); batch 1 and 32, timed
+    with CUDA events. Ratios are printed and written to $TANDEM_GPU_REPORT (JSON); nothing is asserted
+    about time.
+(c) KV pages GPU -> pinned host -> zmq -> pinned host -> GPU between a HandoffSender and a
+    HandoffReceiver in this process, and the collective transport's choice of NCCL for CUDA caches.
+    NCCL page traffic itself needs two ranks on two GPUs and is not checked here.
+
+Run: tests/gpu/run_gpu_checks.sh, or `pytest tests/gpu -s`. TANDEM_GPU_CHECKS_DEVICE=cpu runs the
+same code on the CPU with a small benchmark model (a dry run of this file, not a GPU check).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import time
+
+import pytest
+import torch
+
+from actors.attention import build_attention_batch
+from actors.engine import Engine
+from actors.engine_config import EngineConfig
+from actors.kv_handoff import HandoffReceiver, HandoffSender
+from actors.models.loader import load_model
+from actors.sampling_params import SamplingParams
+from tests.conftest import make_hf_model
+from tests.gpu.bench_model import BENCH_CONFIGS, write_random_checkpoint
+
+DEVICE = torch.device(os.environ.get("TANDEM_GPU_CHECKS_DEVICE", "cuda"))
+ON_GPU = DEVICE.type == "cuda"
+pytestmark = pytest.mark.skipif(ON_GPU and not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+BLOCK = 16
+# A small Llama 3 (GQA, llama3 rope scaling), wide enough that bf16 rounding is realistic.
+PARITY_MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                    intermediate_size=688, vocab_size=2048, max_position_embeddings=2048)
+STRAY_FACTOR = 3.0  # ours vs fp32 may stray at most this many times HF-bf16 vs fp32 (plus a hair)
+
+REPORT: dict = {"device": torch.cuda.get_device_name(DEVICE) if ON_GPU and torch.cuda.is_available() else "cpu",
+                "torch": torch.__version__}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield REPORT
+    print("\nGPU report:\n" + json.dumps(REPORT, indent=2))
+    if os.environ.get("TANDEM_GPU_REPORT"):
+        with open(os.environ["TANDEM_GPU_REPORT"], "w") as f:
+            json.dump(REPORT, f, indent=2)
+
+
+@pytest.fixture(scope="module")
+def parity_dir(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("gpu") / "llama", "llama", seed=3, **PARITY_MODEL)
+
+
+def _hf(model_dir, dtype):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(DEVICE).eval()
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _cache_of(output):
+    cache = getattr(output, "cache", None)  # newer transformers; `past_key_values` before
+    return cache if cache is not None else output.past_key_values
+
+
+def _hf_kv(cache, layer: int):
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        return cache.layers[layer].keys, cache.layers[layer].values
+    if hasattr(cache, "key_cache"):
+        return cache.key_cache[layer], cache.value_cache[layer]
+    return cache[layer]
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def test_bf16_prefill_logits_and_paged_kv_match_transformers(parity_dir):
+    ours = load_model(parity_dir, "bfloat16", DEVICE)
+    cfg = ours.cfg
+    ids = _prompt(75, cfg.vocab_size, seed=1)
+    blocks = -(-len(ids) // BLOCK)
+    shape = (blocks + 2, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    kv = [(torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE), torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE))
+          for _ in range(cfg.num_layers)]
+    table = list(range(blocks + 1, 1, -1))  # not physical order: the table decides what is read
+    logits = []
+    for start, end in [(0, 40), (40, len(ids))]:  # the second chunk reads the first one's K/V from the cache
+        batch = build_attention_batch([end - start], [start], [table], BLOCK, ours.sliding_window, DEVICE)
+        with torch.inference_mode():
+            logits.append(ours(torch.tensor(ids[start:end], device=DEVICE), batch, kv, torch.arange(end - start, device=DEVICE)))
+    got = torch.cat(logits)
+    x = torch.tensor([ids], device=DEVICE)
+    with torch.no_grad():
+        ref32, ref16 = (_hf(parity_dir, dt)(x, use_cache=True) for dt in (torch.float32, torch.bfloat16))
+    cache32, cache16 = _cache_of(ref32), _cache_of(ref16)
+    scale = ref32.logits.abs().max().item()
+    err_ours, err_hf = _max_err(got, ref32.logits[0]), _max_err(ref16.logits[0], ref32.logits[0])
+    kv_ours = kv_hf = 0.0
+    for layer in range(cfg.num_layers):
+        for i in range(2):
+            mine = kv[layer][i].index_select(0, torch.tensor(table, device=DEVICE)).flatten(0, 1)[: len(ids)]
+            ref, hf16 = _hf_kv(cache32, layer)[i][0], _hf_kv(cache16, layer)[i][0]
+            kv_ours = max(kv_ours, _max_err(mine.transpose(0, 1), ref))  # HF: [kv_heads, T, D]
+            kv_hf = max(kv_hf, _max_err(hf16, ref))
+    REPORT["parity_prefill"] = {"logit_scale": scale, "max_err_ours_bf16": err_ours, "max_err_hf_bf16": err_hf,
+                                "kv_max_err_ours_bf16": kv_ours, "kv_max_err_hf_bf16": kv_hf}
+    assert err_ours <= STRAY_FACTOR * err_hf + 1e-3 * scale, REPORT["parity_prefill"]
+    assert kv_ours <= STRAY_FACTOR * kv_hf + 1e-3, REPORT["parity_prefill"]
+
+
+def test_bf16_greedy_decoding_matches_transformers(parity_dir):
+    steps = 32
+    engine = Engine(EngineConfig(model=str(parity_dir), dtype="bfloat16", device=str(DEVICE), block_size=BLOCK,
+                                 num_kv_blocks=128))
+    assert engine.runner.kv_caches[0][0].device.type == DEVICE.type
+    assert next(engine.runner.model.parameters()).device.type == DEVICE.type
+    prompts = [_prompt(n, PARITY_MODEL["vocab_size"], seed=n) for n in (5, 19, 37, 64)]
+    results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
+    engine.check_integrity()
+    assert engine.num_used_blocks == 0
+    hf32, hf16 = _hf(parity_dir, torch.float32), _hf(parity_dir, torch.bfloat16)
+    exact = exact_hf16 = total = 0
+    worst_gap = 0.0
+    for prompt, result in zip(prompts, results):
+        out = result.outputs[0].token_ids
+        assert len(out) == steps
+        x = torch.tensor([prompt + out], device=DEVICE)
+        with torch.no_grad():  # teacher-forced: every step judged on the context we actually had
+            ref = hf32(x).logits[0, len(prompt) - 1: -1].float()
+            ref16 = hf16(x).logits[0, len(prompt) - 1: -1].float()
+        noise = _max_err(ref16, ref)
+        best = ref.max(-1).values
+        exact_hf16 += int((ref16.argmax(-1) == ref.argmax(-1)).sum())
+        chosen = ref.gather(1, torch.tensor(out, device=DEVICE)[:, None])[:, 0]
+        gap = (best - chosen).max().item()  # 0 where we picked fp32's argmax; else how near a tie it was
+        exact += int((chosen == best).sum())
+        total += steps
+        worst_gap = max(worst_gap, gap)
+        assert gap <= STRAY_FACTOR * noise + 1e-3, (prompt[:4], gap, noise)
+    REPORT["parity_greedy"] = {"steps": total, "ours_bf16_matching_fp32_argmax": exact,
+                               "hf_bf16_matching_fp32_argmax": exact_hf16, "worst_near_tie_gap": worst_gap}
+    assert exact >= exact_hf16 - 0.05 * total, REPORT["parity_greedy"]  # no more flips than HF's own bf16, give or take
+
+
+def _cuda_time(fn, iters: int, warmup: int = 3) -> float:
+    """Mean seconds per call; CUDA events on the GPU, wall time in a CPU dry run."""
+    for _ in range(warmup):
+        fn()
+    if not ON_GPU:
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) / iters
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    begin.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1000 / iters
+
+
+def _copy_bandwidth() -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    n = (4 << 30) if ON_GPU else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    seconds = _cuda_time(lambda: dst.copy_(src), iters=10)
+    del src, dst
+    return 2 * n / seconds
+
+
+@pytest.fixture(scope="module")
+def bench_engine(tmp_path_factory):
+    config = BENCH_CONFIGS["gpu" if ON_GPU else "cpu"]
+    model_dir = write_random_checkpoint(tmp_path_factory.mktemp("bench") / "llama-1b", config, DEVICE)
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="bfloat16", device=str(DEVICE), block_size=BLOCK,
+                                 kv_cache_memory_bytes=4 << 30 if ON_GPU else 64 << 20, max_num_seqs=64,
+                                 enable_prefix_caching=False))
+    yield engine
+    del engine
+    if ON_GPU:
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_decode_step_time_against_the_bandwidth_floor(bench_engine, batch):
+    engine, context = bench_engine, 512
+    runner = engine.runner
+    bandwidth = _copy_bandwidth()
+    params = dict(runner.model.named_parameters())
+    weight_bytes = sum(p.nbytes for name, p in params.items() if name != "embed_tokens.weight")
+    weight_bytes += batch * params["embed_tokens.weight"][0].nbytes  # only the looked-up rows are read
+    kv_bytes = batch * context * runner.bytes_per_block // BLOCK
+    floor_s = (weight_bytes + kv_bytes) / bandwidth
+
+    # The model alone: one decode token per sequence over `context` cached tokens (contents do not matter).
+    per_seq = -(-(context + 1) // BLOCK)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    forward_s = _cuda_time(lambda: runner.execute([1] * batch, [1] * batch, [context] * batch, tables,
+                                                  list(range(batch))), iters=20)
+
+    # The whole engine step (schedule, forward, sample, post-process) once every request decodes.
+    prompts = [_prompt(context, runner.cfg.vocab_size, seed=i) for i in range(batch)]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bench-{batch}-{i}", p, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < batch:  # prefill (chunked) until every request has its first token
+        started |= {out.request_id for out in engine.step()}
+    step_s = _cuda_time(engine.step, iters=20)
+    for i in range(batch):
+        engine.abort(f"bench-{batch}-{i}")
+    assert engine.num_used_blocks == 0
+
+    REPORT[f"decode_batch_{batch}"] = {
+        "params_b": sum(p.numel() for p in params.values()) / 1e9, "context_tokens": context,
+        "copy_bandwidth_tb_s": bandwidth / 1e12, "floor_ms": floor_s * 1e3, "weight_bytes": weight_bytes,
+        "kv_bytes": kv_bytes, "forward_ms": forward_s * 1e3, "engine_step_ms": step_s * 1e3,
+        "forward_over_floor": forward_s / floor_s, "engine_step_over_floor": step_s / floor_s,
+        "decode_tokens_per_s": batch / step_s,
+    }
+    print(f"\nbatch {batch}: floor {floor_s * 1e3:.3f} ms, forward {forward_s * 1e3:.3f} ms "
+          f"({forward_s / floor_s:.2f}x), engine step {step_s * 1e3:.3f} ms ({step_s / floor_s:.2f}x)")
+
+
+def _caches(seed: int, num_blocks: int = 64, layers: int = 16):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    shape = (num_blocks, BLOCK, 8, 64)
+    return [tuple(torch.randn(shape, generator=g, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+            for _ in range(layers)]
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_zmq_handoff_stages_gpu_pages_through_pinned_host_memory(transport):
+    src, dst = _caches(1), _caches(2)
+    before = [(k.clone(), v.clone()) for k, v in dst]
+    done: queue.Queue = queue.Queue()
+    rx = HandoffReceiver(dst, accept=lambda h: True, on_pages=lambda h, e: done.put((h, e)),
+                         transport=transport, host="127.0.0.1")
+    tx = HandoffSender(src)
+    src_ids, dest_ids = list(range(0, 48)), list(range(63, 15, -1))
+    try:
+        tx.send(rx.endpoint, "warm", "lease", [0], [0], {}, timeout_s=30)  # sockets, pinned pools
+        assert done.get(timeout=30)[1] is None
+        start = time.perf_counter()
+        tx.send(rx.endpoint, "t1", "lease", src_ids, dest_ids, {"n": 1}, timeout_s=30)
+        header, error = done.get(timeout=30)
+        seconds = time.perf_counter() - start
+    finally:
+        tx.close()
+        rx.close()
+    assert error is None and header.transfer_id == "t1"
+    ids = torch.tensor(src_ids, device=DEVICE), torch.tensor(dest_ids, device=DEVICE)
+    for (k, v), (sk, sv), (bk, bv) in zip(dst, src, before):
+        for got, want, old in ((k, sk, bk), (v, sv, bv)):
+            assert torch.equal(got[ids[1]].view(torch.int16), want[ids[0]].view(torch.int16))  # bit for bit
+            untouched = torch.ones(got.shape[0], dtype=torch.bool, device=DEVICE)
+            untouched[ids[1]] = False
+            untouched[0] = False  # the warm-up block
+            assert torch.equal(got[untouched], old[untouched])
+    nbytes = sum(2 * k[ids[0]].nbytes for k, _ in src)
+    REPORT[f"zmq_{transport}_staged"] = {"bytes": nbytes, "seconds": seconds, "gb_s": nbytes / seconds / 1e9}
+
+
+def test_collective_picks_nccl_for_cuda_caches():
+    if not ON_GPU:
+        pytest.skip("NCCL needs CUDA")
+    import torch.distributed as dist
+
+    from kv_transfer.collective_transport import host_rendezvous, init_collective
+
+    store, init_method = host_rendezvous("127.0.0.1")
+    group = init_collective(init_method, 0, 1, device=DEVICE, timeout_s=30)
+    try:
+        assert dist.get_backend(group.data_group) == "nccl"
+        assert dist.get_backend(group.header_group) == "gloo"  # preambles and headers: receive-from-any
+        assert group.device.type == "cuda"
+    finally:
+        dist.destroy_process_group()
+    REPORT["collective"] = {"data_backend": "nccl", "header_backend": "gloo", "gpus": torch.cuda.device_count()}
+
