@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.loadgen.cli import add_arguments as add_bench_serve
 
     add_bench_serve(bench_sub.add_parser("serve", help="open-loop load against an OpenAI-compatible server: latency, SLO goodput"))
+    from cluster.compare.cli import add_arguments as add_bench_compare
+
+    add_bench_compare(bench_sub.add_parser("compare", help="the same trace against colocated and disaggregated layouts of equal resources"))
     from cluster.planner.cli import add_arguments as add_plan
 
     add_plan(sub.add_parser("plan", help="simulate the cluster and recommend prefill/decode pool sizes under SLOs"))

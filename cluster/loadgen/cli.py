@@ -18,6 +18,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
     p.add_argument("--model", default=None, help="model name (default: the first one /v1/models lists)")
     p.add_argument("--api-key", default=None, help="bearer token")
+    add_load_arguments(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default=None, help="result JSON (default: bench-serve-<time>.json); PNGs go next to it")
+    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def add_load_arguments(p: argparse.ArgumentParser) -> None:
+    """What to send and when, and the SLOs: shared with `tandem bench compare`."""
     w = p.add_argument_group("workload")
     w.add_argument("--prompt-len", type=LengthDist.parse, default=LengthDist.parse("128"),
                    help="prompt tokens: N, uniform:LOW:HIGH or lognormal:MEAN:STD (shared prefix: the suffix)")
@@ -52,11 +62,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--sweep-steps", type=int, default=8, help="at most this many rising rates")
     s.add_argument("--sweep-refine", type=int, default=2, help="bisections between the last passing and first failing rate")
     s.add_argument("--target-attainment", type=float, default=DEFAULT_TARGET)
-    o = p.add_argument_group("output")
-    o.add_argument("--out", default=None, help="result JSON (default: bench-serve-<time>.json); PNGs go next to it")
-    o.add_argument("--no-plots", action="store_true")
-    o.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=run)
 
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
@@ -84,7 +89,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
                      progress=not args.no_progress)
 
 
-def _rates(args: argparse.Namespace) -> list[float] | None:
+def rates_from_args(args: argparse.Namespace) -> list[float] | None:
     if not args.rates:
         return None
     try:
@@ -94,7 +99,7 @@ def _rates(args: argparse.Namespace) -> list[float] | None:
 
 
 def _first_rate(args: argparse.Namespace) -> float | None:
-    rates = _rates(args)
+    rates = rates_from_args(args)
     return min(rates) if rates else None
 
 
@@ -102,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     out = Path(args.out or f"bench-serve-{time.strftime('%Y%m%d-%H%M%S')}.json")
     if args.sweep or args.rates:
-        result = sweep(spec, _rates(args), factor=args.sweep_factor, max_steps=args.sweep_steps,
+        result = sweep(spec, rates_from_args(args), factor=args.sweep_factor, max_steps=args.sweep_steps,
                        refine=args.sweep_refine, target=args.target_attainment,
                        on_run=lambda r: print(f"rate {r.spec.arrival.rate:.3g} req/s: attainment "
                                               f"{100 * r.summary['slo']['attainment']:.1f}%", flush=True))

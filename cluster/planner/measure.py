@@ -76,6 +76,10 @@ def _time_decode(engine: Engine, g: torch.Generator, b: int, c: int, steps: int)
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+        # A step that could not grow every sequence's KV computes fewer tokens (or none) and would
+        # enter the fit as a nearly free decode step.
+        if engine.last_step_tokens != b:
+            raise RuntimeError(f"decode sample {b} x {c} ran {engine.last_step_tokens} tokens in a step, not {b}")
     for rid in ids:
         engine.abort(rid)
     return statistics.median(times)
@@ -99,7 +103,8 @@ def profile_engine(model_dir: str, dtype: str = "float32", threads: int = 1, lim
             samples.append({"kind": "prefill", "prompts": k, "tokens": k * n, "pairs": k * chunk_pairs(n, 0), "s": t})
     log(f"  prefill: {len(samples)} samples, largest {max(s['tokens'] for s in samples)} tokens")
     for b, c in DECODE_GRID:
-        if b <= limits.max_num_seqs and c < max_len:
+        blocks = b * -(-(c + decode_steps + 5) // limits.block_size)
+        if b <= limits.max_num_seqs and c < max_len and blocks <= limits.num_kv_blocks:
             t = _time_decode(engine, g, b, c, decode_steps)
             samples.append({"kind": "decode", "seqs": b, "context": b * (c + 1), "s": t})
     log(f"  decode: {sum(s['kind'] == 'decode' for s in samples)} samples")
