@@ -68,7 +68,7 @@ class Worker:
         group = None
         if spec.transfer_backend == "collective":
             # Every worker joins at construction; Ray builds them concurrently, so the rendezvous completes.
-            group = init_collective(spec.collective_init, spec.rank, spec.world_size)
+            group = init_collective(spec.collective_init, spec.rank, spec.world_size, device=spec.engine.device)
         self._sender = HandoffSender(caches, group) if spec.role == "prefill" else None
         self._receiver = None
         if spec.role == "decode":
@@ -125,6 +125,12 @@ class Worker:
 
     def check_integrity(self) -> dict:
         return self._call("integrity", None)
+
+    @ray.method(concurrency_group="watch")
+    def watch(self) -> None:
+        """Returns only at shutdown. The scheduler keeps one call pending, in a thread group of its
+        own: it fails the moment this process dies, long before the heartbeat timeout."""
+        self._stop.wait()
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -420,6 +426,11 @@ class Worker:
         """Every request this worker holds state for, so a restarted scheduler can rebuild its view."""
         phases = (("running", self._requests), ("reserved", self._reserved), ("held", self._held))
         return [{"phase": phase, "request": _wire(req)} for phase, table in phases for req in table.values()]
+
+
+def worker_actor():
+    """The Worker as a Ray actor class: its "watch" method runs in a thread group of its own."""
+    return ray.remote(concurrency_groups={"watch": 1})(Worker)
 
 
 def _wire(req: WorkerRequest) -> dict:

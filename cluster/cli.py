@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.bench_cluster import add_arguments as add_bench_cluster
 
     add_bench_cluster(bench_sub.add_parser("cluster", help="cluster stack overhead: TPOT and idle TTFT vs the engine"))
+    from cluster.bench_recovery import add_arguments as add_bench_recovery
+
+    add_bench_recovery(bench_sub.add_parser("recovery", help="kill a worker under load: time to route around it, blocks reclaimed/s"))
     from cluster.loadgen.cli import add_arguments as add_bench_serve
 
     add_bench_serve(bench_sub.add_parser("serve", help="open-loop load against an OpenAI-compatible server: latency, SLO goodput"))

@@ -12,7 +12,7 @@ from pathlib import Path
 import ray
 
 from actors.tokenizer import has_tokenizer, load_tokenizer
-from actors.worker import Worker
+from actors.worker import worker_actor
 from actors.worker_request import WorkerSpec
 from cluster.client import TandemClient
 from cluster.config import TandemConfig
@@ -81,7 +81,7 @@ class Cluster:
                     host=config.transfer.host, transfer_backend=config.transfer.backend,
                     collective_init=collective_init, rank=next(rank), world_size=world_size,
                 )
-                workers[worker_id] = ray.remote(Worker).options(
+                workers[worker_id] = worker_actor().options(
                     name=f"tandem-{worker_id}", namespace=NAMESPACE, num_cpus=pool.num_cpus,
                     num_gpus=pool.num_gpus, resources=pool.resources or None,
                     # One call at a time, in the order each caller sent them: an abort sent before a new

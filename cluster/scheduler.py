@@ -107,6 +107,7 @@ class Scheduler:
         if known is None:
             view = WorkerView(wid, info["role"], info["num_blocks"], info["num_blocks"])
             self._workers[wid] = _Worker(handle, info, view)
+            asyncio.get_running_loop().create_task(self._watch_process(wid, info["incarnation"], handle))
             log.info("registered %s worker %s (%d live requests)", info["role"], wid, len(live))
         if self._lost.pop(wid, None) == info["incarnation"]:
             # Declared dead during a stall: its requests were re-routed or failed since; stop its copies.
@@ -155,6 +156,22 @@ class Scheduler:
                     self._lost[wid] = worker.info["incarnation"]
                     del self._workers[wid]
                     self.counters["workers_lost"] += 1
+
+    async def _watch_process(self, wid: str, incarnation: str, handle) -> None:
+        """Route around a worker as soon as Ray reports its process dead (the heartbeat timeout is
+        for workers that hang while alive)."""
+        try:
+            await handle.watch.remote()
+            return  # a clean shutdown
+        except ray.exceptions.RayError:
+            pass
+        worker = self._workers.get(wid)
+        if worker is None or worker.info["incarnation"] != incarnation:
+            return  # already forgotten, or already replaced by its restarted self
+        log.warning("worker %s died: routing around it", wid)
+        self._forget_worker(wid, "its process died")
+        del self._workers[wid]
+        self.counters["workers_lost"] += 1
 
     def _forget_worker(self, wid: str, why: str) -> None:
         """Every request that touches a lost worker: re-route it if nothing was emitted yet, else fail it."""
@@ -398,6 +415,8 @@ class Scheduler:
             "workers": {wid: dict(vars(w.view)) for wid, w in self._workers.items()},
             "worker_stats": {wid: dict(w.stats) for wid, w in self._workers.items()},
             "in_flight": len(self._requests),
+            "committed_blocks": {wid: n for wid, n in self._committed.items() if n},
+            "incarnations": {wid: w.info["incarnation"] for wid, w in self._workers.items()},
             "counters": dict(self.counters),
         }
 

@@ -10,7 +10,7 @@ import zmq
 
 from actors.request_status import RequestStatus
 from actors.token_stream import decode_deltas
-from actors.worker import Worker
+from actors.worker import worker_actor
 from actors.worker_request import WorkerSpec
 from tests.cluster.test_cluster_parity import load
 
@@ -19,7 +19,7 @@ LEASE_S = 1.0
 
 def test_reservation_without_pages_expires_within_the_lease(ray_session):
     engine = load("local.yaml").engine_config(detokenize=False)
-    worker = ray.remote(Worker).options(num_cpus=0.5, max_concurrency=16).remote(
+    worker = worker_actor().options(num_cpus=0.5, max_concurrency=16).remote(
         WorkerSpec("decode-lease", "decode", engine, lease_s=LEASE_S, heartbeat_s=0.02))
     sink = zmq.Context.instance().socket(zmq.PULL)
     port = sink.bind_to_random_port("tcp://127.0.0.1")
@@ -47,7 +47,7 @@ def test_reservation_without_pages_expires_within_the_lease(ray_session):
 def test_hold_without_release_expires_within_the_lease(ray_session):
     """A prefill worker whose pages are taken but never acknowledged frees its hold at the lease."""
     engine = load("local.yaml").engine_config(detokenize=False)
-    worker = ray.remote(Worker).options(num_cpus=0.5, max_concurrency=16).remote(
+    worker = worker_actor().options(num_cpus=0.5, max_concurrency=16).remote(
         WorkerSpec("prefill-lease", "prefill", engine, lease_s=LEASE_S, heartbeat_s=0.02))
     ctx = zmq.Context.instance()
     sink, pages = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)  # `pages` plays a decode worker that never acks

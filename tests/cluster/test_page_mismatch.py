@@ -8,7 +8,7 @@ import dataclasses
 import ray
 
 from actors.sampling_params import SamplingParams
-from actors.worker import Worker
+from actors.worker import worker_actor
 from actors.worker_request import WorkerSpec
 from cluster.client import TandemClient
 from cluster.launch import Cluster
@@ -30,7 +30,7 @@ def start_mismatched(decode_dtype: str) -> Cluster:
         "prefill-0": WorkerSpec("prefill-0", "prefill", engine, lease_s=5.0),
         "decode-0": WorkerSpec("decode-0", "decode", dataclasses.replace(engine, dtype=decode_dtype), lease_s=5.0),
     }
-    workers = {wid: ray.remote(Worker).options(num_cpus=0.5, max_concurrency=16).remote(spec, scheduler)
+    workers = {wid: worker_actor().options(num_cpus=0.5, max_concurrency=16).remote(spec, scheduler)
                for wid, spec in specs.items()}
     for info in ray.get([w.info.remote() for w in workers.values()], timeout=120):
         ray.get(scheduler.register.remote(info, workers[info["worker_id"]]), timeout=30)
