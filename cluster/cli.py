@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,6 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default=None, help="HTTP bind address (default: the config's ingress.host)")
     serve.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's ingress.port)")
     serve.set_defaults(func=_serve)
+
+    scale = sub.add_parser("scale", help="resize the pools of a running `tandem serve` (new workers register; "
+                                         "removed ones drain first)")
+    scale.add_argument("--prefill", type=int, default=None, help="prefill replicas")
+    scale.add_argument("--decode", type=int, default=None, help="decode replicas")
+    scale.add_argument("--colocated", type=int, default=None, help="colocated replicas")
+    scale.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    scale.add_argument("--admin-key", default=os.environ.get("TANDEM_ADMIN_KEY"),
+                       help="the server's ingress.admin_key (default: $TANDEM_ADMIN_KEY)")
+    scale.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the resize to finish")
+    scale.set_defaults(func=_scale)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -126,17 +138,43 @@ def _generate_on_cluster(args: argparse.Namespace, params) -> int:
     return 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    import httpx
+
+    body = {role: n for role, n in (("prefill", args.prefill), ("decode", args.decode), ("colocated", args.colocated))
+            if n is not None}
+    if not body:
+        raise ValueError("give at least one of --prefill, --decode, --colocated")
+    headers = {"Authorization": f"Bearer {args.admin_key}"} if args.admin_key else {}
+    try:
+        resp = httpx.post(args.url.rstrip("/") + "/admin/scale", json=body, headers=headers, timeout=args.timeout)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"could not reach tandem serve at {args.url}: {exc}") from None
+    if resp.status_code != 200:
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError):
+            message = resp.text
+        raise ValueError(f"resize refused ({resp.status_code}): {message}")
+    result = resp.json()
+    print(f"tandem: pools now {', '.join(f'{r} x{n}' for r, n in result['replicas'].items())}; "
+          f"added {', '.join(result['added']) or 'none'}; removed {', '.join(result['removed']) or 'none'}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
     from cluster.config import TandemConfig
     from cluster.ingress.server import make_server, served_model_name
     from cluster.launch import Cluster
+    from cluster.scaling import ConfigWatcher
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = TandemConfig.from_file(args.config)
     host, port = args.host or config.ingress.host, args.port or config.ingress.port
     cluster = Cluster.start(config, address=args.address)
+    watcher = ConfigWatcher(cluster, args.config).start()  # edits of the pools' replicas resize live
     try:
         server = make_server(cluster, host, port)
         pools = ", ".join(f"{role} x{pool.replicas}" for role, pool in config.pools().items())
@@ -148,6 +186,7 @@ def _serve(args: argparse.Namespace) -> int:
             pass
     finally:
         print("tandem: shutting down", flush=True)
+        watcher.stop()
         cluster.shutdown()
     return 0
 

@@ -91,6 +91,8 @@ class IngressSection(_Strict):
     max_body_bytes: int = Field(1 << 20, gt=0, description="larger request bodies get 413")
     stream_queue_tokens: int = Field(4096, gt=0, description="undelivered deltas per request before a slow client's request is aborted")
     request_timeout_s: float = Field(600.0, gt=0, description="default deadline of a request; a request's own `timeout` overrides it")
+    admin_key: str | None = Field(
+        None, description="bearer token for the operator endpoints (POST /admin/scale); null: loopback clients only")
     api_keys: dict[str, TenantSection] = Field(
         default_factory=dict, description="API key -> tenant and its limits; empty: no authentication"
     )

@@ -33,6 +33,8 @@ class Cluster:
         self.model_dir = model_dir
         self._clients: list[TandemClient] = []
         self.rendezvous = None  # the collective transport's store, hosted by this process for the workers
+        self._engine = config.engine_config(detokenize=False)  # workers stream ids; text is the client's
+        self._indices = {role: itertools.count() for role in ("prefill", "decode", "colocated")}
 
     @classmethod
     def start(cls, config: TandemConfig, address: str | None = None, ready_timeout_s: float = 300.0) -> "Cluster":
@@ -44,7 +46,8 @@ class Cluster:
             if address:
                 ray.init(address=address, **kwargs)
             else:
-                ray.init(num_cpus=max(int(needed) + 1, os.cpu_count() or 1), **kwargs)
+                # Logical CPUs with room to scale the pools up on this machine (`tandem scale`).
+                ray.init(num_cpus=max(4 * int(needed), os.cpu_count() or 1), **kwargs)
         engine = config.engine_config(detokenize=False)  # workers stream ids; text is the client's
         settings = SchedulerSettings(
             mode=config.mode, routing=config.scheduler.routing, block_size=engine.block_size,
@@ -70,26 +73,10 @@ class Cluster:
             # Hosted here rather than by rank 0, which may land on any node: this node's address is known.
             rendezvous, collective_init = host_rendezvous(config.transfer.host)
         rank = itertools.count()
-        for role, pool in config.pools().items():
-            for i in range(pool.replicas):
-                worker_id = f"{role}-{i}"
-                spec = WorkerSpec(
-                    worker_id=worker_id, role=role,
-                    engine=dataclasses.replace(engine, device="cuda" if pool.num_gpus > 0 else "cpu"),
-                    torch_threads=pool.torch_threads, lease_s=config.scheduler.lease_s,
-                    heartbeat_s=config.scheduler.heartbeat_s, zmq_transport=config.transfer.zmq_transport,
-                    host=config.transfer.host, transfer_backend=config.transfer.backend,
-                    collective_init=collective_init, rank=next(rank), world_size=world_size,
-                )
-                workers[worker_id] = worker_actor().options(
-                    name=f"tandem-{worker_id}", namespace=NAMESPACE, num_cpus=pool.num_cpus,
-                    num_gpus=pool.num_gpus, resources=pool.resources or None,
-                    # One call at a time, in the order each caller sent them: an abort sent before a new
-                    # reservation for the same request id is applied first.
-                    max_concurrency=1,
-                    max_restarts=-1,  # a dead worker comes back and re-registers itself
-                ).remote(spec, scheduler)
         cluster = cls(config, scheduler, workers, owns_ray, engine.model)
+        for role, pool in config.pools().items():
+            for _ in range(pool.replicas):
+                cluster.spawn_worker(role, collective_init=collective_init, rank=next(rank), world_size=world_size)
         cluster.rendezvous = rendezvous
         try:
             ray.get([w.info.remote() for w in workers.values()], timeout=ready_timeout_s)
@@ -99,6 +86,30 @@ class Cluster:
             raise
         log.info("cluster ready: %s", ", ".join(sorted(workers)))
         return cluster
+
+    def spawn_worker(self, role: str, **collective) -> str:
+        """Create one worker of a pool (it registers itself); returns its id. Ids are never reused, so a
+        new worker cannot collide with the name of one still being torn down."""
+        pool = self.config.pools()[role]
+        worker_id = f"{role}-{next(self._indices[role])}"
+        spec = WorkerSpec(
+            worker_id=worker_id, role=role,
+            engine=dataclasses.replace(self._engine, device="cuda" if pool.num_gpus > 0 else "cpu"),
+            torch_threads=pool.torch_threads, lease_s=self.config.scheduler.lease_s,
+            heartbeat_s=self.config.scheduler.heartbeat_s, zmq_transport=self.config.transfer.zmq_transport,
+            host=self.config.transfer.host, transfer_backend=self.config.transfer.backend,
+            collective_init=collective.get("collective_init"), rank=collective.get("rank"),
+            world_size=collective.get("world_size"),
+        )
+        self.workers[worker_id] = worker_actor().options(
+            name=f"tandem-{worker_id}", namespace=NAMESPACE, num_cpus=pool.num_cpus,
+            num_gpus=pool.num_gpus, resources=pool.resources or None,
+            # One call at a time, in the order each caller sent them: an abort sent before a new
+            # reservation for the same request id is applied first.
+            max_concurrency=1,
+            max_restarts=-1,  # a dead worker comes back and re-registers itself
+        ).remote(spec, self.scheduler)
+        return worker_id
 
     def wait_registered(self, worker_ids: set[str], timeout_s: float) -> None:
         """Workers register themselves; wait until the scheduler knows every one of them."""

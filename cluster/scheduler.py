@@ -85,6 +85,7 @@ class Scheduler:
         self._queued = 0
         self._committed: dict[str, int] = {}  # worker id -> KV blocks promised to in-flight requests
         self._lost: dict[str, str] = {}  # worker id -> incarnation the watchdog declared dead
+        self._draining: set[str] = set()  # workers being removed: no new work, in-flight work finishes
         self._epoch = uuid.uuid4().hex[:6]  # attempt ids stay unique across scheduler restarts
         self._attempts = itertools.count()
         self._watchdog: asyncio.Task | None = None
@@ -406,7 +407,25 @@ class Scheduler:
                 for v in self._views(role)]
 
     def _views(self, role: str) -> list[WorkerView]:
-        return [w.view for w in self._workers.values() if w.view.role == role]
+        return [w.view for wid, w in self._workers.items() if w.view.role == role and wid not in self._draining]
+
+    # ---- scaling ----
+
+    async def drain(self, worker_id: str) -> None:
+        """Route nothing new to the worker; what it serves now finishes there."""
+        if worker_id not in self._workers:
+            raise ValueError(f"unknown worker {worker_id!r}")
+        self._draining.add(worker_id)
+
+    async def remove(self, worker_id: str) -> bool:
+        """Forget a drained worker; False (and nothing changes) while a request still involves it."""
+        if any(worker_id in t.workers or t.decode_id == worker_id for t in self._requests.values()):
+            return False
+        self._workers.pop(worker_id, None)
+        self._index.forget(worker_id)
+        self._draining.discard(worker_id)
+        self._committed.pop(worker_id, None)
+        return True
 
     # ---- introspection ----
 
@@ -416,6 +435,7 @@ class Scheduler:
             "worker_stats": {wid: dict(w.stats) for wid, w in self._workers.items()},
             "in_flight": len(self._requests),
             "committed_blocks": {wid: n for wid, n in self._committed.items() if n},
+            "draining": sorted(self._draining),
             "incarnations": {wid: w.info["incarnation"] for wid, w in self._workers.items()},
             "counters": dict(self.counters),
         }

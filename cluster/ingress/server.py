@@ -7,6 +7,7 @@ from pathlib import Path
 import uvicorn
 
 from actors.models.loader import read_hf_config
+from cluster.ingress.admin import add_admin_routes
 from cluster.ingress.app import Ingress, create_app
 from cluster.ingress.gate import Gate, TenantLimits
 from cluster.launch import Cluster
@@ -32,4 +33,5 @@ def build_ingress(cluster: Cluster) -> Ingress:
 
 def make_server(cluster: Cluster, host: str, port: int) -> uvicorn.Server:
     app = create_app(build_ingress(cluster), cluster.scheduler)
+    add_admin_routes(app, cluster, cluster.config.ingress.admin_key)
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
