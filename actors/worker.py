@@ -381,6 +381,7 @@ class Worker:
             "running": len(self.engine.batcher.running),
             "waiting": len(self.engine.batcher.waiting),
             "queued_prefill_tokens": self.engine.batcher.queued_prefill_tokens() + self._inbox_prompt_tokens,
+            "preemptions": self.engine.batcher.num_preemptions,
             "prefill_s_per_token": self._prefill_s_per_token,
             "reserved": len(self._reserved),
             "held": len(self._held),
