@@ -9,7 +9,6 @@ All numbers come from one run; ratios compare within it.
 from __future__ import annotations
 
 import argparse
-import json
 import queue
 import statistics
 import time
@@ -20,6 +19,7 @@ import torch
 from actors.engine import Engine
 from actors.request_status import RequestStatus
 from actors.sampling_params import SamplingParams
+from cluster.bench_report import report_main
 from cluster.config import TandemConfig
 from cluster.launch import Cluster
 
@@ -114,11 +114,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--out", default=None, help="write the JSON report here")
-    p.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    report = bench(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
-    return 0
+    p.set_defaults(func=report_main(bench))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from actors.engine import Engine
 from actors.engine_config import EngineConfig
 from actors.models.default_model import cache_root, ensure_default_model
 from actors.sampling_params import SamplingParams
+from cluster.bench_report import report_main
 
 BENCH_LLAMA = dict(  # ~56M parameters
     hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
@@ -225,18 +225,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face static-batch baseline")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--out", default=None, help="write the JSON report here")
-    p.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    report = bench(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
-        print(f"report written to {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    sys.exit(_main(parser.parse_args()))
+    p.set_defaults(func=report_main(bench))

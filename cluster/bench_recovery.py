@@ -19,6 +19,7 @@ from pathlib import Path
 import ray
 
 from actors.sampling_params import SamplingParams
+from cluster.bench_report import report_main
 from cluster.config import TandemConfig
 from cluster.launch import Cluster
 
@@ -33,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--warmup-s", type=float, default=3.0, help="steady load before the kill")
     p.add_argument("--out", default=None, help="write the JSON report here")
-    p.set_defaults(func=_main)
+    p.set_defaults(func=report_main(bench))
 
 
 class _Load:
@@ -123,9 +124,8 @@ def measure(cluster: Cluster, args: argparse.Namespace) -> dict:
     }
 
 
-def _main(args: argparse.Namespace) -> int:
-    config = TandemConfig.from_file(args.config)
-    cluster = Cluster.start(config)
+def bench(args: argparse.Namespace) -> dict:
+    cluster = Cluster.start(TandemConfig.from_file(args.config))
     try:
         report = measure(cluster, args)
         state = cluster.check_integrity()
@@ -134,6 +134,4 @@ def _main(args: argparse.Namespace) -> int:
     finally:
         cluster.shutdown()
     print(json.dumps(report, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
-    return 0
+    return report

@@ -10,7 +10,6 @@ import ray
 from actors.sampling_params import SamplingParams
 from actors.worker import worker_actor
 from actors.worker_request import WorkerSpec
-from cluster.client import TandemClient
 from cluster.launch import Cluster
 from cluster.scheduler import Scheduler, SchedulerSettings
 from tests.cluster.test_cluster_parity import load, wait_until_idle
