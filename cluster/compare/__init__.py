@@ -6,5 +6,6 @@ resources, each started (`tandem serve` subprocess) and stopped here, with the p
 
 Modules: model (the ~100M compare model), layouts (layout syntax -> serve config), server (one serve
 subprocess, stopped completely), run (the loop over layouts), predict (planner on the same trace),
+rescore (goodput at 0.5x, 1x, 2x the SLOs),
 machine (CPU count, load average), report (table, ratios), plots (PNGs), cli (argparse).
 """

@@ -10,6 +10,7 @@ from pathlib import Path
 from cluster.compare.layouts import DEFAULT_LAYOUTS, WorkerResources, parse_layouts
 from cluster.compare.model import COMPARE_MODEL, resolve_compare_model
 from cluster.compare.report import format_compare
+from cluster.compare.rescore import format_grid, slo_grid
 from cluster.compare.run import ComparePlan, run_compare
 from cluster.config import EngineSection, TandemConfig
 from cluster.loadgen.cli import add_load_arguments, rates_from_args, spec_from_args
@@ -98,8 +99,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"bench-compare-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     data = run_compare(plan_from_args(args, out))
+    data["slo_sensitivity"] = slo_grid(data)
     out.write_text(json.dumps(data, indent=1))
     print(format_compare(data))
+    print(format_grid(data["slo_sensitivity"]))
     plots = []
     if not args.no_plots:
         from cluster.compare.plots import write_compare_plots  # matplotlib loads only when plotting

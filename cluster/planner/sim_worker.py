@@ -30,13 +30,14 @@ class SimSeq:
     request: SimRequest
     prefill_worker: str | None = None
     decode_worker: str | None = None
+    submitted_s: float | None = None  # when the scheduler placed it (its decode reservation's lease starts)
     computed: int = 0  # prompt tokens computed so far
     adopted: bool = False  # arrived on a decode worker with its prompt KV in place
     blocks_held: int = 0  # on a prefill worker, until the KV transfer is done
     first_token_s: float | None = None
     decode_first_step: int | None = None  # step (on decode_worker) that produced token 2
     finish_s: float | None = None
-    rejected: str | None = None
+    rejected: str | None = None  # never admitted, or failed (a lease that ran out)
 
     @property
     def uncomputed(self) -> int:

@@ -20,6 +20,9 @@ arrives; a worker's step ends; a KV transfer lands. Policy, as in the real sched
   other; each takes latency + bytes / bandwidth) and frees its blocks when the KV has landed. The decode
   worker adopts the request and decodes it from its next step.
 - Workers step as `SimWorker` (sim_worker.py) describes; a step lasts `profile.step_s(shape)`.
+- Leases: the decode worker's reservation is made on admission and lasts `lease_s`; KV that lands later
+  is refused and the request fails without a token, as the real worker does (so an overloaded prefill
+  pool shows up as failures, not only as long TTFTs).
 """
 
 from __future__ import annotations
@@ -79,12 +82,13 @@ class SimOptions:
     local_prefill: bool = True
     local_prefill_penalty: float = 1.0
     default_prefill_s_per_token: float = 2e-4  # the scheduler's guess until a worker has measured itself
+    lease_s: float | None = None  # a decode reservation's lifetime; None never expires
 
     @classmethod
     def from_config(cls, config) -> "SimOptions":
         """The routing policy of a `TandemConfig`'s scheduler section."""
         s = config.scheduler
-        return cls(s.routing, s.local_prefill, s.local_prefill_penalty, s.prefill_s_per_token)
+        return cls(s.routing, s.local_prefill, s.local_prefill_penalty, s.prefill_s_per_token, s.lease_s)
 
 
 @dataclass
@@ -184,6 +188,7 @@ class _Cluster:
 
     def _submit(self, seq: SimSeq, prefill: SimWorker, decode: SimWorker, blocks: int, now: float) -> None:
         seq.prefill_worker, seq.decode_worker = prefill.worker_id, decode.worker_id
+        seq.submitted_s = now
         decode.committed_blocks += blocks
         prefill.waiting.append(seq)
         self._wake(prefill, now)
@@ -221,8 +226,14 @@ class _Cluster:
         prefill = self.workers[seq.prefill_worker]
         prefill.free_blocks += seq.blocks_held
         seq.blocks_held = 0
-        seq.adopted = True
         decode = self.workers[seq.decode_worker]
+        if self.options.lease_s is not None and now - seq.submitted_s > self.options.lease_s:
+            seq.rejected, seq.first_token_s = f"KV arrived after the {self.options.lease_s:g} s lease", None
+            decode.committed_blocks -= self._blocks_needed(seq.request)
+            self._wake(prefill, now)
+            self._admit(now)
+            return
+        seq.adopted = True
         decode.waiting.append(seq)
         self._wake(decode, now)
         self._wake(prefill, now)

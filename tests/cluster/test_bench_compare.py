@@ -58,6 +58,11 @@ def test_compare_two_layouts_on_one_trace(tmp_path, capsys):
         v = run["validation"]
         assert v["goodput_rps"]["measured"] == run["slo"]["goodput_rps"]
         assert v["goodput_rps"]["predicted"] is not None and v["ttft_p90_ms"]["predicted"] > 0
+    # Re-scoring at the SLOs of the run reproduces the measured goodput; 9 pairs of scaled SLOs in all.
+    grid = data["slo_sensitivity"]
+    assert len(grid) == 9
+    (same,) = [row for row in grid if (row["ttft_ms"], row["tpot_ms"]) == (3000, 500)]
+    assert same["goodput_rps"] == {e["layout"]: e["result"]["slo"]["goodput_rps"] for e in data["runs"]}
     # The same requests at the same scheduled times, with the same prompt contents (one salt).
     assert _schedule(colocated["result"]) == _schedule(disagg["result"])
     assert colocated["result"]["spec"]["workload"]["prompt_salt"] == disagg["result"]["spec"]["workload"]["prompt_salt"]
@@ -85,3 +90,26 @@ def test_session_pids_sees_only_live_members():
 
     assert os.getpid() in session_pids(os.getsid(0))
     assert session_pids(2**22 + 12345) == []
+
+
+def test_simulated_lease_expiry_fails_late_handoffs():
+    """A decode reservation lives `lease_s` from admission; KV landing later fails the request (no token),
+    as on the real decode worker, and its reservation is given back."""
+    from cluster.planner.metrics import SLO, summarize
+    from cluster.planner.simulator import Layout, SimOptions, simulate
+    from cluster.planner.workload import SimRequest
+
+    model = ModelShape("m", num_layers=1, hidden_size=8, num_heads=1, num_kv_heads=1, head_dim=8,
+                       intermediate_size=8, vocab_size=16, dtype_bytes=4)
+    # 1 s per prefill step of 100 tokens; decode steps of 10 ms; instant transfer.
+    profile = EngineProfile("synthetic", "test", model, LinearCost(0.0, 0.01, 0.0, 0.01, 0.0, 0.0),
+                            EngineLimits(16, 1000, 8, 100), 1e12, 0.0)
+    requests = [SimRequest(0.0, 100, 3) for _ in range(3)]  # prefills end at 1, 2 and 3 s
+    result = simulate(profile, Layout.disaggregated(1, 1), requests, SimOptions(local_prefill=False, lease_s=2.5))
+    assert [s.rejected is None for s in result.seqs] == [True, True, False]
+    assert result.seqs[2].first_token_s is None and result.seqs[2].finish_s is None
+    assert result.seqs[1].first_token_s == 2.0
+    summary = summarize(result, SLO(ttft_s=10.0))
+    assert (summary.completed, summary.rejected, summary.attainment) == (2, 1, 2 / 3)
+    no_lease = simulate(profile, Layout.disaggregated(1, 1), requests, SimOptions(local_prefill=False))
+    assert all(s.rejected is None and s.finish_s is not None for s in no_lease.seqs)
