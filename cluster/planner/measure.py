@@ -1,7 +1,11 @@
 """`tandem plan profile`: time real engine steps on this machine and fit a linear cost profile.
 
-Prefill samples: k prompts of n random tokens (max_tokens=1, prefix caching off) computed in one
-`Engine.step`, for a grid of (k, n) that separates the per-token from the quadratic attention cost.
+The engine runs with the cluster's token budget (max_num_batched_tokens), so the profile times the
+shapes the workers run. Prefill samples: k prompts of n random tokens (max_tokens=1, prefix caching
+off) computed in one `Engine.step`, for the (k, n) of a grid that fit the budget; and chunked prompts
+longer than the budget, each chunk timed as its own sample (a full budget of tokens after 0, 1, 2...
+budgets already computed, and a shorter last chunk): a long prompt's later chunks attend to a longer
+context, which is what separates the per-token from the quadratic attention cost on the cluster.
 Decode samples: b requests adopted with c tokens of context (`Engine.reserve` + `adopt`, the decode
 worker's own path, so no prefill is paid to set them up), then single steps timed, for a grid of (b, c).
 Each sample is the median of a few repeats. The fits are non-negative least squares on relative error
@@ -22,11 +26,12 @@ import torch
 from actors.engine import Engine
 from actors.engine_config import EngineConfig
 from actors.sampling_params import SamplingParams
-from cluster.planner.profile import EngineLimits, EngineProfile, LinearCost, ModelShape, chunk_pairs
+from cluster.planner.profile import BatchShape, EngineLimits, EngineProfile, LinearCost, ModelShape, chunk_pairs
 from cluster.planner.transfer_probe import measure_transfer
 
 PREFILL_GRID = [(1, 16), (1, 64), (1, 256), (1, 512), (1, 1024), (4, 32), (4, 128), (8, 64), (2, 512)]
 DECODE_GRID = [(b, c) for c in (32, 512) for b in (1, 4, 16, 64)]
+CHUNKED_PROMPTS = (4.0, 2.5)  # prompt lengths, in token budgets, timed chunk by chunk
 
 
 def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -63,6 +68,24 @@ def _time_prefill(engine: Engine, g: torch.Generator, k: int, n: int, repeats: i
     return statistics.median(times)
 
 
+def _time_chunks(engine: Engine, g: torch.Generator, n: int, repeats: int) -> list[dict]:
+    """Prefill one n-token prompt in budget-sized chunks; one sample per chunk, the median of repeats."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times: dict[tuple[int, int], list[float]] = {}
+    for rep in range(repeats):
+        engine.add_request(f"c{n}-{rep}", _prompts(g, engine.vocab_size, 1, n)[0], params)
+        done = 0
+        while engine.has_unfinished():
+            start = time.perf_counter()
+            engine.step()
+            times.setdefault((engine.last_step_tokens, done), []).append(time.perf_counter() - start)
+            done += engine.last_step_tokens
+        if done != n:
+            raise RuntimeError(f"chunked sample of {n} tokens computed {done}")
+    return [{"kind": "prefill", "prompts": 1, "tokens": k, "context": c, "pairs": chunk_pairs(k, c),
+             "s": statistics.median(t)} for (k, c), t in sorted(times.items(), key=lambda kv: kv[0][1])]
+
+
 def _time_decode(engine: Engine, g: torch.Generator, b: int, c: int, steps: int) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
     ids = [f"d{b}x{c}-{i}" for i in range(b)]
@@ -85,23 +108,47 @@ def _time_decode(engine: Engine, g: torch.Generator, b: int, c: int, steps: int)
     return statistics.median(times)
 
 
+def sample_shape(s: dict) -> BatchShape:
+    if s["kind"] == "prefill":
+        return BatchShape(s["tokens"], s["pairs"], s["prompts"])
+    return BatchShape(decode_seqs=s["seqs"], decode_context=s["context"])
+
+
+def fit_table(samples: list[dict], cost: LinearCost) -> str:
+    """Each timed step next to the fitted cost of its shape: where the linear model misses."""
+    lines = [f"  {'step':<34}{'measured ms':>12}{'fitted ms':>11}{'error':>8}"]
+    for s in samples:
+        if s["kind"] == "prefill":
+            what = f"prefill {s['prompts']} x {s['tokens'] // s['prompts']} tok after {s.get('context', 0)}"
+        else:
+            what = f"decode {s['seqs']} seqs, {s['context']} ctx"
+        fitted = cost.step_s(sample_shape(s), None)
+        lines.append(f"  {what:<34}{s['s'] * 1e3:>12.1f}{fitted * 1e3:>11.1f}{(fitted - s['s']) / s['s']:>+8.1%}")
+    return "\n".join(lines)
+
+
 def profile_engine(model_dir: str, dtype: str = "float32", threads: int = 1, limits: EngineLimits = EngineLimits(),
-                   repeats: int = 3, decode_steps: int = 5, measure_link: bool = True,
+                   repeats: int = 5, decode_steps: int = 5, measure_link: bool = True,
                    transfer_bytes_per_s: float = 2e9, transfer_latency_s: float = 0.0, log=print) -> EngineProfile:
     torch.set_num_threads(threads)
     engine = Engine(EngineConfig(model=model_dir, dtype=dtype, block_size=limits.block_size,
                                  num_kv_blocks=limits.num_kv_blocks, max_num_seqs=limits.max_num_seqs,
-                                 max_num_batched_tokens=max(limits.max_num_batched_tokens, 2048),
+                                 max_num_batched_tokens=limits.max_num_batched_tokens,
                                  enable_prefix_caching=False, detokenize=False))
     g = torch.Generator().manual_seed(0)
     max_len = engine.max_model_len - decode_steps - 8
     engine.generate([[11] * 32], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     samples = []
+    budget = limits.max_num_batched_tokens
     for k, n in PREFILL_GRID:
-        if n < max_len:
+        if k * n <= budget and n < max_len:
             t = _time_prefill(engine, g, k, n, repeats)
             samples.append({"kind": "prefill", "prompts": k, "tokens": k * n, "pairs": k * chunk_pairs(n, 0), "s": t})
-    log(f"  prefill: {len(samples)} samples, largest {max(s['tokens'] for s in samples)} tokens")
+    for n in sorted({min(max_len, int(m * budget)) for m in CHUNKED_PROMPTS}):
+        if n > budget:
+            samples += _time_chunks(engine, g, n, repeats)
+    log(f"  prefill: {len(samples)} samples, largest {max(s['tokens'] for s in samples)} tokens in a step, "
+        f"longest context {max(s.get('context', 0) + s['tokens'] for s in samples)}")
     for b, c in DECODE_GRID:
         blocks = b * -(-(c + decode_steps + 5) // limits.block_size)
         if b <= limits.max_num_seqs and c < max_len and blocks <= limits.num_kv_blocks:
@@ -122,6 +169,7 @@ def profile_engine(model_dir: str, dtype: str = "float32", threads: int = 1, lim
         transfer_bytes_per_s, transfer_latency_s = measure_transfer(engine.runner.kv_caches)
         log(f"  KV transfer (zmq ipc, in-process): {transfer_bytes_per_s / 1e9:.2f} GB/s, "
             f"{transfer_latency_s * 1e3:.2f} ms latency")
+    log(fit_table(samples, LinearCost(*p, *d)))
     hardware = f"{platform.processor() or platform.machine()}, {threads} torch thread(s), {dtype}"
     return EngineProfile("measured", hardware, model, LinearCost(*p, *d), limits,
                          transfer_bytes_per_s, transfer_latency_s, samples)
