@@ -169,7 +169,15 @@ def profile_engine(model_dir: str, dtype: str = "float32", threads: int = 1, lim
         transfer_bytes_per_s, transfer_latency_s = measure_transfer(engine.runner.kv_caches)
         log(f"  KV transfer (zmq ipc, in-process): {transfer_bytes_per_s / 1e9:.2f} GB/s, "
             f"{transfer_latency_s * 1e3:.2f} ms latency")
-    log(fit_table(samples, LinearCost(*p, *d)))
+    cost = LinearCost(*p, *d)
+    log(fit_table(samples, cost))
+    if budget < max_len:  # a held-out prompt the fit never saw, prefilled in chunks as a worker would
+        n = min(max_len, budget * 2 - budget // 16)
+        steps = _time_chunks(engine, g, n, 1)
+        fitted = sum(cost.step_s(sample_shape(s), None) for s in steps)
+        measured = sum(s["s"] for s in steps)
+        log(f"  held-out {n}-token prompt in {len(steps)} chunks: measured {measured * 1e3:.0f} ms, "
+            f"fitted {fitted * 1e3:.0f} ms ({(fitted - measured) / measured:+.1%})")
     hardware = f"{platform.processor() or platform.machine()}, {threads} torch thread(s), {dtype}"
     return EngineProfile("measured", hardware, model, LinearCost(*p, *d), limits,
                          transfer_bytes_per_s, transfer_latency_s, samples)
