@@ -64,6 +64,8 @@ class Worker:
         self._finished: list[tuple[str, int]] = []  # (request id, final status) not yet reported
         self._counters = _Counters()
         self._prefill_s_per_token: float | None = None
+        self._step_s: float | None = None  # a new prompt first waits for the step in progress
+        self._first_token_waits: list[tuple[str, float]] = []  # (request id, received -> first token) to report
         caches = self.engine.runner.kv_caches
         group = None
         if spec.transfer_backend == "collective":
@@ -112,7 +114,7 @@ class Worker:
             # Prompts waiting in the inbox behind a long step are queued prefill work too: without them
             # the scheduler's TTFT prediction misses exactly the backlog that overload builds.
             self._inbox_prompt_tokens += len(request.get("prompt_token_ids", ()))
-        self._inbox.put(("submit", request))
+        self._inbox.put(("submit", {**request, "received_at": time.time()}))
 
     def reserve(self, request: dict) -> list[int] | None:
         return self._call("reserve", request)
@@ -206,7 +208,7 @@ class Worker:
         except Exception as exc:  # whatever went wrong, the request ends with an error, never hangs
             self._fail(req, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc))
             return
-        req.timings["received"] = time.time()
+        req.timings["received"] = request.get("received_at", time.time())  # inbox wait included
         self._requests[req.request_id] = req
 
     def _do_reserve(self, request: dict) -> list[int] | None:
@@ -274,6 +276,9 @@ class Worker:
             if offset == 0 or out.finished:  # stamps travel on the first and the last delta only
                 if offset == 0:
                     req.timings.update(scheduled=out.first_scheduled_time, first_token=time.time())
+                    if "received" in req.timings:  # what the scheduler's TTFT prediction is checked against
+                        self._first_token_waits.append(
+                            (req.request_id, req.timings["first_token"] - req.timings["received"]))
                 if out.finished:
                     req.timings["finished"] = time.time()
                 timings = dict(req.timings)
@@ -349,6 +354,7 @@ class Worker:
         self._finished.append((req.request_id, int(RequestStatus.FAILED)))
 
     def _measure(self, seconds: float) -> None:
+        self._step_s = seconds if self._step_s is None else 0.8 * self._step_s + 0.2 * seconds
         tokens = self.engine.last_step_tokens
         if tokens >= 32:  # prefill-dominated steps give the per-token prefill cost
             cost = seconds / tokens
@@ -383,6 +389,7 @@ class Worker:
             "queued_prefill_tokens": self.engine.batcher.queued_prefill_tokens() + self._inbox_prompt_tokens,
             "preemptions": self.engine.batcher.num_preemptions,
             "prefill_s_per_token": self._prefill_s_per_token,
+            "step_s": self._step_s,
             "reserved": len(self._reserved),
             "held": len(self._held),
             "live_requests": len(self._requests),
@@ -403,7 +410,9 @@ class Worker:
             return
         if self._scheduler_forgot_us():
             self._register()
-        self._last_report = self.scheduler.report.remote(self.spec.worker_id, self._stats(), finished, events)
+        stats = self._stats()
+        stats["first_token_waits"], self._first_token_waits = self._first_token_waits, []
+        self._last_report = self.scheduler.report.remote(self.spec.worker_id, stats, finished, events)
 
     def _scheduler_forgot_us(self) -> bool:
         """The previous report was answered "unknown worker": the scheduler restarted, or its

@@ -56,6 +56,7 @@ class _Worker:
     view: WorkerView
     last_seen: float = field(default_factory=time.monotonic)
     stats: dict = field(default_factory=dict)  # the worker's latest report, counters included
+    ttft_calibration: float = 1.0  # measured / predicted time to first token on this worker, smoothed
 
 
 def attempt_of(wire_id: str) -> str:
@@ -88,6 +89,7 @@ class Scheduler:
         self._draining: set[str] = set()  # workers being removed: no new work, in-flight work finishes
         self._epoch = uuid.uuid4().hex[:6]  # attempt ids stay unique across scheduler restarts
         self._attempts = itertools.count()
+        self._predicted: dict[str, float] = {}  # wire id -> predicted seconds on its prefill worker, until measured
         self._watchdog: asyncio.Task | None = None
         self._publisher = TokenPublisher()  # only to tell a client its request failed with a lost worker
         self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "failed": 0, "local_prefills": 0,
@@ -211,6 +213,7 @@ class Scheduler:
         v.queued_prefill_tokens = stats["queued_prefill_tokens"]
         v.prefill_s_per_token = stats["prefill_s_per_token"]
         self._index.apply(worker_id, events)
+        self._calibrate(worker, stats.get("first_token_waits", ()))
         for wire_id, status in finished:
             self._reclaim(attempt_of(wire_id), wire_id, failed=status >= 14)
         return True
@@ -287,7 +290,7 @@ class Scheduler:
             if not fits:
                 return None
             plan = plan_prefill(self.s.routing, fits, cached, prompt_len, 0.0, self._typical_cost(pool), next(self._turn))
-            return self._shed(plan, arrived) or await self._run_local(wire, plan.worker_id, blocks_needed)
+            return self._shed(plan, arrived) or await self._run_local(wire, plan.worker_id, blocks_needed, plan)
 
         decode = pick_decode(self._views_with_room("decode"), blocks_needed)
         if decode is None:
@@ -307,7 +310,7 @@ class Scheduler:
             return shed
         if plan.local or request["params"].get("n", 1) > 1 or request.get("output_prefix"):
             self.counters["local_prefills"] += 1
-            return await self._run_local(wire, decode.worker_id, blocks_needed)
+            return await self._run_local(wire, decode.worker_id, blocks_needed, plan if plan.local else None)
 
         decode_worker = self._workers[decode.worker_id]
         try:
@@ -323,12 +326,15 @@ class Scheduler:
                               decode.worker_id, blocks_needed, request=request))
         dest = {"endpoint": decode_worker.info["kv_endpoint"], "block_ids": dest_blocks, "lease_id": wire["request_id"],
                 "decode_worker": decode.worker_id}
+        self._predicted[wire["request_id"]] = self._predict_on_worker(plan)
         self._workers[plan.worker_id].handle.submit.remote({**wire, "dest": dest})
         self._workers[plan.worker_id].view.queued_prefill_tokens += prompt_len - plan.cached_tokens
         return {"ok": True, "prefill": plan.worker_id, "decode": decode.worker_id, "cached_tokens": plan.cached_tokens}
 
-    async def _run_local(self, wire: dict, worker_id: str, blocks_needed: int) -> dict:
+    async def _run_local(self, wire: dict, worker_id: str, blocks_needed: int, plan: PrefillPlan | None = None) -> dict:
         worker = self._workers[worker_id]
+        if plan is not None and plan.worker_id == worker_id:
+            self._predicted[wire["request_id"]] = self._predict_on_worker(plan)
         worker.view.queued_prefill_tokens += len(wire["prompt_token_ids"])
         request_id = attempt_of(wire["request_id"])
         self._commit(_Tracked(request_id, wire["request_id"], {worker_id}, None, worker_id, blocks_needed,
@@ -347,6 +353,7 @@ class Scheduler:
         if tracked is None or (wire_id is not None and wire_id != tracked.wire_id):
             return False
         del self._requests[request_id]
+        self._predicted.pop(tracked.wire_id, None)
         self._committed[tracked.decode_id] -= tracked.blocks
         for wid in tracked.workers - {skip}:
             worker = self._workers.get(wid)
@@ -355,13 +362,31 @@ class Scheduler:
         self.counters["failed" if failed else "finished"] += 1
         return True
 
+    def _predict_on_worker(self, plan: PrefillPlan) -> float:
+        """Seconds from reaching the worker to its first token: the cost model's queue + prefill +
+        transfer, plus the step in progress, which a new prompt waits out first."""
+        return plan.predicted_ttft_s + (self._workers[plan.worker_id].stats.get("step_s") or 0.0)
+
+    def _calibrate(self, worker: _Worker, waits) -> None:
+        """Learn how far off this worker's TTFT predictions run (a busy host, a cold cache), so load
+        shedding corrects itself within a few requests instead of trusting the cost model blindly."""
+        for wire_id, seconds in waits:
+            predicted = self._predicted.pop(wire_id, None)
+            if predicted:
+                ratio = min(max(seconds / max(predicted, 1e-3), 0.5), 10.0)
+                worker.ttft_calibration = 0.7 * worker.ttft_calibration + 0.3 * ratio
+
     def _shed(self, plan: PrefillPlan, arrived: float) -> dict | None:
         """Reject now (429) a request that would miss the TTFT target anyway: admitting it would only
         make every request behind it later too."""
         limit = self.s.max_predicted_ttft_s
         if limit is None:
             return None
-        ttft = time.monotonic() - arrived + plan.predicted_ttft_s
+        worker = self._workers[plan.worker_id]
+        queue_ahead = worker.view.queued_prefill_tokens > 0 or worker.stats.get("running", 0) > 0
+        if not queue_ahead:
+            return None  # nothing to wait behind: shedding it would not help anyone (and keeps costs measured)
+        ttft = time.monotonic() - arrived + self._predict_on_worker(plan) * worker.ttft_calibration
         if ttft <= limit:
             return None
         self.counters["shed"] += 1

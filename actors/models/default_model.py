@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -55,21 +56,38 @@ def resolve_model(model: str | None) -> str:
 
 
 def ensure_default_model() -> Path:
-    target = cache_root() / "models" / f"tiny-llama-{_VERSION}"
+    return build_cached(f"tiny-llama-{_VERSION}", _write_checkpoint)
+
+
+def build_cached(name: str, write: Callable[[Path], None]) -> Path:
+    """A checkpoint built on first use under the cache: `write` fills a staging directory that is then
+    renamed into place, so a concurrent builder either wins or finds it done."""
+    target = cache_root() / "models" / name
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
     try:
-        _write_checkpoint(staging)
+        write(staging)
         try:
-            staging.rename(target)  # atomic: a concurrent builder either wins or finds it done
+            staging.rename(target)
         except OSError:
             if not (target / "model.safetensors").is_file():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def build_random_llama(name: str, **config) -> Path:
+    """A random `transformers` Llama of the given shape (seed 0, untied embeddings, no tokenizer)."""
+    def write(out: Path) -> None:
+        import transformers
+
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, tie_word_embeddings=False)).save_pretrained(out)
+
+    return build_cached(name, write)
 
 
 def _write_checkpoint(out: Path) -> None:

@@ -3,31 +3,18 @@
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import pytest
 
 from cluster.cli import main
-from cluster.ingress.server import make_server
-from cluster.launch import Cluster
+from tests.cluster.http_server import serving
 from tests.cluster.test_cluster_parity import load, wait_until_idle
 
 
 @pytest.fixture(scope="module")
 def server(ray_session):
-    cluster = Cluster.start(load("local.yaml"))
-    http = make_server(cluster, "127.0.0.1", 0)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not http.started:
-        assert time.monotonic() < deadline, "the HTTP server did not start"
-        time.sleep(0.05)
-    yield cluster, f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
-    http.should_exit = True
-    thread.join(timeout=10)
-    cluster.shutdown()
+    with serving(load("local.yaml")) as live:
+        yield live
 
 
 def check_run(run: dict) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
@@ -12,8 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from actors.engine import Engine
 from actors.sampling_params import SamplingParams
-from cluster.ingress.server import make_server
-from cluster.launch import Cluster
+from tests.cluster.http_server import serving
 from tests.cluster.test_cluster_parity import load, wait_until_idle
 
 MODEL = "tiny-llama"
@@ -23,19 +21,8 @@ MODEL = "tiny-llama"
 def server(ray_session):
     config = load("local.yaml")
     config = config.model_copy(update={"scheduler": config.scheduler.model_copy(update={"queue_timeout_s": 1.0})})
-    cluster = Cluster.start(config)
-    http = make_server(cluster, "127.0.0.1", 0)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not http.started:
-        assert time.monotonic() < deadline, "the HTTP server did not start"
-        time.sleep(0.05)
-    port = http.servers[0].sockets[0].getsockname()[1]
-    yield cluster, f"http://127.0.0.1:{port}"
-    http.should_exit = True
-    thread.join(timeout=10)
-    cluster.shutdown()
+    with serving(config) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,6 @@ after the migration, and the text is the fault-free one, with no token missing o
 
 from __future__ import annotations
 
-import threading
-import time
 
 import httpx
 import openai
@@ -13,8 +11,7 @@ import ray
 
 from actors.engine import Engine
 from actors.sampling_params import SamplingParams
-from cluster.ingress.server import make_server
-from cluster.launch import Cluster
+from tests.cluster.http_server import serving
 from tests.cluster.test_cluster_parity import load, wait_until_idle
 
 MODEL = "tiny-llama"
@@ -26,18 +23,8 @@ def server(ray_session):
     # The migration waits for the restarted decode worker: give admission time for it to come back.
     config = config.model_copy(update={"scheduler": config.scheduler.model_copy(
         update={"queue_timeout_s": 60.0, "local_prefill": False})})
-    cluster = Cluster.start(config)
-    http = make_server(cluster, "127.0.0.1", 0)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not http.started:
-        assert time.monotonic() < deadline, "the HTTP server did not start"
-        time.sleep(0.05)
-    yield cluster, f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
-    http.should_exit = True
-    thread.join(timeout=10)
-    cluster.shutdown()
+    with serving(config) as live:
+        yield live
 
 
 def test_openai_stream_survives_its_decode_worker(server):

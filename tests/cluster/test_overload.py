@@ -86,8 +86,9 @@ async def _one(client: httpx.AsyncClient, base: str, prompt: list[int], schedule
             "ignore_eos": True, "stream": True}
     async with client.stream("POST", base + "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
-            await resp.aread()
-            return {"status": resp.status_code, "retry_after": resp.headers.get("retry-after")}
+            body = await resp.aread()
+            return {"status": resp.status_code, "retry_after": resp.headers.get("retry-after"),
+                    "message": json.loads(body)["error"]["message"]}
         ttft = None
         async for line in resp.aiter_lines():
             if ttft is None and line.startswith("data: {"):
@@ -131,7 +132,7 @@ def test_overload_sheds_with_429_and_keeps_the_ttft_slo(tmp_path):
     arrivals, t = [], 0.0
     while (t := t + rng.expovariate(rate)) < DURATION_S:
         arrivals.append(t)
-    with serving(tmp_path, slo / 2) as (base, pid):
+    with serving(tmp_path, slo / 2.5) as (base, pid):  # shed with a margin: predictions are estimates
         asyncio.run(_drive(base, [0.0, 0.0], rng))  # warm-up: the workers measure their prefill cost
         rss_before, workers_before = _rss(pid), _worker_rss(base)
         results = asyncio.run(_drive(base, arrivals, rng))
@@ -147,6 +148,7 @@ def test_overload_sheds_with_429_and_keeps_the_ttft_slo(tmp_path):
         "admitted_ttft_p50_s": ttfts[len(ttfts) // 2], "admitted_ttft_p90_s": ttfts[int(len(ttfts) * 0.9)],
         "admitted_meeting_slo": met, "ingress_rss_growth_mb": (rss_after - rss_before) / 2**20,
         "worker_rss_growth_mb": {w: (workers_after[w] - workers_before[w]) / 2**20 for w in workers_after},
+        "shed_examples": sorted({r["message"] for r in shed})[:3],
     }
     print(json.dumps(report, indent=1))
     assert len(admitted) + len(shed) == len(results), [r for r in results if r["status"] not in (200, 429)]
