@@ -19,7 +19,7 @@ import torch
 
 from actors.engine import Engine
 from actors.engine_config import EngineConfig
-from actors.models.default_model import cache_root, ensure_default_model
+from actors.models.default_model import build_random_llama, ensure_default_model
 from actors.sampling_params import SamplingParams
 from cluster.bench_report import report_main
 
@@ -53,14 +53,7 @@ def make_workloads(vocab_size: int, seed: int = 0) -> list[Workload]:
 
 
 def ensure_bench_model() -> Path:
-    import transformers
-
-    target = cache_root() / "models" / "bench-llama-56m"
-    if not (target / "model.safetensors").is_file():
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(**BENCH_LLAMA, tie_word_embeddings=False)
-        transformers.LlamaForCausalLM(config).save_pretrained(target)
-    return target
+    return build_random_llama("bench-llama-56m", **BENCH_LLAMA)
 
 
 def run_tandem(model_dir: Path, w: Workload) -> dict:

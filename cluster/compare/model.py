@@ -8,13 +8,10 @@ streams token ids when a checkpoint has none.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
-import torch
 
-from actors.models.default_model import cache_root, resolve_model
+from actors.models.default_model import build_random_llama, resolve_model
 
 COMPARE_MODEL = "bench-llama-100m"
 COMPARE_LLAMA = dict(  # 12 layers x 6.3M + 2 x 16000 x 768 embeddings: ~100M parameters
@@ -24,25 +21,7 @@ COMPARE_LLAMA = dict(  # 12 layers x 6.3M + 2 x 16000 x 768 embeddings: ~100M pa
 
 
 def ensure_compare_model() -> Path:
-    import transformers
-
-    target = cache_root() / "models" / COMPARE_MODEL
-    if (target / "model.safetensors").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
-    try:
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(**COMPARE_LLAMA, tie_word_embeddings=False)
-        transformers.LlamaForCausalLM(config).save_pretrained(staging)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return build_random_llama(COMPARE_MODEL, **COMPARE_LLAMA)
 
 
 def resolve_compare_model(name: str) -> str:
