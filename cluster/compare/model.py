@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from actors.models.default_model import build_random_llama, resolve_model
 
 COMPARE_MODEL = "bench-llama-100m"
