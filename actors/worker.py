@@ -134,6 +134,11 @@ class Worker:
         own: it fails the moment this process dies, long before the heartbeat timeout."""
         self._stop.wait()
 
+    @ray.method(concurrency_group="watch")
+    def incarnation(self) -> str:
+        """Which process answers: lets the scheduler tell a dropped watch call from a dead worker."""
+        return self._incarnation
+
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
@@ -440,7 +445,7 @@ class Worker:
 
 def worker_actor():
     """The Worker as a Ray actor class: its "watch" method runs in a thread group of its own."""
-    return ray.remote(concurrency_groups={"watch": 1})(Worker)
+    return ray.remote(concurrency_groups={"watch": 2})(Worker)  # the pending watch, and probes
 
 
 def _wire(req: WorkerRequest) -> dict:

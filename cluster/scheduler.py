@@ -163,11 +163,18 @@ class Scheduler:
     async def _watch_process(self, wid: str, incarnation: str, handle) -> None:
         """Route around a worker as soon as Ray reports its process dead (the heartbeat timeout is
         for workers that hang while alive)."""
-        try:
-            await handle.watch.remote()
-            return  # a clean shutdown
-        except ray.exceptions.RayError:
-            pass
+        while True:
+            try:
+                await handle.watch.remote()
+                return  # a clean shutdown
+            except ray.exceptions.RayError:
+                pass
+            try:  # a call can fail while the process lives (a busy host): ask which process answers
+                alive = await asyncio.wait_for(handle.incarnation.remote(), 2.0) == incarnation
+            except (ray.exceptions.RayError, asyncio.TimeoutError):
+                alive = False
+            if not alive:
+                break
         worker = self._workers.get(wid)
         if worker is None or worker.info["incarnation"] != incarnation:
             return  # already forgotten, or already replaced by its restarted self
@@ -420,6 +427,11 @@ class Scheduler:
         return sum(measured) / len(measured) if measured else self.s.prefill_s_per_token
 
     def _commit(self, tracked: _Tracked) -> None:
+        old = self._requests.get(tracked.request_id)
+        if old is not None:
+            # Another attempt was tracked while this one awaited its placement (a re-announced stale
+            # copy, say): the newest wins, and the old one's KV is released, never overwritten.
+            self._reclaim(old.request_id, old.wire_id, failed=True)
         self._requests[tracked.request_id] = tracked
         self._committed[tracked.decode_id] = self._committed.get(tracked.decode_id, 0) + tracked.blocks
 
