@@ -129,6 +129,11 @@ class Scheduler:
         wire_id = request["request_id"]
         request_id = attempt_of(wire_id)
         role = self._workers[wid].view.role
+        if phase == "held":
+            # Its pages were sent in full; the decode side announces the request itself. Tracking the
+            # hold would outlive a request that finished while no scheduler could hear of it.
+            self._workers[wid].handle.release.remote(wire_id)
+            return
         tracked = self._requests.get(request_id)
         if tracked is not None and tracked.wire_id != wire_id:
             self._workers[wid].handle.abort.remote(wire_id)  # an attempt that was superseded

@@ -77,11 +77,16 @@ def test_scale_up_and_down_under_load_fails_nothing(server, expected):  # noqa: 
         time.sleep(2.0)
         assert tandem(["scale", "--prefill", "2", "--decode", "2", "--url", base]) == 0
         assert sorted(cluster.workers) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
-        deadline = time.monotonic() + 30
+        # The load's prompts are cached on prefill-0 and cache-aware routing keeps them there; fresh
+        # prompts arriving together queue on prefill-0 and spill onto the new worker.
+        client, fresh = cluster.client(), iter(range(1000, 100000, 37))
+        deadline = time.monotonic() + 60
         while not (worker_stats(cluster).get("decode-1", {}).get("adopted", 0) > 0
                    and worker_stats(cluster).get("prefill-1", {}).get("transfers_sent", 0) > 0):
             assert time.monotonic() < deadline, "the new workers never took work"
-            time.sleep(0.1)
+            prompts = [[(start + 7 * k) % 2000 + 10 for k in range(200)] for start in [next(fresh) for _ in range(4)]]
+            results = client.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+            assert all(r[0].finish_reason == "length" for r in results)
         assert tandem(["scale", "--prefill", "1", "--decode", "1", "--url", base]) == 0
     finally:
         load_.stop()
