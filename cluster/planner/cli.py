@@ -12,7 +12,8 @@ from cluster.planner.report import print_table, result_json
 from cluster.planner.roofline import GPUS, MODEL_PRESETS, model_shape, roofline_profile
 from cluster.planner.search import recommend, search
 from cluster.planner.simulator import SimOptions
-from cluster.planner.workload import Lengths, Workload
+from cluster.loadgen.spec import LengthDist
+from cluster.planner.workload import Workload
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,7 +96,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
     slo = SLO(None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
               None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3)
-    prompt, output = Lengths.parse(args.prompt_len), Lengths.parse(args.output_len)
+    prompt, output = LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len)
     workload = Workload.synthetic(args.num_requests, prompt, output, args.arrival, args.burstiness, args.seed)
     options = SimOptions(routing=args.routing, local_prefill=not args.no_local_prefill)
     print(f"profile: {profile.source} on {profile.hardware}, model {profile.model.name}")

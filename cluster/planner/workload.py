@@ -12,11 +12,13 @@ A trace (JSONL with timestamp, prompt_len, output_len) or any list of `SimReques
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from cluster.loadgen.spec import LengthDist
+from cluster.loadgen.workload import sample_length
 
 
 @dataclass(frozen=True)
@@ -31,57 +33,13 @@ class SimRequest:
 
 
 @dataclass(frozen=True)
-class Lengths:
-    kind: str = "fixed"  # fixed | uniform | lognormal
-    mean: float = 128
-    std: float = 0.0
-    low: int = 1
-    high: int | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> "Lengths":
-        parts = text.split(":")
-        try:
-            if len(parts) == 1:
-                return cls("fixed", float(parts[0]))
-            if parts[0] == "uniform" and len(parts) == 3:
-                low, high = int(parts[1]), int(parts[2])
-                if not 1 <= low <= high:
-                    raise ValueError
-                return cls("uniform", (low + high) / 2, low=low, high=high)
-            if parts[0] == "lognormal" and len(parts) == 3 and float(parts[2]) > 0:
-                return cls("lognormal", float(parts[1]), float(parts[2]))
-        except ValueError:
-            pass
-        raise ValueError(f"bad length {text!r}: use N, 'uniform:LOW:HIGH' (1 <= LOW <= HIGH) or 'lognormal:MEAN:STD'")
-
-    def draw(self, rng: np.random.Generator, n: int) -> list[int]:
-        if self.kind == "fixed":
-            values = np.full(n, self.mean)
-        elif self.kind == "uniform":
-            values = rng.integers(self.low, self.high + 1, n)
-        else:
-            sigma2 = math.log(1 + (self.std / self.mean) ** 2)
-            values = rng.lognormal(math.log(self.mean) - sigma2 / 2, math.sqrt(sigma2), n)
-        high = self.high if self.high is not None else np.inf
-        return [int(v) for v in np.clip(np.rint(values), max(1, self.low), high)]
-
-    def describe(self) -> str:
-        if self.kind == "fixed":
-            return str(int(self.mean))
-        if self.kind == "uniform":
-            return f"uniform[{self.low},{self.high}]"
-        return f"lognormal(mean {self.mean:g}, std {self.std:g})"
-
-
-@dataclass(frozen=True)
 class Workload:
     prompt_lens: tuple[int, ...]
     output_lens: tuple[int, ...]
     unit_gaps: tuple[float, ...]  # inter-arrival gaps at a mean rate of 1 request/s
 
     @classmethod
-    def synthetic(cls, num_requests: int, prompt: Lengths, output: Lengths, arrival: str = "poisson",
+    def synthetic(cls, num_requests: int, prompt: LengthDist, output: LengthDist, arrival: str = "poisson",
                   burstiness: float = 1.0, seed: int = 0) -> "Workload":
         if num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {num_requests}")
@@ -90,7 +48,8 @@ class Workload:
         if burstiness <= 0:
             raise ValueError(f"burstiness (the gamma shape) must be > 0, got {burstiness}")
         rng = np.random.default_rng(seed)
-        prompts, outputs = prompt.draw(rng, num_requests), output.draw(rng, num_requests)
+        prompts = [sample_length(prompt, rng) for _ in range(num_requests)]
+        outputs = [sample_length(output, rng) for _ in range(num_requests)]
         shape = 1.0 if arrival == "poisson" else burstiness
         gaps = rng.gamma(shape, 1.0 / shape, num_requests)
         gaps[0] = 0.0  # the first request opens the run

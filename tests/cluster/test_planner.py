@@ -8,12 +8,13 @@ import json
 import pytest
 
 from cluster.cli import main
-from cluster.planner.metrics import SLO, attainment, summarize
+from cluster.planner.metrics import SLO, summarize
 from cluster.planner.profile import BatchShape, EngineLimits, EngineProfile, LinearCost, ModelShape
 from cluster.planner.roofline import MODEL_PRESETS, roofline_profile
 from cluster.planner.search import recommend, search
 from cluster.planner.simulator import Layout, SimOptions, simulate
-from cluster.planner.workload import Lengths, SimRequest, Workload
+from cluster.loadgen.spec import LengthDist
+from cluster.planner.workload import SimRequest, Workload
 
 TOY = ModelShape("toy", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=512, dtype_bytes=4)  # 512 KV bytes per token
@@ -69,7 +70,7 @@ def test_a_request_too_big_for_any_worker_is_rejected_not_lost():
 def test_runs_are_deterministic_goodput_is_at_most_throughput_and_more_load_never_helps():
     p = linear_profile(prefill_per_token=2e-4, decode_per_seq=5e-4, decode_base=0.005,
                        limits=EngineLimits(16, 4096, 32, 1024), bytes_per_s=1e9)
-    work = Workload.synthetic(200, Lengths.parse("lognormal:400:200"), Lengths.parse("uniform:10:60"), seed=3)
+    work = Workload.synthetic(200, LengthDist.parse("lognormal:400:200"), LengthDist.parse("uniform:10:60"), seed=3)
     slo = SLO(ttft_s=0.3, tpot_s=0.03)
     for layout in (Layout.disaggregated(1, 1), Layout.colocated_workers(2)):
         first = simulate(p, layout, work.at_rate(8.0))
@@ -96,7 +97,7 @@ def test_search_recommends_the_ratio_that_balances_prefill_and_decode_work(prefi
     limits = EngineLimits(16, 4096, 64, 100)
     p = linear_profile(prefill_per_token=prefill_s / 100, decode_per_seq=decode_s / 10, decode_base=decode_s / 100,
                        limits=limits, bytes_per_s=1e12, latency=0.0)
-    work = Workload.synthetic(400, Lengths.parse("100"), Lengths.parse("11"), "gamma", burstiness=20, seed=0)
+    work = Workload.synthetic(400, LengthDist.parse("100"), LengthDist.parse("11"), "gamma", burstiness=20, seed=0)
     slo = SLO(ttft_s=5 * prefill_s, tpot_s=3 * decode_s)
     rows = search(p, work, slo, max_workers=4, mode="disaggregated", options=NO_LOCAL)
     rec = recommend(rows)
