@@ -16,13 +16,11 @@ Roles:
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import ray
 import torch
@@ -30,22 +28,20 @@ import torch
 from actors.engine import Engine
 from actors.kv_handoff import HandoffReceiver, HandoffSender
 from actors.request_status import RequestStatus
+from actors.scheduler_link import SchedulerLink
 from actors.token_stream import TokenDelta, TokenPublisher
-from actors.worker_request import WorkerRequest, WorkerSpec, request_from_wire, request_stub
+from actors.worker_meter import WorkerMeter
+from actors.worker_request import (
+    WorkerRequest,
+    WorkerSpec,
+    request_from_wire,
+    request_stub,
+    request_to_wire,
+)
 from kv_transfer.collective_transport import init_collective
 
 log = logging.getLogger("tandem.worker")
 _CALL_TIMEOUT_S = 30.0
-
-
-@dataclass
-class _Counters:
-    leases_expired: int = 0
-    lease_overrun_s: float = 0.0  # the latest any lease was released after its deadline
-    transfers_sent: int = 0
-    transfers_failed: int = 0
-    adopted: int = 0
-    bytes_sent: int = 0
 
 
 class Worker:
@@ -62,10 +58,7 @@ class Worker:
         self._reserved: dict[str, WorkerRequest] = {}  # decode: blocks reserved, KV not yet adopted
         self._held: dict[str, WorkerRequest] = {}  # prefill: KV sent, blocks held until released
         self._finished: list[tuple[str, int]] = []  # (request id, final status) not yet reported
-        self._counters = _Counters()
-        self._prefill_s_per_token: float | None = None
-        self._step_s: float | None = None  # a new prompt first waits for the step in progress
-        self._first_token_waits: list[tuple[str, float]] = []  # (request id, received -> first token) to report
+        self._meter = WorkerMeter()
         caches = self.engine.runner.kv_caches
         group = None
         if spec.transfer_backend == "collective":
@@ -79,13 +72,12 @@ class Worker:
         # A fresh id per process: the scheduler tells a restarted worker (new incarnation, its requests
         # lost) from one that re-announces itself (same incarnation, its requests still live).
         self._incarnation = uuid.uuid4().hex
-        self._last_report = None  # the previous report's reply: False means "register again"
-        self._registering = None
         self._faults: set[str] = set()
         self._stop = threading.Event()
-        if scheduler is not None:
+        self._link = None if scheduler is None else SchedulerLink(scheduler, spec.worker_id, self.info, self._live)
+        if self._link is not None:
             # Registering itself (not from the launcher) is what lets a restarted worker rejoin.
-            self._register()
+            self._link.register()
         self._thread = threading.Thread(target=self._run, name=f"engine-{spec.worker_id}", daemon=True)
         self._thread.start()
 
@@ -166,7 +158,7 @@ class Worker:
                     log.exception("worker %s: engine step failed; failing its requests", self.spec.worker_id)
                     self._fail_everything("internal error in the engine step")
                     continue
-                self._measure(time.perf_counter() - start)
+                self._meter.step(time.perf_counter() - start, self.engine.last_step_tokens)
                 self._publish(outputs)
             now = time.monotonic()
             if self._finished or now - last_report >= self.spec.heartbeat_s:
@@ -234,7 +226,7 @@ class Worker:
                           req.cache_salt, header.extra.get("num_cached_tokens", 0))
         req.timings.update(header.extra.get("timings", {}), adopted=time.time())
         self._requests[req.request_id] = req
-        self._counters.adopted += 1
+        self._meter.adopted += 1
         if self.scheduler is not None:
             self.scheduler.handoff_done.remote(req.request_id, header.extra.get("prefill_worker"))
 
@@ -282,7 +274,7 @@ class Worker:
                 if offset == 0:
                     req.timings.update(scheduled=out.first_scheduled_time, first_token=time.time())
                     if "received" in req.timings:  # what the scheduler's TTFT prediction is checked against
-                        self._first_token_waits.append(
+                        self._meter.first_token_waits.append(
                             (req.request_id, req.timings["first_token"] - req.timings["received"]))
                 if out.finished:
                     req.timings["finished"] = time.time()
@@ -311,14 +303,14 @@ class Worker:
                                   self.engine.handoff_blocks(req.request_id), req.dest["block_ids"], extra,
                                   timeout_s=min(self.spec.lease_s, 10.0))
         except Exception as exc:
-            self._counters.transfers_failed += 1
+            self._meter.transfers_failed += 1
             self.engine.release_handoff(req.request_id)
             self._requests.pop(req.request_id, None)
             # The decode side is gone or unreachable: the client may continue the request elsewhere.
             self._fail(req, f"KV transfer to the decode worker failed: {exc}", retryable=True)
             return
-        self._counters.transfers_sent += 1
-        self._counters.bytes_sent += len(req.dest["block_ids"]) * self.engine.runner.bytes_per_block
+        self._meter.transfers_sent += 1
+        self._meter.kv_bytes_sent += len(req.dest["block_ids"]) * self.engine.runner.bytes_per_block
         self._requests.pop(req.request_id, None)
         req.deadline = time.monotonic() + self.spec.lease_s
         self._held[req.request_id] = req
@@ -330,19 +322,15 @@ class Worker:
                 log.warning("worker %s: no release for %s within the lease; freeing its blocks", self.spec.worker_id, request_id)
                 del self._held[request_id]
                 self.engine.release_handoff(request_id)
-                self._count_expiry(now - req.deadline)
+                self._meter.lease_expired(now - req.deadline)
         for request_id, req in list(self._reserved.items()):
             if req.deadline < now and self._receiver.begin_expiry(request_id):
                 del self._reserved[request_id]
                 self.engine.release_reservation(request_id)
-                self._count_expiry(now - req.deadline)
+                self._meter.lease_expired(now - req.deadline)
                 # The first token may have reached the client already: it can continue the request elsewhere.
                 self._fail(req, f"KV for {request_id} did not arrive within the {self.spec.lease_s}s lease",
                            retryable=True)
-
-    def _count_expiry(self, late_s: float) -> None:
-        self._counters.leases_expired += 1
-        self._counters.lease_overrun_s = max(self._counters.lease_overrun_s, late_s)
 
     def _fail_everything(self, message: str) -> None:
         for table in (self._requests, self._reserved, self._held):
@@ -357,14 +345,6 @@ class Worker:
                            retryable=retryable)
         self._publisher.publish(req.sink, [delta])
         self._finished.append((req.request_id, int(RequestStatus.FAILED)))
-
-    def _measure(self, seconds: float) -> None:
-        self._step_s = seconds if self._step_s is None else 0.8 * self._step_s + 0.2 * seconds
-        tokens = self.engine.last_step_tokens
-        if tokens >= 32:  # prefill-dominated steps give the per-token prefill cost
-            cost = seconds / tokens
-            prev = self._prefill_s_per_token
-            self._prefill_s_per_token = cost if prev is None else 0.8 * prev + 0.2 * cost
 
     # ---- receiver callbacks (the receiver's thread) ----
 
@@ -393,71 +373,28 @@ class Worker:
             "waiting": len(self.engine.batcher.waiting),
             "queued_prefill_tokens": self.engine.batcher.queued_prefill_tokens() + self._inbox_prompt_tokens,
             "preemptions": self.engine.batcher.num_preemptions,
-            "prefill_s_per_token": self._prefill_s_per_token,
-            "step_s": self._step_s,
             "reserved": len(self._reserved),
             "held": len(self._held),
             "live_requests": len(self._requests),
-            "leases_expired": self._counters.leases_expired,
-            "lease_overrun_s": self._counters.lease_overrun_s,
-            "rss_bytes": _rss_bytes(),
-            "transfers_sent": self._counters.transfers_sent,
-            "transfers_failed": self._counters.transfers_failed,
-            "adopted": self._counters.adopted,
-            "kv_bytes_sent": self._counters.bytes_sent,
             "tokens_dropped": self._publisher.dropped,
+            **self._meter.stats(),
         }
 
     def _report(self) -> None:
         finished, self._finished = self._finished, []
         events = self.engine.take_kv_events()
-        if self.scheduler is None:
+        if self._link is None:
             return
-        if self._scheduler_forgot_us():
-            self._register()
         stats = self._stats()
-        stats["first_token_waits"], self._first_token_waits = self._first_token_waits, []
-        self._last_report = self.scheduler.report.remote(self.spec.worker_id, stats, finished, events)
-
-    def _scheduler_forgot_us(self) -> bool:
-        """The previous report was answered "unknown worker": the scheduler restarted, or its
-        watchdog gave up on this worker during a stall. Either way this worker must register again."""
-        if self._last_report is None or (self._registering is not None and not _done(self._registering)):
-            return False
-        if not _done(self._last_report):
-            return False
-        try:
-            known = ray.get(self._last_report, timeout=0)
-        except Exception:  # the scheduler is down or restarting: keep reporting until it answers
-            return False
-        self._last_report = None
-        return known is False
-
-    def _register(self) -> None:
-        handle = ray.get_runtime_context().current_actor
-        self._registering = self.scheduler.register.remote(self.info(), handle, self._live())
+        stats["first_token_waits"] = self._meter.take_first_token_waits()
+        self._link.report(stats, finished, events)
 
     def _live(self) -> list[dict]:
         """Every request this worker holds state for, so a restarted scheduler can rebuild its view."""
         phases = (("running", self._requests), ("reserved", self._reserved), ("held", self._held))
-        return [{"phase": phase, "request": _wire(req)} for phase, table in phases for req in table.values()]
+        return [{"phase": phase, "request": request_to_wire(req)} for phase, table in phases for req in table.values()]
 
 
 def worker_actor():
     """The Worker as a Ray actor class: its "watch" method runs in a thread group of its own."""
     return ray.remote(concurrency_groups={"watch": 2})(Worker)  # the pending watch, and probes
-
-
-def _wire(req: WorkerRequest) -> dict:
-    return {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids, "params": vars(req.params),
-            "cache_salt": req.cache_salt, "sink": req.sink, "dest": req.dest, "output_prefix": req.output_prefix}
-
-
-def _done(ref) -> bool:
-    ready, _ = ray.wait([ref], timeout=0)
-    return bool(ready)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

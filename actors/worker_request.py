@@ -56,6 +56,11 @@ def request_from_wire(request: dict) -> WorkerRequest:
     )
 
 
+def request_to_wire(req: WorkerRequest) -> dict:
+    return {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids, "params": dict(vars(req.params)),
+            "cache_salt": req.cache_salt, "sink": req.sink, "dest": req.dest, "output_prefix": req.output_prefix}
+
+
 def request_stub(request: dict) -> WorkerRequest:
     """Enough of a request that could not be parsed to report its failure to its sink."""
     return WorkerRequest(request["request_id"], list(request.get("prompt_token_ids", [])), SamplingParams(), None,

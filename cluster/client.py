@@ -22,7 +22,7 @@ import zmq
 from actors.sampling_params import SamplingParams
 from actors.token_stream import decode_deltas
 from cluster.request_stream import RequestStream, SampleResult, StreamEvent
-from cluster.scheduler import attempt_of
+from cluster.scheduler_state import attempt_of
 from kv_transfer.endpoints import advertised_host
 
 

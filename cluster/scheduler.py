@@ -18,7 +18,6 @@ import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import ray
 
@@ -27,61 +26,20 @@ from actors.request_status import RequestStatus
 from actors.token_stream import TokenDelta, TokenPublisher
 from cluster.prefix_index import PrefixIndex
 from cluster.routing import PrefillPlan, WorkerView, pick_decode, plan_prefill, predicted_ttft
+from cluster.scheduler_membership import Membership
+from cluster.scheduler_state import SchedulerSettings, Tracked, WorkerEntry, attempt_of
+from cluster.ttft_guard import TtftGuard
 
 log = logging.getLogger("tandem.scheduler")
 _CALL_TIMEOUT_S = 30.0
 
 
-@dataclass
-class SchedulerSettings:
-    mode: str
-    routing: str
-    block_size: int
-    model_id: str
-    reserve: str
-    max_queued: int
-    queue_timeout_s: float
-    local_prefill: bool
-    local_prefill_penalty: float
-    prefill_s_per_token: float
-    transfer_bytes_per_s: float
-    heartbeat_timeout_s: float = 10.0
-    max_predicted_ttft_s: float | None = None  # shed requests predicted to miss this (None: no shedding)
-
-
-@dataclass
-class _Worker:
-    handle: object
-    info: dict
-    view: WorkerView
-    last_seen: float = field(default_factory=time.monotonic)
-    stats: dict = field(default_factory=dict)  # the worker's latest report, counters included
-    ttft_calibration: float = 1.0  # measured / predicted time to first token on this worker, smoothed
-
-
-def attempt_of(wire_id: str) -> str:
-    """The client's request id of a worker-facing id `<request id>@<attempt>`."""
-    return wire_id.partition("@")[0]
-
-
-@dataclass
-class _Tracked:
-    request_id: str
-    wire_id: str  # what workers know it as: one id per attempt, so a stale message cannot touch a newer one
-    workers: set[str]  # every worker that may hold state for the request
-    prefill: PrefillPlan | None = None
-    decode_id: str | None = None
-    blocks: int = 0  # KV blocks committed on the decode (or colocated) worker until reclaim
-    handed_off: bool = False
-    request: dict | None = None  # as submitted: enough to re-route it or to tell its client it failed
-
-
-class Scheduler:
+class Scheduler(Membership):
     def __init__(self, settings: SchedulerSettings):
         self.s = settings
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[str, WorkerEntry] = {}
         self._index = PrefixIndex()
-        self._requests: dict[str, _Tracked] = {}
+        self._requests: dict[str, Tracked] = {}
         self._turn = itertools.count()
         self._queued = 0
         self._committed: dict[str, int] = {}  # worker id -> KV blocks promised to in-flight requests
@@ -89,7 +47,7 @@ class Scheduler:
         self._draining: set[str] = set()  # workers being removed: no new work, in-flight work finishes
         self._epoch = uuid.uuid4().hex[:6]  # attempt ids stay unique across scheduler restarts
         self._attempts = itertools.count()
-        self._predicted: dict[str, float] = {}  # wire id -> predicted seconds on its prefill worker, until measured
+        self._guard = TtftGuard(settings.max_predicted_ttft_s)
         self._watchdog: asyncio.Task | None = None
         self._publisher = TokenPublisher()  # only to tell a client its request failed with a lost worker
         self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "failed": 0, "local_prefills": 0,
@@ -97,110 +55,6 @@ class Scheduler:
                          "shed": 0}
 
     # ---- workers ----
-
-    async def register(self, info: dict, handle, live: list[dict] = ()) -> bool:
-        """A worker joins: new, restarted by Ray (a new incarnation: its old requests are gone), or
-        re-announcing itself (same incarnation) because this scheduler restarted or its watchdog gave
-        up on it. `live` is every request the worker still holds state for."""
-        wid = info["worker_id"]
-        known = self._workers.get(wid)
-        if known is not None and known.info["incarnation"] != info["incarnation"]:
-            self._forget_worker(wid, "it restarted")
-            known = None
-        if known is None:
-            view = WorkerView(wid, info["role"], info["num_blocks"], info["num_blocks"])
-            self._workers[wid] = _Worker(handle, info, view)
-            asyncio.get_running_loop().create_task(self._watch_process(wid, info["incarnation"], handle))
-            log.info("registered %s worker %s (%d live requests)", info["role"], wid, len(live))
-        if self._lost.pop(wid, None) == info["incarnation"]:
-            # Declared dead during a stall: its requests were re-routed or failed since; stop its copies.
-            for entry in live:
-                handle.abort.remote(entry["request"]["request_id"])
-        else:
-            for entry in live:
-                self._adopt_live(wid, entry["phase"], entry["request"])
-        if self._watchdog is None:
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
-        return True
-
-    def _adopt_live(self, wid: str, phase: str, request: dict) -> None:
-        """Rebuild the tracking of a request a worker still serves (after this scheduler restarted).
-        Idempotent: a worker may announce the same request more than once."""
-        wire_id = request["request_id"]
-        request_id = attempt_of(wire_id)
-        role = self._workers[wid].view.role
-        if phase == "held":
-            # Its pages were sent in full; the decode side announces the request itself. Tracking the
-            # hold would outlive a request that finished while no scheduler could hear of it.
-            self._workers[wid].handle.release.remote(wire_id)
-            return
-        tracked = self._requests.get(request_id)
-        if tracked is not None and tracked.wire_id != wire_id:
-            self._workers[wid].handle.abort.remote(wire_id)  # an attempt that was superseded
-            return
-        if tracked is None:
-            decode_id = request["dest"]["decode_worker"] if role == "prefill" else wid
-            tracked = _Tracked(request_id, wire_id, set(), None, decode_id, self._blocks_needed(request),
-                               request={**request, "request_id": request_id})
-            self._commit(tracked)
-        tracked.workers.add(wid)
-        if role == "prefill":
-            tracked.prefill = PrefillPlan(wid, False, 0, 0.0)
-        elif phase == "running" and tracked.prefill is not None and tracked.prefill.worker_id != wid:
-            tracked.handed_off = True
-        if tracked.handed_off and tracked.prefill is not None and tracked.prefill.worker_id in tracked.workers:
-            # The decode side adopted the pages while no scheduler could pass on its ack.
-            self._release_prefill(tracked)
-
-    async def _watch(self) -> None:
-        """Declare workers dead when their reports stop; their requests are re-routed or failed."""
-        while True:
-            await asyncio.sleep(min(0.5, self.s.heartbeat_timeout_s / 4))
-            now = time.monotonic()
-            for wid, worker in list(self._workers.items()):
-                if now - worker.last_seen > self.s.heartbeat_timeout_s:
-                    log.warning("worker %s sent no report for %.1fs: routing around it", wid, now - worker.last_seen)
-                    self._forget_worker(wid, "it stopped responding")
-                    self._lost[wid] = worker.info["incarnation"]
-                    del self._workers[wid]
-                    self.counters["workers_lost"] += 1
-
-    async def _watch_process(self, wid: str, incarnation: str, handle) -> None:
-        """Route around a worker as soon as Ray reports its process dead (the heartbeat timeout is
-        for workers that hang while alive)."""
-        while True:
-            try:
-                await handle.watch.remote()
-                return  # a clean shutdown
-            except ray.exceptions.RayError:
-                pass
-            try:  # a call can fail while the process lives (a busy host): ask which process answers
-                alive = await asyncio.wait_for(handle.incarnation.remote(), 2.0) == incarnation
-            except (ray.exceptions.RayError, asyncio.TimeoutError):
-                alive = False
-            if not alive:
-                break
-        worker = self._workers.get(wid)
-        if worker is None or worker.info["incarnation"] != incarnation:
-            return  # already forgotten, or already replaced by its restarted self
-        log.warning("worker %s died: routing around it", wid)
-        self._forget_worker(wid, "its process died")
-        del self._workers[wid]
-        self.counters["workers_lost"] += 1
-
-    def _forget_worker(self, wid: str, why: str) -> None:
-        """Every request that touches a lost worker: re-route it if nothing was emitted yet, else fail it."""
-        self._index.forget(wid)
-        for tracked in [t for t in self._requests.values() if wid in t.workers]:
-            prefill_only = tracked.prefill is not None and tracked.prefill.worker_id == wid and not tracked.handed_off
-            self._reclaim(tracked.request_id, tracked.wire_id, failed=not prefill_only, skip=wid)
-            if prefill_only:
-                # Nothing has reached the client from a prefill that never handed off: run it again.
-                self.counters["rerouted"] += 1
-                asyncio.get_running_loop().create_task(self._resubmit(tracked.request))
-            else:
-                self._tell_client(tracked.request, f"worker {wid} was lost ({why}) while serving the request",
-                                  retryable=True, wire_id=tracked.wire_id)
 
     async def _resubmit(self, request: dict) -> None:
         answer = await self.submit(request)
@@ -225,7 +79,7 @@ class Scheduler:
         v.queued_prefill_tokens = stats["queued_prefill_tokens"]
         v.prefill_s_per_token = stats["prefill_s_per_token"]
         self._index.apply(worker_id, events)
-        self._calibrate(worker, stats.get("first_token_waits", ()))
+        self._guard.observe(worker_id, stats.get("first_token_waits", ()))
         for wire_id, status in finished:
             self._reclaim(attempt_of(wire_id), wire_id, failed=status >= 14)
         return True
@@ -241,7 +95,7 @@ class Scheduler:
         tracked.handed_off = True
         self._release_prefill(tracked)
 
-    def _release_prefill(self, tracked: _Tracked) -> None:
+    def _release_prefill(self, tracked: Tracked) -> None:
         prefill_id = tracked.prefill.worker_id
         worker = self._workers.get(prefill_id)
         if worker is not None:
@@ -334,11 +188,11 @@ class Scheduler:
             return None
         if dest_blocks is None:
             return None
-        self._commit(_Tracked(request_id, wire["request_id"], {plan.worker_id, decode.worker_id}, plan,
+        self._commit(Tracked(request_id, wire["request_id"], {plan.worker_id, decode.worker_id}, plan,
                               decode.worker_id, blocks_needed, request=request))
         dest = {"endpoint": decode_worker.info["kv_endpoint"], "block_ids": dest_blocks, "lease_id": wire["request_id"],
                 "decode_worker": decode.worker_id}
-        self._predicted[wire["request_id"]] = self._predict_on_worker(plan)
+        self._guard.expect(wire["request_id"], plan, self._workers[plan.worker_id].stats.get("step_s"))
         self._workers[plan.worker_id].handle.submit.remote({**wire, "dest": dest})
         self._workers[plan.worker_id].view.queued_prefill_tokens += prompt_len - plan.cached_tokens
         return {"ok": True, "prefill": plan.worker_id, "decode": decode.worker_id, "cached_tokens": plan.cached_tokens}
@@ -346,10 +200,10 @@ class Scheduler:
     async def _run_local(self, wire: dict, worker_id: str, blocks_needed: int, plan: PrefillPlan | None = None) -> dict:
         worker = self._workers[worker_id]
         if plan is not None and plan.worker_id == worker_id:
-            self._predicted[wire["request_id"]] = self._predict_on_worker(plan)
+            self._guard.expect(wire["request_id"], plan, worker.stats.get("step_s"))
         worker.view.queued_prefill_tokens += len(wire["prompt_token_ids"])
         request_id = attempt_of(wire["request_id"])
-        self._commit(_Tracked(request_id, wire["request_id"], {worker_id}, None, worker_id, blocks_needed,
+        self._commit(Tracked(request_id, wire["request_id"], {worker_id}, None, worker_id, blocks_needed,
                               request={**wire, "request_id": request_id}))
         worker.handle.submit.remote(wire)
         return {"ok": True, "prefill": worker_id, "decode": worker_id, "local": True}
@@ -365,7 +219,7 @@ class Scheduler:
         if tracked is None or (wire_id is not None and wire_id != tracked.wire_id):
             return False
         del self._requests[request_id]
-        self._predicted.pop(tracked.wire_id, None)
+        self._guard.forget(tracked.wire_id)
         self._committed[tracked.decode_id] -= tracked.blocks
         for wid in tracked.workers - {skip}:
             worker = self._workers.get(wid)
@@ -374,34 +228,16 @@ class Scheduler:
         self.counters["failed" if failed else "finished"] += 1
         return True
 
-    def _predict_on_worker(self, plan: PrefillPlan) -> float:
-        """Seconds from reaching the worker to its first token: the cost model's queue + prefill +
-        transfer, plus the step in progress, which a new prompt waits out first."""
-        return plan.predicted_ttft_s + (self._workers[plan.worker_id].stats.get("step_s") or 0.0)
-
-    def _calibrate(self, worker: _Worker, waits) -> None:
-        """Learn how far off this worker's TTFT predictions run (a busy host, a cold cache), so load
-        shedding corrects itself within a few requests instead of trusting the cost model blindly."""
-        for wire_id, seconds in waits:
-            predicted = self._predicted.pop(wire_id, None)
-            if predicted:
-                ratio = min(max(seconds / max(predicted, 1e-3), 0.5), 10.0)
-                worker.ttft_calibration = 0.7 * worker.ttft_calibration + 0.3 * ratio
-
     def _shed(self, plan: PrefillPlan, arrived: float) -> dict | None:
         """Reject now (429) a request that would miss the TTFT target anyway: admitting it would only
         make every request behind it later too."""
-        limit = self.s.max_predicted_ttft_s
-        if limit is None:
-            return None
         worker = self._workers[plan.worker_id]
         queue_ahead = worker.view.queued_prefill_tokens > 0 or worker.stats.get("running", 0) > 0
-        if not queue_ahead:
-            return None  # nothing to wait behind: shedding it would not help anyone (and keeps costs measured)
-        ttft = time.monotonic() - arrived + self._predict_on_worker(plan) * worker.ttft_calibration
-        if ttft <= limit:
+        ttft = self._guard.overshoot(plan, worker.stats.get("step_s"), time.monotonic() - arrived, queue_ahead)
+        if ttft is None:
             return None
         self.counters["shed"] += 1
+        limit = self._guard.limit_s
         return self._reject(f"overloaded: predicted time to first token {ttft:.2f}s exceeds the "
                             f"{limit:.2f}s target", max(1.0, ttft - limit))
 
@@ -431,7 +267,7 @@ class Scheduler:
         measured = [v.prefill_s_per_token for v in pool if v.prefill_s_per_token is not None]
         return sum(measured) / len(measured) if measured else self.s.prefill_s_per_token
 
-    def _commit(self, tracked: _Tracked) -> None:
+    def _commit(self, tracked: Tracked) -> None:
         old = self._requests.get(tracked.request_id)
         if old is not None:
             # Another attempt was tracked while this one awaited its placement (a re-announced stale
@@ -450,24 +286,6 @@ class Scheduler:
 
     def _views(self, role: str) -> list[WorkerView]:
         return [w.view for wid, w in self._workers.items() if w.view.role == role and wid not in self._draining]
-
-    # ---- scaling ----
-
-    async def drain(self, worker_id: str) -> None:
-        """Route nothing new to the worker; what it serves now finishes there."""
-        if worker_id not in self._workers:
-            raise ValueError(f"unknown worker {worker_id!r}")
-        self._draining.add(worker_id)
-
-    async def remove(self, worker_id: str) -> bool:
-        """Forget a drained worker; False (and nothing changes) while a request still involves it."""
-        if any(worker_id in t.workers or t.decode_id == worker_id for t in self._requests.values()):
-            return False
-        self._workers.pop(worker_id, None)
-        self._index.forget(worker_id)
-        self._draining.discard(worker_id)
-        self._committed.pop(worker_id, None)
-        return True
 
     # ---- introspection ----
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,13 +52,13 @@ def random_tokens(rng: np.random.Generator, n: int, vocab_size: int) -> list[int
     return rng.integers(FIRST_TOKEN_ID, vocab_size, n).tolist()
 
 
-class Workload:
+class Workload(ABC):
     """Request i of a workload; `natural_count` is how many it holds when finite (a trace), else None."""
 
     natural_count: int | None = None
 
-    def request(self, i: int) -> RequestSpec:
-        raise NotImplementedError
+    @abstractmethod
+    def request(self, i: int) -> RequestSpec: ...
 
 
 class SyntheticWorkload(Workload):

@@ -281,7 +281,7 @@ def test_zmq_handoff_stages_gpu_pages_through_pinned_host_memory(transport):
 
 def test_collective_picks_nccl_for_cuda_caches():
     if not ON_GPU:
-        pytest.skip("NCCL needs CUDA")
+        pytest.skip("TANDEM_GPU_CHECKS_DEVICE=cpu dry run: NCCL is only chosen for CUDA caches")
     import torch.distributed as dist
 
     from kv_transfer.collective_transport import host_rendezvous, init_collective
