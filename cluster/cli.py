@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from actors.models.default_model import DEFAULT_MODEL
+from actors.engine.model.default_model import DEFAULT_MODEL
 
 _DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 
@@ -54,22 +54,22 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from cluster.bench_engine import add_arguments as add_bench_engine
+    from experiments.bench_engine import add_arguments as add_bench_engine
 
     add_bench_engine(bench_sub.add_parser("engine", help="offline engine throughput vs HF (and vLLM)"))
-    from cluster.bench_cluster import add_arguments as add_bench_cluster
+    from experiments.bench_cluster import add_arguments as add_bench_cluster
 
     add_bench_cluster(bench_sub.add_parser("cluster", help="cluster stack overhead: TPOT and idle TTFT vs the engine"))
-    from cluster.bench_recovery import add_arguments as add_bench_recovery
+    from experiments.bench_recovery import add_arguments as add_bench_recovery
 
     add_bench_recovery(bench_sub.add_parser("recovery", help="kill a worker under load: time to route around it, blocks reclaimed/s"))
-    from cluster.loadgen.cli import add_arguments as add_bench_serve
+    from experiments.loadgen.cli import add_arguments as add_bench_serve
 
     add_bench_serve(bench_sub.add_parser("serve", help="open-loop load against an OpenAI-compatible server: latency, SLO goodput"))
-    from cluster.compare.cli import add_arguments as add_bench_compare
+    from experiments.compare.cli import add_arguments as add_bench_compare
 
     add_bench_compare(bench_sub.add_parser("compare", help="the same trace against colocated and disaggregated layouts of equal resources"))
-    from cluster.planner.cli import add_arguments as add_plan
+    from experiments.planner.cli import add_arguments as add_plan
 
     add_plan(sub.add_parser("plan", help="simulate the cluster and recommend prefill/decode pool sizes under SLOs"))
 
@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from actors.engine import Engine
-    from actors.sampling_params import SamplingParams
-    from cluster.config import ModelSection, TandemConfig
+    from actors.engine.engine import Engine
+    from actors.protocol.sampling_params import SamplingParams
+    from cluster.control.config import ModelSection, TandemConfig
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -115,10 +115,10 @@ def _generate(args: argparse.Namespace) -> int:
 def _generate_on_cluster(args: argparse.Namespace, params) -> int:
     import ray
 
-    from actors.tokenizer import load_tokenizer
-    from cluster.client import TandemClient
-    from cluster.config import TandemConfig
-    from cluster.launch import NAMESPACE, SCHEDULER_NAME
+    from actors.engine.text.tokenizer import load_tokenizer
+    from cluster.control.config import TandemConfig
+    from cluster.control.launch import NAMESPACE, SCHEDULER_NAME
+    from cluster.frontend.client import TandemClient
 
     config = TandemConfig.from_file(args.config) if args.config else TandemConfig()
     ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
@@ -165,10 +165,10 @@ def _scale(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    from cluster.config import TandemConfig
-    from cluster.ingress.server import make_server, served_model_name
-    from cluster.launch import Cluster
-    from cluster.scaling import ConfigWatcher
+    from cluster.control.config import TandemConfig
+    from cluster.control.launch import Cluster
+    from cluster.control.scaling import ConfigWatcher
+    from cluster.frontend.http.server import make_server, served_model_name
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = TandemConfig.from_file(args.config)

@@ -1,60 +1,18 @@
-"""Shared test helpers: small random checkpoints in Hugging Face format, built by `transformers`."""
+"""Session fixtures: one Ray instance, the random checkpoints of every family, the embedded default."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.models import _CONFIGS, make_hf_model
+
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 torch.set_num_threads(2)
-
-_CONFIGS = {
-    # Llama 3 style: GQA and llama3 rope scaling with a short original context, so the scaling matters.
-    "llama": dict(
-        architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=128, vocab_size=512, max_position_embeddings=512,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-    ),
-    # Qwen2: qkv bias, tied embeddings.
-    "qwen2": dict(
-        architectures=["Qwen2ForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, intermediate_size=96, vocab_size=400, max_position_embeddings=512,
-        tie_word_embeddings=True, rope_theta=1000000.0,
-    ),
-    # Mistral: a sliding window shorter than the prompts.
-    "mistral": dict(
-        architectures=["MistralForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, intermediate_size=128, vocab_size=300, max_position_embeddings=512,
-        sliding_window=24, head_dim=16,
-    ),
-}
-
-
-def make_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, with_tokenizer: bool = False, **overrides) -> Path:
-    """Save a random `transformers` model of the given family to out_dir; returns the directory."""
-    import transformers
-
-    spec = {**_CONFIGS[kind], **overrides}
-    arch = spec.pop("architectures")[0]
-    config_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen2ForCausalLM": transformers.Qwen2Config,
-                  "MistralForCausalLM": transformers.MistralConfig}[arch]
-    # A wide init keeps logit gaps large, so float rounding never flips a greedy argmax.
-    config = config_cls(initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None, **spec)
-    torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config).eval()
-    model.save_pretrained(out_dir)
-    if with_tokenizer:
-        from actors.tokenizer import DEFAULT_TOKENIZER_DIR
-
-        for f in DEFAULT_TOKENIZER_DIR.glob("*.json"):
-            shutil.copy(f, out_dir / f.name)
-    return out_dir
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +24,7 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory) -> Path:
-    from actors.models.default_model import ensure_default_model
+    from actors.engine.model.default_model import ensure_default_model
 
     return ensure_default_model()
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-
-import pytest
 from pathlib import Path
 
-from actors.engine import Engine
-from actors.sampling_params import SamplingParams
-from cluster.config import TandemConfig
+import pytest
+
+from actors.engine.engine import Engine
+from actors.protocol.sampling_params import SamplingParams
+from cluster.control.config import TandemConfig
 
 
 def _tandem(*args: str) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from cluster.config import TandemConfig
+from cluster.control.config import TandemConfig
 from tests.deploy.crd_schema import crd_validator, errors
 from tests.deploy.helm import CHART, REPO, ensure_helm, render, run_helm
 

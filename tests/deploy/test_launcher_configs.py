@@ -17,7 +17,7 @@ import pytest
 import ray
 import yaml
 
-from cluster.config import PoolSection, TandemConfig
+from cluster.control.config import PoolSection, TandemConfig
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER_CONFIGS = sorted((REPO / "configs").glob("cluster-*.yaml"))

@@ -26,14 +26,14 @@ import time
 import pytest
 import torch
 
-from actors.attention import build_attention_batch
-from actors.engine import Engine
-from actors.engine_config import EngineConfig
-from actors.kv_handoff import HandoffReceiver, HandoffSender
-from actors.models.loader import load_model
-from actors.sampling_params import SamplingParams
-from tests.conftest import make_hf_model
+from actors.engine.config import EngineConfig
+from actors.engine.engine import Engine
+from actors.engine.model.attention import build_attention_batch
+from actors.engine.model.loader import load_model
+from actors.protocol.sampling_params import SamplingParams
+from actors.worker.kv_handoff import HandoffReceiver, HandoffSender
 from tests.gpu.bench_model import BENCH_CONFIGS, write_random_checkpoint
+from tests.helpers.models import make_hf_model
 
 DEVICE = torch.device(os.environ.get("TANDEM_GPU_CHECKS_DEVICE", "cuda"))
 ON_GPU = DEVICE.type == "cuda"

@@ -17,8 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kv_transfer.collective_transport import (MAGIC, CollectiveKVReceiver, CollectiveKVSender, init_collective,
-                                              rank_endpoint)
+from kv_transfer.collective_transport import (
+    MAGIC,
+    CollectiveKVReceiver,
+    CollectiveKVSender,
+    init_collective,
+    rank_endpoint,
+)
 from kv_transfer.page_format import TransferError
 from tests.kv_transfer import apply_transfer, bit_equal, header_for, make_caches
 

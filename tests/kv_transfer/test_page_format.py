@@ -2,8 +2,15 @@ import msgpack
 import pytest
 import torch
 
-from kv_transfer.page_format import (HEADER_VERSION, PageFormatError, PageSpec, TransferError, TransferHeader,
-                                     decode_header, encode_header)
+from kv_transfer.page_format import (
+    HEADER_VERSION,
+    PageFormatError,
+    PageSpec,
+    TransferError,
+    TransferHeader,
+    decode_header,
+    encode_header,
+)
 from tests.kv_transfer import header_for, make_caches
 
 

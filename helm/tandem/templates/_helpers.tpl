@@ -51,7 +51,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "tandem_%s" . -}}
 {{- end -}}
 
-{{/* The tandem pool config (cluster/config.py), from values. */}}
+{{/* The tandem pool config (cluster/control/config.py), from values. */}}
 {{- define "tandem.poolConfig" -}}
 {{- $config := deepCopy .Values.config -}}
 {{- $_ := set $config "mode" .Values.mode -}}

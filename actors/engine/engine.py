@@ -1,0 +1,396 @@
+"""The engine inside one worker: schedule -> run the model -> sample and post-process, once per step.
+
+Callers: `add_request` (raises ValueError on bad input, touching nothing else), `step` (returns the
+new tokens and finish state of every sequence touched), `abort` (idempotent, frees blocks at once),
+and the offline `generate`. The engine is single-threaded and knows nothing of Ray.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Sequence as Seq
+
+import torch
+
+from actors.engine.batcher import Batcher
+from actors.engine.config import EngineConfig
+from actors.engine.kv.block_pool import OutOfBlocksError
+from actors.engine.kv.cache_manager import KVCacheManager
+from actors.engine.model.runner import ModelRunner
+from actors.engine.outputs import CompletionOutput, GenerationResult, RequestOutput, TokenLogprob
+from actors.engine.sampling import Sampler, SampleResult, SamplingRow, skip_draws
+from actors.engine.sequence import Sequence
+from actors.engine.text.detokenizer import IncrementalDetokenizer
+from actors.engine.text.tokenizer import has_tokenizer, load_tokenizer, model_eos_token_ids
+from actors.protocol.request_status import RequestStatus
+from actors.protocol.sampling_params import SamplingParams
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir = Path(config.model)
+        self.runner = ModelRunner(
+            config.model, config.dtype, config.device, config.block_size,
+            config.num_kv_blocks, config.kv_cache_memory_bytes,
+        )
+        self.vocab_size = self.runner.cfg.vocab_size
+        self.max_model_len = config.max_model_len or self.runner.cfg.max_position_embeddings
+        if self.max_model_len > self.runner.cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                f"{self.runner.cfg.max_position_embeddings}"
+            )
+        self.tokenizer = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
+        self.eos_token_ids = model_eos_token_ids(model_dir, self.tokenizer)
+        self.kv = KVCacheManager(
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            model_id=config.model_id or model_dir.name,
+        )
+        self.batcher = Batcher(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
+        self._requests: dict[str, list[Sequence]] = {}
+        self._handoffs: dict[str, Sequence] = {}  # prefill role: KV held for a decode worker
+        self._reservations: dict[str, int] = {}  # decode role: blocks reserved for incoming KV
+        self._ids = itertools.count()
+        self.last_step_tokens = 0  # tokens computed by the latest step (for cost measurements)
+
+    # ---- requests in ----
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        hand_off: bool = False,
+        output_prefix: Seq[int] = (),
+    ) -> None:
+        """Queue a request. With `hand_off`, the prompt is computed, the first token sampled, and the
+        sequence then waits as TRANSFERRING, its blocks held, until `release_handoff`.
+
+        `output_prefix`: tokens this request already generated elsewhere (a migration). They are
+        recomputed with the prompt, count against max_tokens, and the seeded stream skips their draws,
+        so the continuation is the one a single engine would have produced."""
+        params = params or SamplingParams()
+        prompt_ids = self._validate(request_id, prompt, params)
+        if hand_off and params.n > 1:
+            raise ValueError("a request handed off to a decode worker must have n=1")
+        first = self._new_sequence(request_id, 0, prompt_ids, params, cache_salt)
+        if output_prefix:
+            if params.n > 1 or hand_off:
+                raise ValueError("only an n=1 request that is not handed off can resume from an output prefix")
+            if len(prompt_ids) + len(output_prefix) >= self.max_model_len or len(output_prefix) >= params.max_tokens:
+                raise ValueError("output_prefix leaves no room for another token (max_model_len or max_tokens)")
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in output_prefix):
+                raise ValueError(f"output_prefix holds a token id outside the vocabulary [0, {self.vocab_size})")
+            first.output_token_ids.extend(output_prefix)
+            if first.generator is not None:
+                skip_draws(first.generator, params, len(output_prefix))
+            if first.detokenizer is not None:
+                first.detokenizer.add_tokens(list(output_prefix))  # already streamed by the lost worker
+        first.pending_forks = params.n - 1
+        first.hand_off = hand_off
+        self._requests[request_id] = [first]
+        self.batcher.add(first)
+
+    def _validate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer: pass the prompt as token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+            bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        if not prompt_ids or (isinstance(prompt, str) and not prompt):
+            raise ValueError("prompt is empty: give at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but the context is {self.max_model_len} "
+                f"(max_model_len); shorten the prompt to leave room for at least one new token"
+            )
+        blocks_needed = -(-(len(prompt_ids) + 1) // self.config.block_size)
+        if blocks_needed > self.runner.num_kv_blocks:
+            raise ValueError(
+                f"prompt needs {blocks_needed} KV blocks but the cache has {self.runner.num_kv_blocks}"
+            )
+        if not self.config.enable_chunked_prefill and len(prompt_ids) > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens, above max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens} with chunked prefill off"
+            )
+        params.validate_token_ids(self.vocab_size)
+        if params.allowed_token_ids is not None and params.min_tokens > 0:
+            banned_early = self.eos_token_ids | set(params.stop_token_ids)
+            if set(params.allowed_token_ids) <= banned_early:
+                raise ValueError(
+                    "allowed_token_ids holds only end-of-sequence or stop tokens, which min_tokens forbids: "
+                    "no token could be sampled"
+                )
+        if params.stop and self.tokenizer is None and self.config.detokenize:
+            raise ValueError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)")
+        return prompt_ids
+
+    def _new_sequence(self, request_id, index, prompt_ids, params, cache_salt) -> Sequence:
+        generator = None
+        if params.seed is not None:
+            # Sample i of a seeded request draws from its own stream, whatever else is in the batch.
+            generator = torch.Generator().manual_seed(params.seed + index)
+        detok = None
+        if self.tokenizer is not None and self.config.detokenize:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+            )
+        return Sequence(request_id, index, prompt_ids, params, cache_salt, generator, detok)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel every sample of a request and free its blocks now; False if it is not here."""
+        seqs = self._requests.pop(request_id, None)
+        if seqs is None:
+            return self.release_reservation(request_id)
+        self.release_handoff(request_id)
+        for seq in seqs:
+            self.batcher.finish(seq, RequestStatus.CANCELLED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def has_work(self) -> bool:
+        """Whether `step` would compute anything (handed-off requests only wait for a release)."""
+        return self.batcher.has_unfinished()
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    # ---- one step ----
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.batcher.schedule()
+        self.last_step_tokens = batch.total_tokens
+        if not batch.seqs:
+            return []
+        token_ids: list[int] = []
+        query_lens, computed_lens, tables, sample_rows = [], [], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            token_ids.extend(seq.token_slice(start, start + n))
+            query_lens.append(n)
+            computed_lens.append(start)
+            tables.append(self.kv.block_table(seq.seq_id))
+            if start + n == seq.num_tokens:
+                sample_rows.append(i)
+        logits = self.runner.execute(token_ids, query_lens, computed_lens, tables, sample_rows)
+
+        block_size = self.config.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens // block_size > before // block_size:
+                self.kv.cache_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_salt)
+
+        samplers: list[Sequence] = []
+        logit_rows: list[int] = []
+        for row, i in enumerate(sample_rows):
+            seq = batch.seqs[i]
+            for s in [seq, *self._fork(seq)]:
+                samplers.append(s)
+                logit_rows.append(row)
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in samplers]
+        if logit_rows != list(range(len(sample_rows))):
+            logits = logits[torch.tensor(logit_rows)]
+        results = self.sampler(logits, rows)
+        return [self._append_token(seq, res) for seq, res in zip(samplers, results)]
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Split off the other n-1 samples once the prompt is computed; they share its full blocks."""
+        children = []
+        for index in range(1, parent.pending_forks + 1):
+            child = self._new_sequence(parent.request_id, index, parent.prompt_token_ids, parent.params, parent.cache_salt)
+            child.num_cached_tokens = parent.num_cached_tokens
+            if self._fork_blocks(parent, child):
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.status = RequestStatus.DECODING
+                self.batcher.running.append(child)
+            else:
+                # No room to fork now: the child waits and recomputes its prompt from the prefix cache.
+                child.status = RequestStatus.PREEMPTED
+                self.batcher.add(child, front=True)
+            self._requests[parent.request_id].append(child)
+            children.append(child)
+        parent.pending_forks = 0
+        return children
+
+    def _fork_blocks(self, parent: Sequence, child: Sequence) -> bool:
+        if len(self.batcher.running) >= self.batcher.max_num_seqs:
+            return False
+        try:
+            copy = self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
+        except OutOfBlocksError:
+            return False
+        if copy is not None:
+            self.runner.copy_block(*copy)  # the partial prompt block each sample will write into
+        return True
+
+    def _append_token(self, seq: Sequence, res: SampleResult) -> RequestOutput:
+        token = res.token_id
+        seq.output_token_ids.append(token)
+        if seq.status == RequestStatus.PREFILLING:
+            seq.status = RequestStatus.DECODING
+        params = seq.params
+        new_text = ""
+        status = None
+        if seq.detokenizer is not None:
+            detok = seq.detokenizer.add_tokens([token])
+            new_text = detok.new_text
+            if detok.stop_hit is not None:
+                status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_hit
+        n_out = len(seq.output_token_ids)
+        if status is None and n_out >= params.min_tokens:
+            if token in params.stop_token_ids:
+                status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, token
+            elif token in self.eos_token_ids and not params.ignore_eos:
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None and (n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None and seq.hand_off:
+            seq.hand_off = False
+            self.batcher.running.remove(seq)  # out of the batch, blocks kept for the transfer
+            seq.status = RequestStatus.TRANSFERRING
+            self._handoffs[seq.request_id] = seq
+        if status is not None:
+            if seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
+                new_text += seq.detokenizer.flush()  # no stop string matched: release the held-back text
+            self.batcher.finish(seq, status)
+            self._forget_if_done(seq.request_id)
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [TokenLogprob(token, res.logprob, res.top_logprobs or [])]
+        return RequestOutput(
+            seq.request_id, seq.index, [token], new_text, seq.status,
+            len(seq.prompt_token_ids), seq.num_cached_tokens or 0, logprobs, seq.stop_reason,
+            len(seq.output_token_ids), seq.first_scheduled_time,
+        )
+
+    def _forget_if_done(self, request_id: str) -> None:
+        seqs = self._requests.get(request_id)
+        if seqs is not None and not seqs[0].pending_forks and all(s.status.is_finished() for s in seqs):
+            del self._requests[request_id]
+
+    # ---- disaggregation: a prefill engine hands a request off, a decode engine adopts it ----
+
+    def handoff_blocks(self, request_id: str) -> list[int]:
+        """The blocks holding a TRANSFERRING request's prompt KV, in prompt order."""
+        seq = self._handoffs[request_id]
+        return list(self.kv.block_table(seq.seq_id))
+
+    def release_handoff(self, request_id: str) -> bool:
+        """Drop the hold on a handed-off request's blocks (they stay cached); idempotent."""
+        seq = self._handoffs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.kv.free(seq.seq_id)
+        seq.status = RequestStatus.FINISHED_STOPPED
+        self._requests.pop(request_id, None)
+        return True
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Allocate blocks for `num_tokens` of incoming prompt KV; None if they do not fit now."""
+        if request_id in self._requests or request_id in self._reservations:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if not 0 < num_tokens < self.max_model_len:
+            raise ValueError(f"cannot reserve {num_tokens} tokens with max_model_len={self.max_model_len}")
+        if self.kv.allocate_slots((request_id, 0), num_tokens) is None:
+            self.kv.free((request_id, 0))
+            return None
+        self._reservations[request_id] = num_tokens
+        return list(self.kv.block_table((request_id, 0)))
+
+    def release_reservation(self, request_id: str) -> bool:
+        """Free a reservation whose KV never came (or whose request failed); idempotent."""
+        if self._reservations.pop(request_id, None) is None:
+            return False
+        self.kv.free((request_id, 0))
+        return True
+
+    def adopt(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        num_cached_tokens: int = 0,
+    ) -> None:
+        """Continue a request whose prompt KV was written into its reserved blocks elsewhere."""
+        reserved = self._reservations.get(request_id)
+        if reserved != len(prompt_ids):
+            raise ValueError(f"request {request_id!r}: {reserved} tokens reserved, {len(prompt_ids)} adopted")
+        params.validate_token_ids(self.vocab_size)
+        del self._reservations[request_id]
+        seq = self._new_sequence(request_id, 0, list(prompt_ids), params, cache_salt)
+        seq.output_token_ids.append(first_token)
+        seq.num_computed_tokens = len(prompt_ids)
+        seq.num_cached_tokens = num_cached_tokens
+        if seq.generator is not None:
+            skip_draws(seq.generator, params, 1)  # the first token was drawn on the prefill worker
+        if seq.detokenizer is not None:
+            seq.detokenizer.add_tokens([first_token])  # its text was emitted by the prefill side
+        self.kv.cache_computed(seq.seq_id, prompt_ids, len(prompt_ids), cache_salt)
+        self._requests[request_id] = [seq]
+        self.batcher.add(seq)
+
+    # ---- offline ----
+
+    def generate(
+        self,
+        prompts: Seq[str] | Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Run prompts to completion; results in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        results: dict[str, GenerationResult] = {}
+        for prompt, p in zip(prompts, params):
+            request_id = f"gen-{next(self._ids)}"
+            try:
+                self.add_request(request_id, prompt, p)
+            except ValueError:
+                for added in results:  # all or nothing: no orphaned requests keep running
+                    self.abort(added)
+                raise
+            prompt_ids = self._requests[request_id][0].prompt_token_ids
+            results[request_id] = GenerationResult(request_id, prompt_ids, [CompletionOutput(i) for i in range(p.n)])
+        pending = set(results)
+        while pending:
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].absorb(out)
+            pending = {r for r in pending if r in self._requests}
+        return list(results.values())
+
+    # ---- introspection ----
+
+    def check_integrity(self) -> None:
+        self.batcher.check_integrity()
+        live = {s.seq_id for seqs in self._requests.values() for s in seqs if not s.status.is_finished()}
+        queued = {s.seq_id for s in self.batcher.running} | {s.seq_id for s in self.batcher.waiting}
+        queued |= {s.seq_id for s in self._handoffs.values()}
+        if live != queued:
+            raise RuntimeError(f"engine tracks {len(live)} live sequences but the batcher queues {len(queued)}")
+
+    def take_kv_events(self) -> list:
+        return self.kv.take_events()
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.kv.pool.num_used_blocks

@@ -1,0 +1,372 @@
+"""Turning one step's logits into next tokens: truncation filters and the batched `Sampler`.
+
+The engine calls `Sampler(logits, rows)` once per step with one logits row per sequence. Each row
+goes through, in this order:
+
+  1. hard constraints: `allowed_token_ids` (everything else -inf), then `logit_bias` added, then,
+     while fewer than `min_tokens` tokens were generated, EOS and `stop_token_ids` set to -inf;
+  2. penalties: `repetition_penalty` over prompt + output tokens (a positive logit is divided by it,
+     a negative one multiplied), then OpenAI `frequency_penalty` / `presence_penalty` over output
+     tokens (logit -= frequency * count + presence * (count > 0));
+  3. temperature 0: argmax, lowest token id on ties. Otherwise divide by the temperature, softmax,
+     then the truncation filters top-k -> top-p -> min-p -> typical-p, each renormalizing, then draw.
+
+Draws use the row's own generator when the request has a seed, so batching never changes a seeded
+request's tokens; other rows share the sampler's generator. Logprobs are log_softmax of the model's
+raw logits, before constraints, penalties and temperature (what OpenAI and vLLM return by default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from actors.protocol.sampling_params import SamplingParams
+
+# --- Truncation filters: probs [rows, V] (or [V]) in, renormalized probs of the same shape out. ---
+
+
+def top_k_filter(probs: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
+    """Keep the `k` most likely tokens of each row; ties go to the lower token id.
+
+    At most k tokens keep a nonzero probability; k >= V keeps every token. `k` is an int >= 1 or a
+    1-D integer tensor with one value per row.
+    """
+    return _apply_filter(_top_k, probs, k, "k", "an integer >= 1", lambda t: t >= 1, integer=True)
+
+
+def top_p_filter(probs: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
+    """Nucleus filter: keep the smallest set of most likely tokens whose mass reaches `p`.
+
+    Tokens are ranked by probability (ties: lower id first); token i is kept when the mass ranked
+    before it is < p, so the token that crosses `p` is kept and at least one token always is.
+    `p` is in (0, 1]; p == 1 keeps every token.
+    """
+    return _apply_filter(_top_p, probs, p, "p", "in (0, 1]", lambda t: (t > 0) & (t <= 1))
+
+
+def min_p_filter(probs: torch.Tensor, alpha: float | torch.Tensor) -> torch.Tensor:
+    """Keep tokens whose probability is >= alpha * (the row's largest probability); alpha in [0, 1]."""
+    return _apply_filter(_min_p, probs, alpha, "alpha", "in [0, 1]", lambda t: (t >= 0) & (t <= 1))
+
+
+def typical_filter(probs: torch.Tensor, mass: float | torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022): keep tokens whose surprisal is nearest the entropy.
+
+    Tokens are ranked by |-log p - H| ascending (ties: lower id first) and the smallest prefix whose
+    mass reaches `mass` is kept, boundary token included. This can drop the most likely token.
+    `mass` is in (0, 1]; mass == 1 keeps every token.
+    """
+    return _apply_filter(_typical, probs, mass, "mass", "in (0, 1]", lambda t: (t > 0) & (t <= 1))
+
+
+def _apply_filter(kernel, probs, value, name: str, rule: str, valid: Callable, integer: bool = False):
+    """Validate a public filter call, run the batched kernel on a 2-D view, restore the input's shape."""
+    if not isinstance(probs, torch.Tensor) or probs.ndim not in (1, 2) or not probs.is_floating_point():
+        raise ValueError("probs must be a floating-point tensor of shape [V] or [rows, V]")
+    batch = probs if probs.ndim == 2 else probs.unsqueeze(0)
+    column = torch.as_tensor(value, device=probs.device)
+    if column.ndim > 1 or column.numel() not in (1, batch.shape[0]):
+        raise ValueError(
+            f"{name} must be a number or a 1-D tensor with one value per row ({batch.shape[0]}), "
+            f"got shape {tuple(column.shape)}"
+        )
+    if integer and (column.is_floating_point() or column.dtype == torch.bool):
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    if not bool(valid(column).all()):
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    if column.is_floating_point():
+        column = column.to(probs.dtype)
+    out = kernel(batch, column.reshape(-1, 1))
+    return out if probs.ndim == 2 else out.squeeze(0)
+
+
+def _top_k(probs: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    k = k.clamp(max=probs.shape[-1]).expand(probs.shape[0], 1)
+    threshold = probs.topk(int(k.max()), dim=-1).values.gather(-1, k - 1)
+    return _keep_top(probs, k, threshold)
+
+
+def _top_p(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    # The nucleus is the top-`size` tokens; find `size` from the largest probabilities only, sorting a
+    # whole row just where the nucleus reaches past the window.
+    vocab = probs.shape[-1]
+    p = p.expand(probs.shape[0], 1)
+    size, threshold = _nucleus(probs.topk(min(vocab, _TOP_P_WINDOW), dim=-1).values, p)
+    if vocab > _TOP_P_WINDOW:
+        past = ((size == _TOP_P_WINDOW) & (p < 1)).squeeze(1)
+        if bool(past.any()):
+            size[past], threshold[past] = _nucleus(probs[past].sort(dim=-1, descending=True).values, p[past])
+    every = p >= 1
+    size = size.masked_fill(every, vocab)
+    return _keep_top(probs, size, threshold.masked_fill(every, float("-inf")))
+
+
+_TOP_P_WINDOW = 1024
+
+
+def _nucleus(ranked: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Size and smallest probability of the nucleus, from probabilities sorted descending.
+
+    Token i is in when the mass ranked before it is < p: that keeps the token crossing p, and the first.
+    """
+    cumulative = ranked.cumsum(dim=-1)
+    size = 1 + (cumulative[:, :-1] < p).sum(dim=-1, keepdim=True)
+    return size, ranked.gather(-1, size - 1)
+
+
+def _keep_top(probs: torch.Tensor, k: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Keep the k[row] most likely tokens, whose smallest probability is threshold[row]; ties to lower ids."""
+    keep = probs >= threshold
+    # More tokens tie at the threshold than fit: the lowest ids among them stay. Zeros may all stay.
+    excess = ((keep.sum(dim=-1, keepdim=True) > k) & (threshold > 0)).squeeze(1)
+    if bool(excess.any()):
+        sub, at = probs[excess], threshold[excess]
+        above, tied = sub > at, sub == at
+        need = k[excess] - above.sum(dim=-1, keepdim=True)
+        keep[excess] = above | (tied & (tied.cumsum(dim=-1) <= need))
+    return _renormalize(probs, keep)
+
+
+def _min_p(probs: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    return _renormalize(probs, probs >= alpha * probs.amax(dim=-1, keepdim=True))
+
+
+def _typical(probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    entropy = -torch.special.xlogy(probs, probs).sum(dim=-1, keepdim=True)
+    gap = (-probs.log() - entropy).abs()  # +inf for zero-probability tokens: ranked last
+    order = gap.argsort(dim=-1, stable=True)
+    ranked = probs.gather(-1, order)
+    cumulative = ranked.cumsum(dim=-1)
+    before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
+    keep_ranked = (before < mass) | (mass >= 1)
+    return _renormalize(probs, torch.zeros_like(keep_ranked).scatter_(-1, order, keep_ranked))
+
+
+def _renormalize(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    kept = torch.where(keep, probs, 0.0)
+    return kept.div_(kept.sum(dim=-1, keepdim=True))
+
+
+# --- The batched sampler. ---
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One sequence to sample for, in the order of the logits rows."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # tokens generated so far
+    generator: torch.Generator | None  # the request's own generator when params.seed is set, else None
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_id: int
+    logprob: float | None  # log-prob of token_id under the raw logits; None unless params.logprobs is set
+    # (id, logprob) of the params.logprobs best tokens, best first, ties lower id first; [] for logprobs=0.
+    top_logprobs: list[tuple[int, float]] | None
+
+
+def new_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one seeded request (any device: the sampler draws one number from it per step)."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def skip_draws(generator: torch.Generator, params: SamplingParams, num_tokens: int) -> None:
+    """Advance a seeded request's generator past tokens sampled elsewhere (e.g. on a prefill worker).
+
+    Each non-greedy sampled token consumes exactly one float64 uniform (see `Sampler._draw`); greedy
+    tokens consume none. Skipping them keeps a handed-off request's stream identical to one engine's.
+    """
+    if params.is_greedy:
+        return
+    for _ in range(num_tokens):
+        torch.rand(1, dtype=torch.float64, device=generator.device, generator=generator)
+
+
+class Sampler:
+    """One per engine; holds only the generator for unseeded rows, no per-request state.
+
+    `vocab_size` is the model's vocabulary: logits may be wider (padded), never narrower, and every
+    column of the logits is a candidate token. Unseeded rows draw from one generator seeded by `seed`.
+    """
+
+    def __init__(self, vocab_size: int, eos_token_ids: Collection[int], seed: int = 0):
+        if any(not 0 <= t < vocab_size for t in eos_token_ids):
+            raise ValueError(f"eos_token_ids {sorted(eos_token_ids)} must lie in [0, vocab_size={vocab_size})")
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}  # for unseeded rows, one per device
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        if logits.ndim != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
+            want = f"[{len(rows)}, >= {self.vocab_size}]"
+            raise ValueError(f"logits must have shape {want}, got {tuple(logits.shape)}")
+        if all(r.params.temperature == 0.0 and r.params.logprobs is None and _untouched(r) for r in rows):
+            return [SampleResult(t, None, None) for t in logits.argmax(dim=-1).tolist()]
+
+        adjusted = self.adjust_logits(logits, rows)
+        drawn = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
+        if not drawn:
+            chosen = adjusted.argmax(dim=-1)
+        elif len(drawn) == len(rows):
+            chosen = self._draw(adjusted, rows)
+        else:
+            chosen = adjusted.argmax(dim=-1)
+            chosen[drawn] = self._draw(adjusted[drawn], [rows[i] for i in drawn])
+        results = [SampleResult(t, None, None) for t in chosen.tolist()]
+        self._fill_logprobs(logits, rows, chosen, results)
+        return results
+
+    def adjust_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Hard constraints then penalties (steps 1-2 above); returns `logits` itself when none apply."""
+        device, vocab = logits.device, logits.shape[1]
+        allowed, biased, banned, repeated, counted = [], [], [], [], []
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.allowed_token_ids is not None:
+                allowed.append(i)
+            if p.logit_bias:
+                biased.append(i)
+            if len(row.output_token_ids) < p.min_tokens:
+                banned.append(i)
+            if p.repetition_penalty != 1.0:
+                repeated.append(i)
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                counted.append(i)
+        if not (allowed or biased or banned or repeated or counted):
+            return logits
+
+        x = logits.float().clone()
+        if allowed:
+            r, t = _flatten(allowed, [rows[i].params.allowed_token_ids for i in allowed], device)
+            mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+            mask[allowed] = True
+            mask[r, t] = False
+            x.masked_fill_(mask, float("-inf"))
+        if biased:
+            r, t = _flatten(biased, [rows[i].params.logit_bias.keys() for i in biased], device)
+            bias = [b for i in biased for b in rows[i].params.logit_bias.values()]
+            x.index_put_((r, t), torch.tensor(bias, dtype=x.dtype, device=device), accumulate=True)
+        if banned:
+            stops = [self.eos_token_ids + rows[i].params.stop_token_ids for i in banned]
+            x[_flatten(banned, stops, device)] = float("-inf")
+        if repeated:
+            seen = [chain(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in repeated]
+            r, t = _flatten(repeated, seen, device)
+            penalty = _per_row(rows, "repetition_penalty", device)[r]
+            v = x[r, t]  # a token seen twice is written twice, with the same value
+            x[r, t] = torch.where(v > 0, v / penalty, v * penalty)
+        if counted:
+            r, t = _flatten(counted, [rows[i].output_token_ids for i in counted], device)
+            pairs, counts = torch.unique(r * vocab + t, return_counts=True)
+            r, t = pairs // vocab, pairs % vocab
+            frequency = _per_row(rows, "frequency_penalty", device)[r]
+            presence = _per_row(rows, "presence_penalty", device)[r]
+            x[r, t] -= frequency * counts + presence
+        return x
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, truncation filters, one draw per row. Takes adjusted logits of non-greedy rows."""
+        device, vocab = logits.device, logits.shape[1]
+        probs = torch.softmax(logits.float() / _per_row(rows, "temperature", device).unsqueeze(1), dim=-1)
+        broken = ~torch.isfinite(probs).all(dim=-1)
+        if bool(broken.any()):
+            # A temperature so small that logits / T overflows is the greedy limit: take the argmax.
+            greedy = torch.zeros_like(probs[broken]).scatter_(-1, logits[broken].argmax(-1, keepdim=True), 1.0)
+            probs[broken] = greedy
+        filters = (
+            (_top_k, [min(r.params.top_k or vocab, vocab) for r in rows], vocab),
+            (_top_p, [r.params.top_p for r in rows], 1.0),
+            (_min_p, [r.params.min_p for r in rows], 0.0),
+            (_typical, [r.params.typical_p for r in rows], 1.0),
+        )
+        for kernel, values, neutral in filters:
+            active = [j for j, v in enumerate(values) if v != neutral]
+            if len(active) == len(rows):
+                probs = kernel(probs, torch.tensor(values, device=device).unsqueeze(1))
+            elif active:
+                column = torch.tensor([values[j] for j in active], device=device).unsqueeze(1)
+                probs[active] = kernel(probs[active], column)
+
+        # Inverse CDF: one uniform per row. A seeded row takes its uniform from its own generator, so
+        # its draw ignores the rest of the batch. float64, or the tail of a 150k vocabulary rounds away.
+        cdf = probs.double().cumsum(dim=-1)
+        uniform = torch.empty(len(rows), 1, dtype=torch.float64, device=device)
+        shared = [j for j, r in enumerate(rows) if r.generator is None]
+        if shared:
+            generator = self._generator(device)
+            uniform[shared] = torch.rand(len(shared), 1, dtype=torch.float64, device=device, generator=generator)
+        for j in (j for j, r in enumerate(rows) if r.generator is not None):
+            g = rows[j].generator  # drawn where the generator lives: a CPU generator serves GPU logits too
+            uniform[j] = torch.rand(1, dtype=torch.float64, device=g.device, generator=g).to(device)
+        total = cdf[:, -1:]
+        # Strictly below the total, so the draw lands on a token with positive probability.
+        target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+    def _fill_logprobs(self, logits, rows, chosen, results) -> None:
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not wanted:
+            return
+        if len(wanted) < len(rows):
+            logits, chosen = logits[wanted], chosen[wanted]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        top_n = min(max(rows[i].params.logprobs for i in wanted), logprobs.shape[1])
+        top_values, top_ids = _top_n(logprobs, top_n) if top_n else ([[]] * len(wanted),) * 2
+        for j, i in enumerate(wanted):
+            n = rows[i].params.logprobs
+            results[i].logprob = picked[j]
+            results[i].top_logprobs = list(zip(top_ids[j][:n], top_values[j][:n]))
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = new_generator(self.seed, device)
+        return self._generators[device]
+
+
+def _untouched(row: SamplingRow) -> bool:
+    """True when adjust_logits would leave this row's logits as they are."""
+    p = row.params
+    return (
+        p.allowed_token_ids is None
+        and not p.logit_bias
+        and len(row.output_token_ids) >= p.min_tokens
+        and p.repetition_penalty == 1.0
+        and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0
+    )
+
+
+def _per_row(rows: list[SamplingRow], name: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor([getattr(r.params, name) for r in rows], dtype=torch.float32, device=device)
+
+
+def _flatten(row_ids: list[int], token_lists: list, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(row, token) index pairs: row_ids[j] repeated once per token of token_lists[j]."""
+    token_lists = [list(tokens) for tokens in token_lists]
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
+    row = torch.repeat_interleave(torch.tensor(row_ids, device=device), lengths)
+    return row, torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long, device=device)
+
+
+def _top_n(logprobs: torch.Tensor, n: int) -> tuple[list[list[float]], list[list[int]]]:
+    """The n best (value, id) per row, best first, ties to the lower id."""
+    values, ids = logprobs.topk(n, dim=-1)
+    # topk picks an arbitrary member of a tie; where the n-th value is tied with tokens left out,
+    # rank the whole row with a stable sort instead.
+    boundary_tie = (logprobs >= values[:, -1:]).sum(dim=-1) > n
+    if bool(boundary_tie.any()):
+        full_values, full_ids = logprobs[boundary_tie].sort(dim=-1, descending=True, stable=True)
+        values[boundary_tie], ids[boundary_tie] = full_values[:, :n], full_ids[:, :n]
+    # Order within the n: by id, then stably by value descending.
+    ids, by_id = ids.sort(dim=-1)
+    values, by_value = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    return values.tolist(), ids.gather(-1, by_value).tolist()

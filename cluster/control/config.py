@@ -1,0 +1,157 @@
+"""User-facing configuration (YAML -> pydantic). A typo or a bad value fails at load, naming the field.
+
+The engine's hot path never reads these models: `engine_config()` derives the frozen `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from actors.engine.config import EngineConfig
+from actors.engine.model.default_model import DEFAULT_MODEL, resolve_model
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Strict):
+    path: str = Field(DEFAULT_MODEL, description=f"Hugging Face checkpoint directory, or {DEFAULT_MODEL!r} for the embedded tiny model")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weight and KV cache dtype")
+    max_model_len: int | None = Field(None, gt=0, description="context length; null uses the model's max_position_embeddings")
+
+
+class EngineSection(_Strict):
+    block_size: int = Field(16, gt=0, description="tokens per KV block")
+    num_kv_blocks: int | None = Field(None, gt=0, description="KV blocks per worker; null sizes the cache from kv_cache_memory_gb")
+    kv_cache_memory_gb: float = Field(1.0, gt=0, description="KV cache size per worker when num_kv_blocks is null")
+    max_num_seqs: int = Field(64, gt=0, description="most sequences in one engine step")
+    max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one engine step")
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prompt prefixes")
+    enable_chunked_prefill: bool = Field(True, description="split long prompts into chunks that share steps with decodes")
+    seed: int = Field(0, description="seed of the generator shared by unseeded requests")
+
+
+class PoolSection(_Strict):
+    replicas: int = Field(1, ge=0, description="number of workers in this pool")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per worker")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per worker; > 0 places the model on cuda")
+    torch_threads: int = Field(1, gt=0, description="torch intra-op threads per worker")
+    resources: dict[str, float] = Field(default_factory=dict, description="extra Ray custom resources per worker (e.g. a node type)")
+
+
+class SchedulerSection(_Strict):
+    routing: Literal["cache_aware", "least_loaded", "round_robin"] = Field(
+        "cache_aware", description="how a prefill worker is chosen"
+    )
+    lease_s: float = Field(30.0, gt=0, description="deadline of a KV handoff: a reservation or hold older than this is released")
+    reserve: Literal["prompt_plus_max_tokens", "prompt"] = Field(
+        "prompt_plus_max_tokens", description="KV a decode worker must have free to admit a request"
+    )
+    max_queued: int = Field(1024, ge=0, description="requests waiting for admission before new ones are rejected")
+    queue_timeout_s: float = Field(30.0, gt=0, description="how long a request may wait for admission")
+    max_predicted_ttft_s: float | None = Field(
+        None, gt=0, description="load shedding: a request whose predicted time to first token (its wait so far + "
+        "the prefill queue ahead of it + its own prefill + transfer) exceeds this gets 429 with Retry-After; "
+        "null admits on KV room alone")
+    local_prefill: bool = Field(True, description="let the cost model prefill short or cached prompts on the decode worker")
+    local_prefill_penalty: float = Field(
+        1.0, ge=0, description="a local prefill must be predicted (1 + penalty) times faster than the best remote one"
+    )
+    prefill_s_per_token: float = Field(2e-4, gt=0, description="initial prefill cost per token, replaced by measurements")
+    transfer_bytes_per_s: float = Field(2e9, gt=0, description="initial KV transfer bandwidth, replaced by measurements")
+    heartbeat_s: float = Field(0.05, gt=0, description="how often workers report stats and finished requests")
+    heartbeat_timeout_s: float = Field(
+        10.0, gt=0, description="a worker whose engine loop is silent this long is declared dead (or hung) and routed around"
+    )
+
+
+class TransferSection(_Strict):
+    backend: Literal["zmq", "collective"] = Field("zmq", description="KV page transport")
+    zmq_transport: Literal["ipc", "tcp"] = Field("ipc", description="ipc on one host, tcp across hosts")
+    host: str = Field("127.0.0.1", description="address workers bind for tcp transfers and token streams")
+
+
+class TenantSection(_Strict):
+    tenant: str = Field(description="tenant name: also the prefix-cache salt of its requests")
+    requests_per_minute: float | None = Field(None, gt=0, description="request rate limit; null: none")
+    tokens_per_minute: float | None = Field(None, gt=0, description="prompt + max_tokens x n per minute; null: none")
+    max_concurrency: int | None = Field(None, gt=0, description="requests in flight at once; null: no quota")
+
+
+class IngressSection(_Strict):
+    host: str = Field("127.0.0.1", description="HTTP bind address")
+    port: int = Field(8000, gt=0, lt=65536, description="HTTP port")
+    served_model_name: str | None = Field(None, description="the `model` clients send; null: the model directory's name")
+    max_n: int = Field(16, gt=0, description="largest `n` a request may ask for")
+    max_body_bytes: int = Field(1 << 20, gt=0, description="larger request bodies get 413")
+    stream_queue_tokens: int = Field(4096, gt=0, description="undelivered deltas per request before a slow client's request is aborted")
+    request_timeout_s: float = Field(600.0, gt=0, description="default deadline of a request; a request's own `timeout` overrides it")
+    admin_key: str | None = Field(
+        None, description="bearer token for the operator endpoints (POST /admin/scale); null: loopback clients only")
+    api_keys: dict[str, TenantSection] = Field(
+        default_factory=dict, description="API key -> tenant and its limits; empty: no authentication"
+    )
+
+
+class TandemConfig(_Strict):
+    mode: Literal["disaggregated", "colocated"] = Field("disaggregated", description="split prefill and decode pools, or colocated workers")
+    model: ModelSection = Field(default_factory=ModelSection, description="which model to serve")
+    engine: EngineSection = Field(default_factory=EngineSection, description="per-worker engine limits")
+    prefill: PoolSection = Field(default_factory=PoolSection, description="the prefill pool (disaggregated mode)")
+    decode: PoolSection = Field(default_factory=PoolSection, description="the decode pool (disaggregated mode)")
+    colocated: PoolSection = Field(
+        default_factory=lambda: PoolSection(replicas=0), description="the colocated pool (colocated mode)"
+    )
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="global scheduler policy")
+    transfer: TransferSection = Field(default_factory=TransferSection, description="KV transfer between workers")
+    ingress: IngressSection = Field(default_factory=IngressSection, description="the OpenAI HTTP server")
+
+    @model_validator(mode="after")
+    def _pools_fit_the_mode(self) -> "TandemConfig":
+        if self.mode == "disaggregated" and (self.prefill.replicas < 1 or self.decode.replicas < 1):
+            raise ValueError("mode disaggregated needs prefill.replicas >= 1 and decode.replicas >= 1")
+        if self.mode == "colocated" and self.colocated.replicas < 1:
+            raise ValueError("mode colocated needs colocated.replicas >= 1")
+        return self
+
+    def pools(self) -> dict[str, PoolSection]:
+        """Role -> pool for the roles this mode runs."""
+        if self.mode == "colocated":
+            return {"colocated": self.colocated}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "TandemConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the top level must be a mapping of sections")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"{path}: {problems}") from None
+
+    def engine_config(self, detokenize: bool = True) -> EngineConfig:
+        e = self.engine
+        return EngineConfig(
+            detokenize=detokenize,
+            model=resolve_model(self.model.path),
+            dtype=self.model.dtype,
+            max_model_len=self.model.max_model_len,
+            block_size=e.block_size,
+            num_kv_blocks=e.num_kv_blocks,
+            kv_cache_memory_bytes=int(e.kv_cache_memory_gb * (1 << 30)),
+            max_num_seqs=e.max_num_seqs,
+            max_num_batched_tokens=e.max_num_batched_tokens,
+            enable_prefix_caching=e.enable_prefix_caching,
+            enable_chunked_prefill=e.enable_chunked_prefill,
+            seed=e.seed,
+        )

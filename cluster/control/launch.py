@@ -1,0 +1,174 @@
+"""Start (or join) Ray, create the scheduler actor and the worker pools from config, tear them down."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from pathlib import Path
+
+import ray
+
+from actors.engine.text.tokenizer import has_tokenizer, load_tokenizer
+from actors.protocol.worker_request import WorkerSpec
+from actors.worker.actor import worker_actor
+from cluster.control.config import TandemConfig
+from cluster.control.scheduler import Scheduler, SchedulerSettings
+from cluster.frontend.client import TandemClient
+from kv_transfer.collective_transport import host_rendezvous
+
+log = logging.getLogger("tandem.launch")
+NAMESPACE = "tandem"
+SCHEDULER_NAME = "tandem-scheduler"
+
+
+class Cluster:
+    def __init__(self, config: TandemConfig, scheduler, workers: dict, owns_ray: bool, model_dir: str):
+        self.config = config
+        self.scheduler = scheduler
+        self.workers = workers  # worker id -> actor handle
+        self._owns_ray = owns_ray
+        self.model_dir = model_dir
+        self._clients: list[TandemClient] = []
+        self.rendezvous = None  # the collective transport's store, hosted by this process for the workers
+        self._engine = config.engine_config(detokenize=False)  # workers stream ids; text is the client's
+        self._indices = {role: itertools.count() for role in ("prefill", "decode", "colocated")}
+
+    @classmethod
+    def start(cls, config: TandemConfig, address: str | None = None, ready_timeout_s: float = 300.0) -> "Cluster":
+        owns_ray = not ray.is_initialized()
+        if owns_ray:
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            needed = sum(p.replicas * p.num_cpus for p in config.pools().values()) + 1
+            kwargs = {"namespace": NAMESPACE, "include_dashboard": False, "log_to_driver": True}
+            if address:
+                ray.init(address=address, **kwargs)
+            else:
+                # Logical CPUs with room to scale the pools up on this machine (`tandem scale`).
+                ray.init(num_cpus=max(4 * int(needed), os.cpu_count() or 1), **kwargs)
+        engine = config.engine_config(detokenize=False)  # workers stream ids; text is the client's
+        settings = SchedulerSettings(
+            mode=config.mode, routing=config.scheduler.routing, block_size=engine.block_size,
+            model_id=engine.model_id or Path(engine.model).name, reserve=config.scheduler.reserve,
+            max_queued=config.scheduler.max_queued, queue_timeout_s=config.scheduler.queue_timeout_s,
+            max_predicted_ttft_s=config.scheduler.max_predicted_ttft_s,
+            local_prefill=config.scheduler.local_prefill, local_prefill_penalty=config.scheduler.local_prefill_penalty,
+            prefill_s_per_token=config.scheduler.prefill_s_per_token,
+            transfer_bytes_per_s=config.scheduler.transfer_bytes_per_s,
+            heartbeat_timeout_s=config.scheduler.heartbeat_timeout_s,
+        )
+        _clear_orphaned_scheduler()
+        scheduler = ray.remote(Scheduler).options(
+            name=SCHEDULER_NAME, namespace=NAMESPACE, num_cpus=0,
+            # Detached and restarted by Ray: a restarted scheduler starts empty and rebuilds its view as
+            # the workers, finding their reports unanswered, register again with their live requests.
+            lifetime="detached", max_restarts=-1,
+        ).remote(settings)
+        workers = {}
+        world_size = sum(p.replicas for p in config.pools().values())
+        collective_init = rendezvous = None
+        if config.transfer.backend == "collective":
+            # Hosted here rather than by rank 0, which may land on any node: this node's address is known.
+            rendezvous, collective_init = host_rendezvous(config.transfer.host)
+        rank = itertools.count()
+        cluster = cls(config, scheduler, workers, owns_ray, engine.model)
+        for role, pool in config.pools().items():
+            for _ in range(pool.replicas):
+                cluster.spawn_worker(role, collective_init=collective_init, rank=next(rank), world_size=world_size)
+        cluster.rendezvous = rendezvous
+        try:
+            ray.get([w.info.remote() for w in workers.values()], timeout=ready_timeout_s)
+            cluster.wait_registered(set(workers), timeout_s=30.0)
+        except BaseException:
+            cluster.shutdown()
+            raise
+        log.info("cluster ready: %s", ", ".join(sorted(workers)))
+        return cluster
+
+    def spawn_worker(self, role: str, **collective) -> str:
+        """Create one worker of a pool (it registers itself); returns its id. Ids are never reused, so a
+        new worker cannot collide with the name of one still being torn down."""
+        pool = self.config.pools()[role]
+        worker_id = f"{role}-{next(self._indices[role])}"
+        spec = WorkerSpec(
+            worker_id=worker_id, role=role,
+            engine=dataclasses.replace(self._engine, device="cuda" if pool.num_gpus > 0 else "cpu"),
+            torch_threads=pool.torch_threads, lease_s=self.config.scheduler.lease_s,
+            heartbeat_s=self.config.scheduler.heartbeat_s, zmq_transport=self.config.transfer.zmq_transport,
+            host=self.config.transfer.host, transfer_backend=self.config.transfer.backend,
+            collective_init=collective.get("collective_init"), rank=collective.get("rank"),
+            world_size=collective.get("world_size"),
+        )
+        self.workers[worker_id] = worker_actor().options(
+            name=f"tandem-{worker_id}", namespace=NAMESPACE, num_cpus=pool.num_cpus,
+            num_gpus=pool.num_gpus, resources=pool.resources or None,
+            # One call at a time, in the order each caller sent them: an abort sent before a new
+            # reservation for the same request id is applied first.
+            max_concurrency=1,
+            max_restarts=-1,  # a dead worker comes back and re-registers itself
+        ).remote(spec, self.scheduler)
+        return worker_id
+
+    def wait_registered(self, worker_ids: set[str], timeout_s: float) -> None:
+        """Workers register themselves; wait until the scheduler knows every one of them."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                known = set(ray.get(self.scheduler.state.remote(), timeout=timeout_s)["workers"])
+            except ray.exceptions.RayActorError:  # the scheduler is restarting
+                known = set()
+            if worker_ids <= known:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers {sorted(worker_ids - known)} never registered with the scheduler")
+            time.sleep(0.05)
+
+    def client(self) -> TandemClient:
+        tokenizer = load_tokenizer(self.model_dir) if has_tokenizer(self.model_dir) else None
+        client = TandemClient(self.scheduler, tokenizer, host=self.config.transfer.host)
+        self._clients.append(client)
+        return client
+
+    def check_integrity(self, timeout_s: float = 30.0) -> dict:
+        """Every worker's and the scheduler's invariants; returns their stats (raises on a violation)."""
+        stats = ray.get([w.check_integrity.remote() for w in self.workers.values()], timeout=timeout_s)
+        return {"workers": {s["worker_id"]: s for s in stats},
+                "scheduler": ray.get(self.scheduler.check_integrity.remote(), timeout=timeout_s)}
+
+    def shutdown(self) -> None:
+        for client in self._clients:
+            client.close()
+        try:
+            ray.get([w.shutdown.remote() for w in self.workers.values()], timeout=30)
+        except Exception as exc:  # a worker that is already gone must not stop the teardown
+            log.warning("worker shutdown: %s", exc)
+        for handle in [*self.workers.values(), self.scheduler]:
+            ray.kill(handle, no_restart=True)
+        if self._owns_ray:
+            ray.shutdown()
+
+
+def _clear_orphaned_scheduler() -> None:
+    """A detached scheduler outlives a `tandem serve` that crashed; with no workers left it is an
+    orphan and goes. One that still has workers belongs to a running cluster: refuse to start."""
+    try:
+        stale = ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return
+    try:
+        workers = ray.get(stale.state.remote(), timeout=10)["workers"]
+    except Exception:  # dead or stuck: nothing to keep
+        workers = {}
+    if workers:
+        raise ValueError(f"a tandem cluster already runs on this Ray cluster (workers {sorted(workers)}); "
+                         "stop it first, or use --address to join another Ray cluster")
+    ray.kill(stale, no_restart=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.05)

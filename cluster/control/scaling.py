@@ -1,0 +1,162 @@
+"""Resize the pools of a running cluster: new workers register and take work; removed ones drain.
+
+Scale-down never fails a request: the scheduler stops routing to the chosen workers, their
+in-flight requests finish where they are, and only then is each worker forgotten and stopped. A
+worker that still has work at the drain deadline is stopped anyway, and its requests take the
+ordinary worker-loss path (re-route or migration).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+from cluster.control.config import TandemConfig
+from cluster.control.launch import Cluster
+
+log = logging.getLogger("tandem.scaling")
+_resizing = threading.Lock()
+
+
+class ResizeInProgress(RuntimeError):
+    pass
+
+
+def scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float = 300.0,
+          drain_timeout_s: float = 600.0) -> dict:
+    """Bring each named pool to its replica count; returns {"added": [...], "removed": [...]}."""
+    if not _resizing.acquire(blocking=False):
+        raise ResizeInProgress("a resize is already in progress")
+    try:
+        return _scale(cluster, replicas, ready_timeout_s, drain_timeout_s)
+    finally:
+        _resizing.release()
+
+
+def _scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float, drain_timeout_s: float) -> dict:
+    pools = cluster.config.pools()
+    for role, n in replicas.items():
+        if role not in pools:
+            raise ValueError(f"this cluster has no {role} pool (its pools: {', '.join(pools)})")
+        least = 0 if role == "prefill" else 1  # with no prefill pool, decode workers prefill locally
+        if n < least:
+            raise ValueError(f"{role} replicas must be at least {least}, got {n}")
+    if cluster.config.transfer.backend == "collective" and any(n != _count(cluster, r) for r, n in replicas.items()):
+        raise ValueError("live scaling needs transfer.backend zmq: the collective group's size is fixed at start")
+    added = []
+    for role, n in replicas.items():
+        added += [cluster.spawn_worker(role) for _ in range(n - _count(cluster, role))]
+    if added:
+        _wait_ready(cluster, added, ready_timeout_s)
+    removed = []
+    for role, n in replicas.items():
+        removed += sorted(_ids(cluster, role), key=_index)[n:]
+    for wid in removed:  # all stop taking work first, then each drains
+        ray.get(cluster.scheduler.drain.remote(wid), timeout=30)
+    for wid in removed:
+        _drain_and_stop(cluster, wid, drain_timeout_s)
+    cluster.config = _with_replicas(cluster.config, {role: _count(cluster, role) for role in replicas})
+    log.info("scaled: added %s, removed %s", added or "none", removed or "none")
+    return {"added": added, "removed": removed,
+            "replicas": {role: _count(cluster, role) for role in cluster.config.pools()}}
+
+
+def _wait_ready(cluster: Cluster, worker_ids: list[str], timeout_s: float) -> None:
+    try:
+        ray.get([cluster.workers[w].info.remote() for w in worker_ids], timeout=timeout_s)
+        cluster.wait_registered(set(worker_ids), timeout_s=30.0)
+    except (ray.exceptions.GetTimeoutError, TimeoutError):
+        for wid in worker_ids:  # never leave a half-added worker behind
+            ray.kill(cluster.workers.pop(wid), no_restart=True)
+        raise ValueError(f"new workers {worker_ids} were not ready within {timeout_s:.0f}s: does the Ray cluster "
+                         "have the CPUs/GPUs/resources their pool asks for?") from None
+
+
+def _drain_and_stop(cluster: Cluster, worker_id: str, timeout_s: float) -> None:
+    handle = cluster.workers[worker_id]
+    deadline = time.monotonic() + timeout_s
+    while not _idle(handle) or not ray.get(cluster.scheduler.remove.remote(worker_id), timeout=30):
+        if time.monotonic() > deadline:
+            log.warning("worker %s still busy after %.0fs of draining: stopping it anyway", worker_id, timeout_s)
+            break
+        time.sleep(0.1)
+    cluster.workers.pop(worker_id)
+    try:
+        ray.get(handle.shutdown.remote(), timeout=30)
+    except ray.exceptions.RayError as exc:
+        log.warning("worker %s shutdown: %s", worker_id, exc)
+    ray.kill(handle, no_restart=True)
+
+
+def _idle(handle) -> bool:
+    stats = ray.get(handle.check_integrity.remote(), timeout=30)
+    return stats["live_requests"] == stats["reserved"] == stats["held"] == 0
+
+
+def _ids(cluster: Cluster, role: str) -> list[str]:
+    return [wid for wid in cluster.workers if wid.rsplit("-", 1)[0] == role]
+
+
+def _count(cluster: Cluster, role: str) -> int:
+    return len(_ids(cluster, role))
+
+
+def _index(worker_id: str) -> int:
+    return int(re.search(r"(\d+)$", worker_id).group(1))
+
+
+def _with_replicas(config: TandemConfig, replicas: dict[str, int]) -> TandemConfig:
+    update = {role: getattr(config, role).model_copy(update={"replicas": n}) for role, n in replicas.items()}
+    return config.model_copy(update=update)
+
+
+def replicas_change(old: TandemConfig, new: TandemConfig) -> dict[str, int]:
+    """The pool sizes a config edit asks for; ValueError if it changes anything a live cluster can't."""
+    def without_replicas(config: TandemConfig) -> dict:
+        dump = config.model_dump()
+        for role in ("prefill", "decode", "colocated"):
+            dump[role].pop("replicas", None)
+        return dump
+
+    if without_replicas(old) != without_replicas(new):
+        raise ValueError("only the pools' replicas can change on a running cluster; restart `tandem serve` "
+                         "for any other change")
+    return {role: pool.replicas for role, pool in new.pools().items()
+            if pool.replicas != old.pools()[role].replicas}
+
+
+class ConfigWatcher:
+    """Applies edits of the pools' replicas in the config file `tandem serve` runs from."""
+
+    def __init__(self, cluster: Cluster, path: str | Path, interval_s: float = 2.0):
+        self.cluster, self.path, self.interval_s = cluster, Path(path), interval_s
+        self._mtime = self.path.stat().st_mtime
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-config-watch", daemon=True)
+
+    def start(self) -> "ConfigWatcher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                mtime = self.path.stat().st_mtime
+                if mtime == self._mtime:
+                    continue
+                self._mtime = mtime
+                change = replicas_change(self.cluster.config, TandemConfig.from_file(self.path))
+                if change:
+                    log.info("config %s changed: resizing to %s", self.path, change)
+                    scale(self.cluster, change)
+            except Exception as exc:  # a bad edit is reported and ignored; the cluster keeps serving
+                log.error("config %s: not applied: %s", self.path, exc)

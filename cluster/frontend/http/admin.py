@@ -1,0 +1,51 @@
+"""Operator endpoints on the ingress port, kept out of the OpenAPI schema: `POST /admin/scale`.
+
+Guarded by `ingress.admin_key` (a bearer token) when set; without one, only clients on this
+machine (loopback) may call them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.control.launch import Cluster
+from cluster.control.scaling import ResizeInProgress, scale
+from cluster.frontend.http.protocol import ApiError
+
+_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+class ScaleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prefill: int | None = Field(None, ge=0)
+    decode: int | None = Field(None, ge=1)
+    colocated: int | None = Field(None, ge=1)
+
+
+def add_admin_routes(app: FastAPI, cluster: Cluster, admin_key: str | None) -> None:
+    def authorize(request: Request) -> None:
+        if admin_key is None:
+            if request.client is None or request.client.host not in _LOOPBACK:
+                raise ApiError(403, "admin endpoints answer only local clients unless ingress.admin_key is set", None,
+                               "permission_error")
+            return
+        sent = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(sent.encode(), admin_key.encode()):
+            raise ApiError(401, "a valid admin key is required", None, "authentication_error")
+
+    @app.post("/admin/scale", include_in_schema=False)
+    async def admin_scale(body: ScaleRequest, request: Request):
+        authorize(request)
+        replicas = {role: n for role, n in body.model_dump().items() if n is not None}
+        if not replicas:
+            raise ApiError(400, "give at least one of prefill, decode, colocated", None)
+        try:
+            return await asyncio.to_thread(scale, cluster, replicas)
+        except ResizeInProgress as exc:
+            raise ApiError(409, str(exc), None, "conflict") from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc), None) from None

@@ -1,0 +1,352 @@
+"""The OpenAI-compatible HTTP server in front of the cluster (FastAPI).
+
+Each HTTP request becomes one cluster request per prompt. Token deltas arrive on the client's zmq
+thread and are handed to the event loop through a bounded queue per request: a client that reads
+too slowly fills it, and the request is aborted rather than buffered without bound. A client that
+disconnects cancels its response generator, whose `finally` aborts the request in the cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from actors.protocol.request_status import RequestStatus
+from actors.protocol.sampling_params import SamplingParams
+from cluster.frontend.client import AdmissionRejected, TandemClient
+from cluster.frontend.http import responses
+from cluster.frontend.http.gate import Gate
+from cluster.frontend.http.metrics import IngressMetrics
+from cluster.frontend.http.openapi import ChatCompletionResponse, CompletionResponse, ModelList, documented
+from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from cluster.frontend.http.streaming import chat_chunks, completion_chunks, sse
+from cluster.frontend.request_stream import RequestStream, StreamEvent
+
+_OVERFLOW = object()
+log = logging.getLogger("tandem.ingress")
+_STATE_TIMEOUT_S = 5.0
+
+
+class _LoopSink:
+    """Thread-safe `put` from the zmq thread into a bounded asyncio queue of one request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, maxsize: int, tenant: str | None):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=maxsize)
+        self.overflowed = False
+        self.tenant = tenant
+        self.closed = False
+        self.timeout_s: float | None = None  # the request's own deadline, if it set one
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item) -> None:
+        if self.overflowed:
+            return
+        try:
+            self.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            self.overflowed = True
+            self.queue._queue.clear()  # drop what the slow client never read; the request is aborted
+            self.queue.put_nowait(_OVERFLOW)
+
+
+class Ingress:
+    def __init__(self, client: TandemClient, model_name: str, max_model_len: int, gate: Gate, vocab_size: int,
+                 max_n: int = 16,
+                 max_body_bytes: int = 1 << 20, queue_size: int = 4096, request_timeout_s: float = 600.0):
+        self.client = client
+        self.tokenizer = client.tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.max_n = max_n
+        self.max_body_bytes = max_body_bytes
+        self.queue_size = queue_size
+        self.request_timeout_s = request_timeout_s
+        self.gate = gate
+        self.vocab_size = vocab_size
+        self.metrics = IngressMetrics()
+        self._emits: dict[str, dict[int, list[float]]] = {}
+
+    # ---- one cluster request ----
+
+    async def open(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None) -> tuple[RequestStream, _LoopSink]:
+        sink = _LoopSink(asyncio.get_running_loop(), self.queue_size, tenant)
+        try:
+            # The tenant is the cache salt: no request body can choose another tenant's.
+            submitted = await self.client.asubmit(prompt_ids, params, tenant, deltas=sink)
+            sink.request = submitted.request
+        except ray.exceptions.RayError as exc:
+            # The scheduler died while admitting it (Ray restarts it): nothing of the request runs.
+            self.metrics.rejected.labels("unavailable").inc()
+            raise ApiError(503, f"the scheduler was lost while admitting the request ({type(exc).__name__}); retry",
+                           None, "service_unavailable", {"Retry-After": "1"}) from None
+        except AdmissionRejected as exc:
+            if exc.unavailable:
+                self.metrics.rejected.labels("unavailable").inc()
+                raise ApiError(503, exc.reason, None, "service_unavailable",
+                               {"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
+            if exc.retry_after_s is None:
+                self.metrics.rejected.labels("inadmissible").inc()
+                raise ApiError(400, exc.reason, "max_tokens") from None
+            self.metrics.rejected.labels("admission").inc()
+            raise ApiError(429, exc.reason, None, "rate_limit_error",
+                           {"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        return RequestStream(submitted.request_id, prompt_ids, params, self.tokenizer), sink
+
+    async def events(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> AsyncIterator[StreamEvent]:
+        emits: dict[int, list[float]] = {}
+        self._emits[stream.request_id] = emits
+        deadline = arrival + (sink.timeout_s or self.request_timeout_s)
+        try:
+            while not stream.finished:
+                try:
+                    item = await asyncio.wait_for(sink.queue.get(), max(deadline - time.perf_counter(), 0.0))
+                except asyncio.TimeoutError:
+                    # The request's deadline, wherever it is in the cluster: TIMED_OUT, then aborted.
+                    self.metrics.rejected.labels("timed_out").inc()
+                    for ev in stream.fail("the request ran past its deadline", RequestStatus.TIMED_OUT):
+                        yield ev
+                    return
+                if item is _OVERFLOW:
+                    self.metrics.rejected.labels("slow_client").inc()
+                    return
+                events = stream.feed(item)
+                if stream.migration_pending:
+                    events += await self._migrate(stream, sink)
+                for ev in events:
+                    now = time.perf_counter()
+                    emits.setdefault(ev.index, []).extend([now] * len(ev.token_ids))
+                    self.metrics.generation_tokens.inc(len(ev.token_ids))
+                    yield ev
+        finally:
+            self.finish(stream, sink, arrival)
+
+    async def _migrate(self, stream: RequestStream, sink: _LoopSink) -> list[StreamEvent]:
+        """Resubmit after a worker loss, continuing from what the client already received."""
+        self.metrics.migrations.inc()
+        request = stream.migration_request(sink.request)
+        try:
+            answer = await asyncio.wait_for(_ref(self.client.scheduler.submit.remote(request)), 60)
+        except Exception as exc:
+            answer = {"rejected": str(exc)}
+        if "rejected" in answer:
+            return stream.fail(f"worker lost and the request could not be migrated: {answer['rejected']}")
+        return []
+
+    def finish(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> None:
+        """Every request ends here exactly once, however its response ended: abort what still runs,
+        free the tenant's slot, and record one usage/metrics entry."""
+        if sink.closed:
+            return
+        sink.closed = True
+        if stream.needs_abort:
+            self.client.scheduler.abort.remote(stream.request_id)
+        self.client.forget(stream.request_id)
+        self.gate.release(sink.tenant)
+        emits = self._emits.pop(stream.request_id, {})
+        self.metrics.observe_phases(stream.timings)
+        first = stream.results[0]
+        self.metrics.prefix_queries.inc(len(stream.prompt_token_ids))
+        self.metrics.prefix_hits.inc(first.num_cached_tokens)
+        log.info("usage %s", json.dumps({
+            "request_id": stream.request_id, "tenant": sink.tenant, "prompt_tokens": len(stream.prompt_token_ids),
+            "cached_tokens": first.num_cached_tokens,
+            "generated_tokens": stream.received_tokens,
+            "emitted_tokens": sum(len(r.token_ids) for r in stream.results),
+            "finish_reasons": [r.finish_reason for r in stream.results],
+        }))
+        for r in stream.results:
+            self.metrics.observe_emits(arrival, emits.get(r.index, []))
+            self.metrics.finished.labels(r.finish_reason or "abort").inc()
+
+    async def open_all(self, prompts: list[list[int]], params: SamplingParams, tenant: str | None,
+                       timeout_s: float | None = None) -> list:
+        """Pass the gate, then open one cluster request per prompt; all or nothing."""
+        try:
+            params.validate_token_ids(self.vocab_size)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), str(exc).split("parameter ", 1)[-1].split(":", 1)[0]) from None
+        cost = sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts)
+        self.gate.admit(tenant, cost, requests=len(prompts))
+        opened = []
+        try:
+            for p in prompts:
+                opened.append(await self.open(p, params, tenant))
+                opened[-1][1].timeout_s = timeout_s
+        except BaseException:
+            for stream, sink in opened:
+                self.finish(stream, sink, 0.0)
+            self.gate.release(tenant, len(prompts) - len(opened))
+            raise
+        return opened
+
+    # ---- prompts ----
+
+    def encode_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [self.tokenizer.encode(prompt)]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        elif isinstance(prompt, list) and prompt:
+            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        else:
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        for p in prompts:
+            self.check_prompt(p, "prompt")
+        return prompts
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise ApiError(400, f"{param} must not be empty", param)
+        if len(ids) >= self.max_model_len:
+            raise ApiError(400, f"{param} has {len(ids)} tokens; this model's context is {self.max_model_len}", param)
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise ApiError(400, f"{param} holds a token id outside the vocabulary [0, {self.vocab_size})", param)
+
+    def check_common(self, req, max_tokens: int | None) -> int:
+        if req.model != self.model_name:
+            raise ApiError(400, f"model {req.model!r} does not exist; this server serves {self.model_name!r}", "model")
+        if not 1 <= req.n <= self.max_n:
+            raise ApiError(400, f"n must be between 1 and {self.max_n}", "n")
+        if max_tokens is not None and max_tokens < 1:
+            raise ApiError(400, "max_tokens must be at least 1", "max_tokens")
+        return max_tokens if max_tokens is not None else self.max_model_len
+
+
+def create_app(ingress: Ingress, scheduler) -> FastAPI:
+    app = FastAPI(title="tandem", version="0.1.0")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None
+        return JSONResponse(ApiError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", param).body(),
+                            status_code=400)
+
+    @app.middleware("http")
+    async def _body_limit(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > ingress.max_body_bytes:
+            return JSONResponse(ApiError(413, f"request body over {ingress.max_body_bytes} bytes", None).body(), status_code=413)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    async def scheduler_state() -> dict:
+        try:
+            return await asyncio.wait_for(_ref(scheduler.state.remote()), _STATE_TIMEOUT_S)
+        except Exception as exc:  # a scheduler that is gone or stuck: not ready, never a hung probe
+            raise ApiError(503, f"the scheduler did not answer: {type(exc).__name__}", None, "service_unavailable",
+                           {"Retry-After": "5"}) from None
+
+    @app.get("/ready")
+    async def ready():
+        state = await scheduler_state()
+        roles = {v["role"] for v in state["workers"].values()}
+        ok = roles >= {"prefill", "decode"} or "colocated" in roles
+        return JSONResponse({"ready": ok, "workers": sorted(state["workers"])}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        state = await scheduler_state()
+        ingress.metrics.update_pools(state["workers"])
+        ingress.metrics.update_workers(state["worker_stats"])
+        return Response(ingress.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", response_model=None, responses=documented(ModelList, 401))
+    async def models(request: Request):
+        ingress.gate.authenticate(request.headers.get("authorization"))
+        return {"object": "list", "data": [{"id": ingress.model_name, "object": "model", "created": 0, "owned_by": "tandem"}]}
+
+    @app.post("/v1/completions", response_model=None,
+              responses=documented(CompletionResponse, 400, 401, 413, 429, 500, 503, streams=True))
+    async def completions(req: CompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        tenant = ingress.gate.authenticate(request.headers.get("authorization"))
+        max_tokens = ingress.check_common(req, req.max_tokens)
+        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+            raise ApiError(400, "logprobs must be between 0 and 20", "logprobs")
+        params = req.sampling_params(max_tokens, req.logprobs)
+        prompts = ingress.encode_prompts(req.prompt)
+        opened = await ingress.open_all(prompts, params, tenant, req.timeout)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        echo_texts = [ingress.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
+        if req.stream:
+            return sse(completion_chunks(ingress, opened, rid, req, echo_texts, arrival),
+                        lambda: [ingress.finish(st, sk, arrival) for st, sk in opened])
+        choices, completion_tokens, cached = [], 0, 0
+        for i, (stream, sink) in enumerate(opened):
+            async for _ in ingress.events(stream, sink, arrival):
+                pass
+            for r in stream.results:
+                _raise_if_failed(r)
+                lp = responses.completion_logprobs(ingress.tokenizer, r.logprobs, len(echo_texts[i])) if req.logprobs is not None else None
+                choices.append({"index": i * req.n + r.index, "text": echo_texts[i] + r.text, "logprobs": lp,
+                                "finish_reason": r.finish_reason})
+                completion_tokens += len(r.token_ids)
+            cached += stream.results[0].num_cached_tokens
+        usage = responses.usage(sum(len(p) for p in prompts), completion_tokens, cached)
+        return responses.completion_body(rid, ingress.model_name, choices, usage)
+
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=documented(ChatCompletionResponse, 400, 401, 413, 429, 500, 503, streams=True))
+    async def chat(req: ChatCompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        tenant = ingress.gate.authenticate(request.headers.get("authorization"))
+        max_tokens = ingress.check_common(req, req.max_completion_tokens or req.max_tokens)
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise ApiError(400, "top_logprobs must be between 0 and 20", "top_logprobs")
+        try:
+            text = ingress.tokenizer.apply_chat_template([m.model_dump() for m in req.messages], tokenize=False,
+                                                         add_generation_prompt=True)
+        except Exception as exc:  # a template that rejects the conversation is the client's error
+            raise ApiError(400, f"messages: {exc}", "messages") from None
+        prompt = ingress.tokenizer.encode(text, add_special_tokens=False)
+        ingress.check_prompt(prompt, "messages")
+        max_tokens = min(max_tokens, ingress.max_model_len - len(prompt))  # unset: the rest of the context
+        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        ((stream, sink),) = await ingress.open_all([prompt], params, tenant, req.timeout)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return sse(chat_chunks(ingress, stream, sink, rid, req, arrival),
+                        lambda: ingress.finish(stream, sink, arrival))
+        async for _ in ingress.events(stream, sink, arrival):
+            pass
+        choices = []
+        for r in stream.results:
+            _raise_if_failed(r)
+            lp = responses.chat_logprobs(ingress.tokenizer, r.logprobs) if req.logprobs else None
+            choices.append({"index": r.index, "message": {"role": "assistant", "content": r.text}, "logprobs": lp,
+                            "finish_reason": r.finish_reason})
+        usage = responses.usage(len(prompt), sum(len(r.token_ids) for r in stream.results), stream.results[0].num_cached_tokens)
+        return responses.chat_body(rid, ingress.model_name, choices, usage, chunk=False)
+
+    return app
+
+
+async def _ref(ref):
+    return await ref
+
+
+def _raise_if_failed(result) -> None:
+    if result.finish_reason == "error":
+        raise ApiError(500, f"the request failed in the cluster: {result.error}", None, "server_error")

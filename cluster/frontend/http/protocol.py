@@ -1,0 +1,106 @@
+"""OpenAI request bodies (pydantic) and their translation into tandem's SamplingParams.
+
+Bad input raises `ApiError` (HTTP 400) naming the parameter, never a 5xx.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from actors.protocol.sampling_params import SamplingParams
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers do: clients send vendor extras.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    timeout: float | None = Field(None, gt=0, description="seconds before the request ends as timed out")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise ApiError(400, "logit_bias keys must be token ids", "logit_bias") from None
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        values = dict(
+            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=None if self.top_k in (None, -1, 0) else self.top_k,
+            min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty or 1.0,
+            frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+            logit_bias=bias, seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, logprobs=logprobs,
+        )
+        try:
+            return SamplingParams(**values)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), _param_of(str(exc))) from None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant"]
+    content: str | list[dict] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def _param_of(message: str) -> str | None:
+    # SamplingParams errors read "invalid sampling parameter NAME=..." or "...parameter NAME: ..."
+    marker = "invalid sampling parameter "
+    if marker in message:
+        rest = message.split(marker, 1)[1]
+        return rest.split("=", 1)[0].split(":", 1)[0].strip()
+    return None

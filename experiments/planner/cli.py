@@ -1,0 +1,114 @@
+"""`tandem plan` (simulate and search pool layouts) and `tandem plan profile` (measure this machine)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from experiments.loadgen.spec import LengthDist
+from experiments.planner.metrics import SLO
+from experiments.planner.profile import EngineLimits, EngineProfile
+from experiments.planner.report import print_table, result_json
+from experiments.planner.roofline import GPUS, MODEL_PRESETS, model_shape, roofline_profile
+from experiments.planner.search import recommend, search
+from experiments.planner.simulator import SimOptions
+from experiments.planner.workload import Workload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.allow_abbrev = False  # else `plan profile --model` reads as an ambiguous --model-preset/--model-config
+    src = p.add_argument_group("costs (one of --profile or --gpu)")
+    src.add_argument("--profile", default=None, help="profile JSON from `tandem plan profile` (or hand-written)")
+    src.add_argument("--gpu", default=None, choices=sorted(GPUS), help="roofline profile for this GPU")
+    src.add_argument("--model-preset", default=None, choices=sorted(MODEL_PRESETS), help="roofline: model size")
+    src.add_argument("--model-config", default=None, help="roofline: a Hugging Face checkpoint dir or config.json")
+    src.add_argument("--tensor-parallel", type=int, default=1, help="roofline: GPUs per worker")
+    src.add_argument("--mfu", type=float, default=0.5, help="roofline: fraction of peak FLOP/s reached")
+    src.add_argument("--mbu", type=float, default=0.7, help="roofline: fraction of peak HBM bandwidth reached")
+    wl = p.add_argument_group("workload")
+    wl.add_argument("--prompt-len", default="512", help="N, uniform:LOW:HIGH or lognormal:MEAN:STD (tokens)")
+    wl.add_argument("--output-len", default="128", help="N, uniform:LOW:HIGH or lognormal:MEAN:STD (tokens)")
+    wl.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"])
+    wl.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 is Poisson, < 1 burstier")
+    wl.add_argument("--num-requests", type=int, default=400, help="simulated requests per rate")
+    wl.add_argument("--seed", type=int, default=0)
+    slo = p.add_argument_group("objectives")
+    slo.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO (ms)")
+    slo.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO (ms)")
+    slo.add_argument("--attainment", type=float, default=0.9, help="fraction of requests that must meet both SLOs")
+    lay = p.add_argument_group("layouts")
+    lay.add_argument("--max-workers", type=int, default=4, help="largest layout searched")
+    lay.add_argument("--mode", default="both", choices=["disaggregated", "colocated", "both"])
+    lay.add_argument("--target-rate", type=float, default=None, help="recommend the smallest layout sustaining this rate")
+    lay.add_argument("--no-local-prefill", action="store_true", help="decode workers never prefill (scheduler.local_prefill: false)")
+    lay.add_argument("--routing", default="cache_aware", choices=["cache_aware", "least_loaded", "round_robin"])
+    p.add_argument("--out", default=None, help="write the whole search as JSON here")
+    p.set_defaults(func=_plan)
+
+    sub = p.add_subparsers(dest="plan_command")
+    prof = sub.add_parser("profile", help="time the real engine on this machine and write a profile JSON")
+    prof.add_argument("--model", default=None, help="checkpoint directory, 'builtin:tiny-llama' (default) or 'bench-llama-56m'")
+    prof.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    prof.add_argument("--threads", type=int, default=1, help="torch threads, as the workers run (pool torch_threads)")
+    prof.add_argument("--block-size", type=int, default=16)
+    prof.add_argument("--num-kv-blocks", type=int, default=4096)
+    prof.add_argument("--max-num-seqs", type=int, default=64)
+    prof.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    prof.add_argument("--transfer-gbps", type=float, default=None,
+                      help="KV transfer GB/s to record instead of measuring zmq ipc here")
+    prof.add_argument("--out", required=True, help="profile JSON to write")
+    prof.set_defaults(func=_profile)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from actors.engine.model.default_model import resolve_model
+    from experiments.bench_engine import ensure_bench_model
+    from experiments.planner.measure import profile_engine
+
+    model = str(ensure_bench_model()) if args.model == "bench-llama-56m" else resolve_model(args.model)
+    if not Path(model).is_dir():
+        raise ValueError(f"--model {args.model!r} is not a checkpoint directory")
+    limits = EngineLimits(args.block_size, args.num_kv_blocks, args.max_num_seqs, args.max_num_batched_tokens)
+    print(f"profiling {model} ({args.threads} thread(s), {args.dtype})")
+    measure = args.transfer_gbps is None
+    profile = profile_engine(model, args.dtype, args.threads, limits, measure_link=measure,
+                             transfer_bytes_per_s=(args.transfer_gbps or 2.0) * 1e9)
+    profile.save(args.out)
+    print(f"profile written to {args.out}")
+    return 0
+
+
+def load_costs(args: argparse.Namespace) -> EngineProfile:
+    if (args.profile is None) == (args.gpu is None):
+        raise ValueError("give either --profile FILE or --gpu NAME with --model-preset/--model-config")
+    if args.profile is not None:
+        return EngineProfile.load(args.profile)
+    return roofline_profile(args.gpu, model_shape(args.model_preset, args.model_config), args.tensor_parallel,
+                            args.mfu, args.mbu)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    profile = load_costs(args)
+    if args.slo_ttft_ms is None and args.slo_tpot_ms is None:
+        raise ValueError("give at least one SLO: --slo-ttft-ms and/or --slo-tpot-ms")
+    if not 0 < args.attainment <= 1:
+        raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
+    slo = SLO(None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
+              None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3)
+    prompt, output = LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len)
+    workload = Workload.synthetic(args.num_requests, prompt, output, args.arrival, args.burstiness, args.seed)
+    options = SimOptions(routing=args.routing, local_prefill=not args.no_local_prefill)
+    print(f"profile: {profile.source} on {profile.hardware}, model {profile.model.name}")
+    print(f"workload: {args.num_requests} requests, prompt {prompt.describe()}, output {output.describe()}, "
+          f"{args.arrival} arrivals; SLO TTFT {args.slo_ttft_ms} ms, TPOT {args.slo_tpot_ms} ms, "
+          f"attainment >= {args.attainment:.0%}")
+    rows = search(profile, workload, slo, args.max_workers, args.mode, options, args.attainment)
+    print_table(rows)
+    rec = recommend(rows, args.target_rate)
+    print(f"\nrecommended: {rec.layout.describe()} ({rec.why}; predicted max rate {rec.expected_max_rate_rps:.3g} req/s)")
+    print("config snippet:\n" + rec.yaml())
+    if args.out:
+        Path(args.out).write_text(json.dumps(result_json(profile, args, rows, rec), indent=2) + "\n")
+        print(f"search written to {args.out}")
+    return 0

@@ -1,0 +1,104 @@
+"""Roofline profiles: step costs for a named GPU and model size, from peak FLOP/s and HBM bandwidth.
+
+No measurement is involved: a prefill step costs FLOPs / (peak * mfu), a decode step costs the bytes it
+must read (all weights once, plus the KV of every sequence) / (bandwidth * mbu), and every step costs
+whichever bound is larger (see `RooflineCost` in profile.py). mfu and mbu are the fractions of peak a
+good engine reaches; the defaults are typical of published vLLM/SGLang numbers, not measured here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from experiments.planner.profile import EngineLimits, EngineProfile, ModelShape, RooflineCost
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    bf16_flops: float  # dense (no sparsity) tensor-core peak
+    hbm_bytes_per_s: float
+    memory_bytes: float
+
+
+GPUS = {
+    # NVIDIA H100 datasheet (SXM5): 989 TFLOPS dense BF16 (1,979 with sparsity), 3.35 TB/s HBM3, 80 GB.
+    "h100": GPU("H100 SXM", 989e12, 3.35e12, 80e9),
+    # NVIDIA H200 datasheet (SXM): 989 TFLOPS dense BF16 (same tensor cores as H100), 4.8 TB/s HBM3e, 141 GB.
+    "h200": GPU("H200 SXM", 989e12, 4.8e12, 141e9),
+    # NVIDIA A100 datasheet (SXM 80GB): 312 TFLOPS dense BF16, 2,039 GB/s HBM2e, 80 GB.
+    "a100": GPU("A100 SXM 80GB", 312e12, 2.039e12, 80e9),
+    # NVIDIA L4 datasheet: 121 TFLOPS dense BF16 (242 with sparsity), 300 GB/s GDDR6, 24 GB.
+    "l4": GPU("L4", 121e12, 300e9, 24e9),
+    # NVIDIA L40S datasheet: 362 TFLOPS dense BF16 (733 with sparsity), 864 GB/s GDDR6, 48 GB.
+    "l40s": GPU("L40S", 362e12, 864e9, 48e9),
+}
+
+MODEL_PRESETS = {
+    # Shapes from the models' Hugging Face config.json files.
+    "llama3-8b": ModelShape("llama3-8b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                            intermediate_size=14336, vocab_size=128256),
+    "llama3-70b": ModelShape("llama3-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
+                             head_dim=128, intermediate_size=28672, vocab_size=128256),
+    "llama2-7b": ModelShape("llama2-7b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32,
+                            head_dim=128, intermediate_size=11008, vocab_size=32000),
+    "qwen2.5-7b": ModelShape("qwen2.5-7b", num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4,
+                             head_dim=128, intermediate_size=18944, vocab_size=152064),
+}
+
+
+def model_shape(preset: str | None = None, hf_config: str | Path | None = None) -> ModelShape:
+    """A preset name, or the directory / config.json of a Hugging Face checkpoint."""
+    if (preset is None) == (hf_config is None):
+        raise ValueError("give exactly one of a model preset (--model-preset) or a Hugging Face config (--model-config)")
+    if preset is not None:
+        if preset not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {preset!r}; known: {', '.join(sorted(MODEL_PRESETS))}")
+        return MODEL_PRESETS[preset]
+    path = Path(hf_config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no Hugging Face config at {path}")
+    return ModelShape.from_hf_config(path.parent.name, json.loads(path.read_text()))
+
+
+def roofline_profile(
+    gpu: str,
+    model: ModelShape,
+    tensor_parallel: int = 1,
+    mfu: float = 0.5,
+    mbu: float = 0.7,
+    overhead_s: float = 0.001,
+    memory_fraction: float = 0.9,
+    transfer_bytes_per_s: float = 25e9,
+    transfer_latency_s: float = 0.001,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+) -> EngineProfile:
+    """One worker = `tensor_parallel` GPUs of this kind, scaled ideally (peak, bandwidth and memory x tp).
+
+    The KV cache gets what `memory_fraction` of the memory leaves after the weights. The transfer
+    defaults (25 GB/s, 1 ms) stand for a 200 Gb/s RDMA link between nodes; NVLink within a node is faster."""
+    key = gpu.lower()
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU {gpu!r}; known: {', '.join(sorted(GPUS))}")
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
+    for name, value in (("mfu", mfu), ("mbu", mbu), ("memory_fraction", memory_fraction)):
+        if not 0 < value <= 1:
+            raise ValueError(f"{name} must be in (0, 1], got {value}")
+    spec = GPUS[key]
+    weight_bytes = model.num_params * model.dtype_bytes
+    kv_budget = spec.memory_bytes * tensor_parallel * memory_fraction - weight_bytes
+    num_blocks = int(kv_budget // (model.kv_bytes_per_token * block_size))
+    if num_blocks < 1:
+        raise ValueError(f"{model.name} ({weight_bytes / 1e9:.0f} GB of weights) does not fit on {tensor_parallel} x "
+                         f"{spec.name} ({spec.memory_bytes / 1e9:.0f} GB): raise --tensor-parallel")
+    cost = RooflineCost(spec.bf16_flops * tensor_parallel, spec.hbm_bytes_per_s * tensor_parallel, mfu, mbu, overhead_s)
+    limits = EngineLimits(block_size, num_blocks, max_num_seqs, max_num_batched_tokens)
+    hardware = spec.name if tensor_parallel == 1 else f"{tensor_parallel} x {spec.name} (tensor parallel)"
+    return EngineProfile("roofline", hardware, model, cost, limits, transfer_bytes_per_s, transfer_latency_s)

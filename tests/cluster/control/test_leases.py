@@ -1,0 +1,79 @@
+"""Handoff leases: a reservation whose KV never arrives is released within the lease (+10%), counted,
+and its request fails with a clear error instead of hanging."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+import zmq
+
+from actors.protocol.request_status import RequestStatus
+from actors.protocol.token_stream import decode_deltas
+from actors.protocol.worker_request import WorkerSpec
+from actors.worker.actor import worker_actor
+from tests.helpers.cluster import load
+
+LEASE_S = 1.0
+
+
+def test_reservation_without_pages_expires_within_the_lease(ray_session):
+    engine = load("local.yaml").engine_config(detokenize=False)
+    worker = worker_actor().options(num_cpus=0.5, max_concurrency=16).remote(
+        WorkerSpec("decode-lease", "decode", engine, lease_s=LEASE_S, heartbeat_s=0.02))
+    sink = zmq.Context.instance().socket(zmq.PULL)
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        ray.get(worker.info.remote(), timeout=120)
+        request = {"request_id": "never-sent", "prompt_token_ids": list(range(10, 50)), "params": {"max_tokens": 4},
+                   "cache_salt": None, "sink": f"tcp://127.0.0.1:{port}"}
+        start = time.monotonic()
+        blocks = ray.get(worker.reserve.remote(request), timeout=30)
+        assert len(blocks) == 3  # 40 tokens in blocks of 16
+        assert sink.poll(int(LEASE_S * 1.1 * 1000)), "no failure reported within the lease + 10%"
+        (delta,) = decode_deltas(sink.recv())
+        elapsed = time.monotonic() - start
+        assert LEASE_S <= elapsed <= LEASE_S * 1.1
+        assert delta.request_id == "never-sent" and delta.status == RequestStatus.FAILED
+        assert "did not arrive within" in delta.error
+        stats = ray.get(worker.check_integrity.remote(), timeout=30)
+        assert stats["reserved"] == 0 and stats["used_blocks"] == 0 and stats["leases_expired"] == 1
+    finally:
+        sink.close(linger=0)
+        ray.get(worker.shutdown.remote(), timeout=30)
+        ray.kill(worker)
+
+
+def test_hold_without_release_expires_within_the_lease(ray_session):
+    """A prefill worker whose pages are taken but never acknowledged frees its hold at the lease."""
+    engine = load("local.yaml").engine_config(detokenize=False)
+    worker = worker_actor().options(num_cpus=0.5, max_concurrency=16).remote(
+        WorkerSpec("prefill-lease", "prefill", engine, lease_s=LEASE_S, heartbeat_s=0.02))
+    ctx = zmq.Context.instance()
+    sink, pages = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)  # `pages` plays a decode worker that never acks
+    sink_port = sink.bind_to_random_port("tcp://127.0.0.1")
+    pages_port = pages.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        ray.get(worker.info.remote(), timeout=120)
+        request = {"request_id": "never-acked", "prompt_token_ids": list(range(10, 50)),
+                   "params": {"max_tokens": 4, "temperature": 0.0}, "cache_salt": None,
+                   "sink": f"tcp://127.0.0.1:{sink_port}",
+                   "dest": {"endpoint": f"tcp://127.0.0.1:{pages_port}", "block_ids": [7, 8, 9], "lease_id": "l1"}}
+        worker.submit.remote(request)
+        assert pages.poll(30_000) and pages.recv_multipart()  # the pages left the prefill worker
+        sent = time.monotonic()
+        (first,) = decode_deltas(sink.recv())
+        assert first.status == RequestStatus.TRANSFERRING and len(first.token_ids) == 1
+        while True:
+            stats = ray.get(worker.check_integrity.remote(), timeout=30)
+            if stats["held"] == 0:
+                break
+            assert time.monotonic() - sent <= LEASE_S * 1.1, stats
+            time.sleep(0.02)
+        assert time.monotonic() - sent >= LEASE_S * 0.9
+        assert stats["leases_expired"] == 1 and stats["used_blocks"] == 0 and stats["transfers_sent"] == 1
+    finally:
+        sink.close(linger=0)
+        pages.close(linger=0)
+        ray.get(worker.shutdown.remote(), timeout=30)
+        ray.kill(worker)

@@ -1,0 +1,105 @@
+"""Routing: the cost model in isolation, then acceptance 2 on a live 2P+1D cluster."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from actors.protocol.sampling_params import SamplingParams
+from cluster.control.launch import Cluster
+from cluster.control.routing import WorkerView, pick_decode, plan_prefill
+from tests.helpers.cluster import load, wait_until_idle
+
+COST = 1e-3
+
+
+def views(queue_a=0, queue_b=0):
+    return [WorkerView("prefill-a", "prefill", 100, 100, queued_prefill_tokens=queue_a),
+            WorkerView("prefill-b", "prefill", 100, 100, queued_prefill_tokens=queue_b)]
+
+
+def test_cache_aware_prefers_the_worker_holding_the_prefix():
+    plan = plan_prefill("cache_aware", views(), {"prefill-b": 256}, 300, 0.0, COST, turn=0)
+    assert (plan.worker_id, plan.cached_tokens) == ("prefill-b", 256)
+    assert plan.predicted_ttft_s == pytest.approx(44 * COST)
+
+
+def test_cache_aware_avoids_a_cached_worker_whose_queue_is_slower():
+    # b: 400 queued + 44 uncached = 444 tokens of work; a: 300 uncached.
+    plan = plan_prefill("cache_aware", views(queue_b=400), {"prefill-b": 256}, 300, 0.0, COST, turn=0)
+    assert plan.worker_id == "prefill-a"
+    assert plan.predicted_ttft_s == pytest.approx(300 * COST)
+
+
+def test_measured_costs_and_transfer_time_enter_the_prediction():
+    a, b = views()
+    b.prefill_s_per_token = 10 * COST  # a slow worker loses even with the whole prefix cached
+    plan = plan_prefill("cache_aware", [a, b], {"prefill-b": 256}, 300, 0.05, COST, turn=0)
+    assert plan.worker_id == "prefill-a" and plan.predicted_ttft_s == pytest.approx(300 * COST + 0.05)
+
+
+def test_local_prefill_when_the_decode_worker_is_much_faster():
+    decode = WorkerView("decode-0", "decode", 100, 100)
+    remote_busy = views(queue_a=5000, queue_b=5000)
+    plan = plan_prefill("cache_aware", remote_busy, {"decode-0": 96}, 100, 0.01, COST, 0, local=decode, local_penalty=1.0)
+    assert plan.local and plan.worker_id == "decode-0"
+    idle = plan_prefill("cache_aware", views(), {}, 100, 0.0, COST, 0, local=decode, local_penalty=1.0)
+    assert not idle.local  # equal predictions: the penalty keeps the prefill remote
+
+
+def test_round_robin_and_least_loaded():
+    assert [plan_prefill("round_robin", views(), {}, 10, 0, COST, t).worker_id for t in range(3)] == [
+        "prefill-a", "prefill-b", "prefill-a"]
+    assert plan_prefill("least_loaded", views(queue_a=50), {}, 10, 0, COST, 0).worker_id == "prefill-b"
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        plan_prefill("fastest", views(), {}, 10, 0, COST, 0)
+
+
+def test_pick_decode_needs_room():
+    d = [WorkerView("d0", "decode", 10, 100), WorkerView("d1", "decode", 50, 100)]
+    assert pick_decode(d, 20).worker_id == "d1"
+    assert pick_decode(d, 60) is None
+
+
+def _run(client, submitted, params):
+    return list(client.events(submitted, params))
+
+
+def test_live_cluster_routes_to_the_cached_worker_then_around_its_queue(ray_session):
+    config = load("disagg-2p2d.yaml")
+    config = config.model_copy(update={
+        "decode": config.decode.model_copy(update={"replicas": 1}),
+        "scheduler": config.scheduler.model_copy(update={"local_prefill": False}),
+    })
+    cluster = Cluster.start(config)
+    try:
+        client = cluster.client()
+        g = torch.Generator().manual_seed(5)
+        prefix = torch.randint(10, 2048, (256,), generator=g).tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+        first = client.submit(prefix + [11, 12], params)
+        _run(client, first, params)
+        owner = first.route["prefill"]
+        time.sleep(0.3)  # the owner's KV events reach the scheduler with its next report
+
+        # Both prefill workers idle: the one holding the 256-token prefix wins.
+        again = client.submit(prefix + [13, 14, 15], params)
+        _run(client, again, params)
+        assert again.route["prefill"] == owner
+        assert again.route["cached_tokens"] == 256
+        time.sleep(0.3)
+
+        # A burst of long requests on that prefix: the owner's queue grows until the other worker,
+        # with nothing cached, is predicted faster.
+        burst = [client.submit(prefix + torch.randint(10, 2048, (1000,), generator=g).tolist(), params) for _ in range(6)]
+        routes = [s.route["prefill"] for s in burst]
+        for s in burst:
+            _run(client, s, params)
+        assert routes[0] == owner
+        assert any(r != owner for r in routes[1:]), routes
+        wait_until_idle(cluster)
+    finally:
+        cluster.shutdown()

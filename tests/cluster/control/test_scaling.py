@@ -1,0 +1,148 @@
+"""Live pool resizing under load: `tandem scale` up and down with no failed request and no leaked block,
+and the same through an edit of the served config file."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+import yaml
+
+from actors.engine.engine import Engine
+from actors.protocol.sampling_params import SamplingParams
+from cluster.cli import main as tandem
+from cluster.control.launch import NAMESPACE, Cluster
+from cluster.control.scaling import ConfigWatcher
+from tests.helpers.cluster import CONFIGS, load, wait_until_idle
+
+PROMPTS = [list(range(10 + 7 * i, 40 + 11 * i)) for i in range(8)]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    engine = Engine(load("local.yaml").engine_config())
+    return [r.outputs[0].token_ids for r in engine.generate(PROMPTS, PARAMS)]
+
+
+class Load:
+    """Closed-loop greedy requests from a few threads; every result is checked against the engine."""
+
+    def __init__(self, cluster: Cluster, expected: list[list[int]], threads: int = 4):
+        self.client, self.expected = cluster.client(), expected
+        self.done, self.bad = 0, []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, k: int) -> None:
+        i = k
+        while not self._stop.is_set():
+            try:
+                (r,) = self.client.generate([PROMPTS[i % 8]], PARAMS, timeout_s=120)[0]
+                ok = r.finish_reason == "length" and r.token_ids == self.expected[i % 8]
+                self.bad += [] if ok else [r.error or "wrong tokens"]
+            except Exception as exc:
+                self.bad.append(f"{type(exc).__name__}: {exc}")
+            self.done += 1
+            i += 4
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=120)
+
+
+def assert_clean(cluster: Cluster) -> dict:
+    state = wait_until_idle(cluster, timeout_s=20)
+    for stats in state["workers"].values():
+        assert stats["used_blocks"] == stats["reserved"] == stats["held"] == stats["live_requests"] == 0, stats
+    assert state["scheduler"]["in_flight"] == 0
+    assert set(state["scheduler"]["workers"]) == set(cluster.workers)
+    return state
+
+
+def worker_stats(cluster: Cluster) -> dict:
+    return ray.get(cluster.scheduler.state.remote(), timeout=10)["worker_stats"]
+
+
+def test_scale_up_and_down_under_load_fails_nothing(server, expected):  # noqa: F811
+    cluster, base = server
+    load_ = Load(cluster, expected)
+    try:
+        time.sleep(2.0)
+        assert tandem(["scale", "--prefill", "2", "--decode", "2", "--url", base]) == 0
+        assert sorted(cluster.workers) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+        # The load's prompts are cached on prefill-0 and cache-aware routing keeps them there; fresh
+        # prompts arriving together queue on prefill-0 and spill onto the new worker.
+        client, fresh = cluster.client(), iter(range(1000, 100000, 37))
+        deadline = time.monotonic() + 60
+        while not (worker_stats(cluster).get("decode-1", {}).get("adopted", 0) > 0
+                   and worker_stats(cluster).get("prefill-1", {}).get("transfers_sent", 0) > 0):
+            assert time.monotonic() < deadline, "the new workers never took work"
+            prompts = [[(start + 7 * k) % 2000 + 10 for k in range(200)] for start in [next(fresh) for _ in range(4)]]
+            results = client.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+            assert all(r[0].finish_reason == "length" for r in results)
+        assert tandem(["scale", "--prefill", "1", "--decode", "1", "--url", base]) == 0
+    finally:
+        load_.stop()
+    assert load_.bad == [], load_.bad[:3]
+    assert load_.done > 20
+    assert sorted(cluster.workers) == ["decode-0", "prefill-0"]
+    for gone in ("prefill-1", "decode-1"):
+        with pytest.raises(ValueError):
+            ray.get_actor(f"tandem-{gone}", namespace=NAMESPACE)
+    assert_clean(cluster)
+
+
+def test_bad_resizes_are_refused_and_change_nothing(server, capsys):  # noqa: F811
+    cluster, base = server
+    before = sorted(cluster.workers)
+    assert tandem(["scale", "--colocated", "2", "--url", base]) == 2
+    assert "no colocated pool" in capsys.readouterr().err
+    assert tandem(["scale", "--decode", "0", "--url", base]) == 2
+    assert "decode" in capsys.readouterr().err
+    assert tandem(["scale", "--url", base]) == 2
+    assert sorted(cluster.workers) == before
+
+
+def test_an_edit_of_the_config_file_resizes_the_pools(server, tmp_path):  # noqa: F811
+    cluster, _ = server
+    path = tmp_path / "served.yaml"
+    raw = yaml.safe_load((CONFIGS / "local.yaml").read_text())
+
+    def write(**changes) -> None:
+        config = cluster.config.model_dump()
+        for role, n in changes.items():
+            config[role]["replicas"] = n
+        path.write_text(yaml.safe_dump(config))
+        time.sleep(0.05)
+
+    write()
+    watcher = ConfigWatcher(cluster, path, interval_s=0.2).start()
+    try:
+        write(decode=2)
+        deadline = time.monotonic() + 60
+        while len([w for w in cluster.workers if w.startswith("decode")]) != 2:
+            assert time.monotonic() < deadline, "the config edit did not add a decode worker"
+            time.sleep(0.1)
+        # A change a live cluster cannot apply is refused (logged) and changes nothing.
+        bad = cluster.config.model_dump()
+        bad["engine"]["block_size"] = 32
+        path.write_text(yaml.safe_dump(bad))
+        time.sleep(1.0)
+        assert len(cluster.workers) == 3
+        write(decode=1)
+        deadline = time.monotonic() + 60
+        while len(cluster.workers) != 2:
+            assert time.monotonic() < deadline, "the config edit did not remove the decode worker"
+            time.sleep(0.1)
+    finally:
+        watcher.stop()
+    assert raw["mode"] == cluster.config.mode
+    (r,) = cluster.client().generate([PROMPTS[0]], PARAMS)[0]
+    assert r.finish_reason == "length"
+    assert_clean(cluster)

@@ -1,0 +1,112 @@
+"""The ingress gate: API keys -> tenants (401), per-tenant limits (429 + Retry-After), cache isolation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from cluster.frontend.http.app import Ingress, create_app
+from cluster.frontend.http.gate import Gate, TenantLimits
+from cluster.frontend.http.protocol import ApiError
+from tests.helpers.http_server import MODEL
+
+
+def test_gate_unit_limits():
+    gate = Gate({"ka": TenantLimits("a", requests_per_minute=2, max_concurrency=1),
+                 "kb": TenantLimits("b", tokens_per_minute=600)})
+    assert gate.authenticate("Bearer ka") == "a"
+    for header in (None, "Bearer nope", "ka", "Basic ka"):
+        with pytest.raises(ApiError) as err:
+            gate.authenticate(header)
+        assert err.value.status == 401
+    gate.admit("a", 10)
+    with pytest.raises(ApiError) as err:  # one in flight is the quota
+        gate.admit("a", 10)
+    assert err.value.status == 429 and "in flight" in err.value.message
+    gate.release("a")
+    gate.admit("a", 10)
+    gate.release("a")
+    with pytest.raises(ApiError) as err:  # the third request within a minute
+        gate.admit("a", 10)
+    assert err.value.status == 429 and 1 <= int(err.value.headers["Retry-After"]) <= 31
+    gate.admit("b", 500)
+    with pytest.raises(ApiError) as err:  # 600 tokens a minute: 200 more must wait ~10 s
+        gate.admit("b", 200)
+    assert 10 <= int(err.value.headers["Retry-After"]) <= 12
+    assert gate.in_flight("a") == 0 and gate.in_flight("b") == 1
+    assert Gate(None).authenticate(None) is None  # no keys: no authentication
+
+
+@pytest.fixture(scope="module")
+def gated(server):  # noqa: F811
+    cluster = server[0]
+    gate = Gate({"key-a": TenantLimits("tenant-a"), "key-b": TenantLimits("tenant-b", requests_per_minute=3)})
+    ingress = Ingress(cluster.client(), MODEL, 2048, gate, 2048)
+    http = uvicorn.Server(uvicorn.Config(create_app(ingress, cluster.scheduler), host="127.0.0.1", port=0,
+                                         log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    while not http.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}/v1"
+    http.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_keys_tenants_and_cache_isolation(gated):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gated, api_key="wrong", max_retries=0).completions.create(model=MODEL, prompt="x")
+    a = openai.OpenAI(base_url=gated, api_key="key-a", max_retries=0)
+    b = openai.OpenAI(base_url=gated, api_key="key-b", max_retries=0)
+    prompt = "A long shared system prompt that fills several KV blocks of sixteen tokens each, " * 3
+    first = a.completions.create(model=MODEL, prompt=prompt, max_tokens=2, user="tenant-b")
+    time.sleep(0.3)  # KV events reach the scheduler
+    again = a.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    other = b.completions.create(model=MODEL, prompt=prompt, max_tokens=2, user="tenant-a")  # `user` is no salt
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    b.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    b.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    limited = httpx.post(gated + "/completions", headers={"Authorization": "Bearer key-b"},
+                         json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+    assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+    assert limited.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_no_ready_worker_is_503(ray_session):
+    """A scheduler with no worker registered: the ingress answers 503 with Retry-After, not 5xx noise."""
+    import ray
+
+    from cluster.control.scheduler import Scheduler, SchedulerSettings
+
+    settings = SchedulerSettings(mode="disaggregated", routing="cache_aware", block_size=16, model_id="m",
+                                 reserve="prompt_plus_max_tokens", max_queued=8, queue_timeout_s=1.0,
+                                 local_prefill=True, local_prefill_penalty=1.0, prefill_s_per_token=1e-4,
+                                 transfer_bytes_per_s=1e9)
+    scheduler = ray.remote(Scheduler).options(num_cpus=0).remote(settings)
+    from actors.engine.text.tokenizer import load_tokenizer
+    from cluster.frontend.client import TandemClient
+
+    client = TandemClient(scheduler, load_tokenizer())
+    http = uvicorn.Server(uvicorn.Config(create_app(Ingress(client, MODEL, 2048, Gate(None), 2048), scheduler),
+                                         host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    try:
+        while not http.started:
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
+        answer = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
+        assert answer.status_code == 503 and int(answer.headers["retry-after"]) >= 1, answer.text
+        assert httpx.get(base + "/ready").status_code == 503
+    finally:
+        http.should_exit = True
+        thread.join(timeout=10)
+        client.close()
+        ray.kill(scheduler)

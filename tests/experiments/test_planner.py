@@ -1,0 +1,197 @@
+"""`tandem plan`: simulator answers computed by hand, the pool-ratio search on profiles whose best ratio
+is known (acceptance 4), roofline numbers against a hand calculation, and the measured profiler."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.cli import main
+from experiments.loadgen.spec import LengthDist
+from experiments.planner.metrics import SLO, summarize
+from experiments.planner.profile import BatchShape, EngineLimits, EngineProfile, LinearCost, ModelShape
+from experiments.planner.roofline import MODEL_PRESETS, roofline_profile
+from experiments.planner.search import recommend, search
+from experiments.planner.simulator import Layout, SimOptions, simulate
+from experiments.planner.workload import SimRequest, Workload
+
+TOY = ModelShape("toy", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                 intermediate_size=128, vocab_size=512, dtype_bytes=4)  # 512 KV bytes per token
+NO_LOCAL = SimOptions(local_prefill=False)
+
+
+def linear_profile(prefill_per_token=1e-3, decode_per_seq=0.0, decode_base=0.01, limits=EngineLimits(16, 1000, 8, 512),
+                   bytes_per_s=1e6, latency=0.005) -> EngineProfile:
+    cost = LinearCost(0.0, prefill_per_token, 0.0, decode_base, decode_per_seq, 0.0)
+    return EngineProfile("measured", "test", TOY, cost, limits, bytes_per_s, latency)
+
+
+# ---- one request, by hand ----
+
+def test_one_request_disaggregated_prefill_then_transfer_then_decode_steps():
+    p = linear_profile()
+    result = simulate(p, Layout.disaggregated(1, 1), [SimRequest(0.0, 100, 5)], NO_LOCAL)
+    seq = result.seqs[0]
+    prefill, transfer, step = 100 * 1e-3, 0.005 + 100 * 512 / 1e6, 0.01
+    assert (seq.prefill_worker, seq.decode_worker) == ("prefill-0", "decode-0")
+    # The first token leaves the prefill worker with its last chunk; the KV transfer delays token 2.
+    assert result.token_times(seq) == pytest.approx([prefill] + [prefill + transfer + k * step for k in (1, 2, 3, 4)])
+    s = summarize(result, SLO())
+    assert s.ttft.p50 == pytest.approx(prefill)
+    assert s.tpot.p50 == pytest.approx((transfer + 4 * step) / 4)
+    assert s.e2e.p50 == pytest.approx(prefill + transfer + 4 * step)
+
+
+def test_one_request_colocated_decodes_right_after_its_prefill():
+    p = linear_profile()
+    result = simulate(p, Layout.colocated_workers(1), [SimRequest(2.0, 100, 5)])
+    assert result.token_times(result.seqs[0]) == pytest.approx([2.1, 2.11, 2.12, 2.13, 2.14])
+    s = summarize(result, SLO())
+    assert (s.ttft.p50, s.tpot.p50, s.itl.p99) == pytest.approx((0.1, 0.01, 0.01))
+
+
+def test_queued_prompts_on_one_prefill_worker_get_ttfts_in_arithmetic_progression():
+    # A token budget of exactly one prompt: the worker prefills them one step each, in arrival order.
+    p = linear_profile(limits=EngineLimits(16, 1000, 8, 100))
+    result = simulate(p, Layout.disaggregated(1, 1), [SimRequest(0.0, 100, 3)] * 5, NO_LOCAL)
+    assert [s.first_token_s for s in result.seqs] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
+
+
+def test_a_request_too_big_for_any_worker_is_rejected_not_lost():
+    p = linear_profile(limits=EngineLimits(16, 10, 8, 512))
+    result = simulate(p, Layout.colocated_workers(1), [SimRequest(0.0, 100, 100), SimRequest(0.0, 20, 4)])
+    s = summarize(result, SLO(ttft_s=10, tpot_s=10))
+    assert (s.rejected, s.completed, s.attainment) == (1, 1, 0.5)
+
+
+# ---- aggregates ----
+
+def test_runs_are_deterministic_goodput_is_at_most_throughput_and_more_load_never_helps():
+    p = linear_profile(prefill_per_token=2e-4, decode_per_seq=5e-4, decode_base=0.005,
+                       limits=EngineLimits(16, 4096, 32, 1024), bytes_per_s=1e9)
+    work = Workload.synthetic(200, LengthDist.parse("lognormal:400:200"), LengthDist.parse("uniform:10:60"), seed=3)
+    slo = SLO(ttft_s=0.3, tpot_s=0.03)
+    for layout in (Layout.disaggregated(1, 1), Layout.colocated_workers(2)):
+        first = simulate(p, layout, work.at_rate(8.0))
+        again = simulate(p, layout, work.at_rate(8.0))
+        assert [s.finish_s for s in first.seqs] == [s.finish_s for s in again.seqs]
+        att = []
+        for rate in (1, 2, 4, 8, 16, 32):
+            s = summarize(simulate(p, layout, work.at_rate(rate)), slo)
+            assert s.completed == 200 and s.goodput_rps <= s.throughput_rps
+            assert s.ttft.p50 <= s.ttft.p90 <= s.ttft.p99
+            att.append(s.attainment)
+        assert att == sorted(att, reverse=True), att
+        assert att[0] > 0.95 and att[-1] < 0.5  # the range spans light load to overload
+
+
+# ---- acceptance 4: the search finds the ratio a synthetic profile dictates ----
+
+@pytest.mark.parametrize("prefill_s, decode_s, best", [(0.030, 0.010, (3, 1)), (0.010, 0.030, (1, 3))])
+def test_search_recommends_the_ratio_that_balances_prefill_and_decode_work(prefill_s, decode_s, best):
+    """Each request costs prefill_s of prefill-worker time (100-token prompts, one per step: no batching
+    gain) and about decode_s of decode-worker time (10 decode steps, each costing decode_s / 10 per
+    sequence in the batch, plus a small base). A 3:1 (or 1:3) work ratio makes 3P:1D (or 1P:3D) the
+    only 4-worker split where neither pool idles: about 100 req/s, 25 per worker."""
+    limits = EngineLimits(16, 4096, 64, 100)
+    p = linear_profile(prefill_per_token=prefill_s / 100, decode_per_seq=decode_s / 10, decode_base=decode_s / 100,
+                       limits=limits, bytes_per_s=1e12, latency=0.0)
+    work = Workload.synthetic(400, LengthDist.parse("100"), LengthDist.parse("11"), "gamma", burstiness=20, seed=0)
+    slo = SLO(ttft_s=5 * prefill_s, tpot_s=3 * decode_s)
+    rows = search(p, work, slo, max_workers=4, mode="disaggregated", options=NO_LOCAL)
+    rec = recommend(rows)
+    assert (rec.layout.prefill, rec.layout.decode) == best
+    assert f"prefill:\n  replicas: {best[0]}\ndecode:\n  replicas: {best[1]}\n" in rec.yaml()
+    # A finite run tolerates a slight overload before 10% of requests miss, hence the 10% above capacity.
+    assert 80 <= rows[0].max_rate_rps <= 110
+    # With a target rate, the smallest layout that sustains it (here a 2-worker one) is chosen instead.
+    small = next(r for r in rows if r.layout.num_workers == 2)
+    assert recommend(rows, target_rate=small.max_rate_rps * 0.99).layout == small.layout
+
+
+# ---- roofline ----
+
+def test_roofline_llama3_8b_on_h100_matches_a_hand_calculation():
+    model = MODEL_PRESETS["llama3-8b"]
+    assert model.num_params == pytest.approx(8.03e9, rel=0.01)
+    assert model.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # 128 KiB
+    p = roofline_profile("h100", model, mfu=0.5, mbu=0.7, overhead_s=0.0)
+    # Decode, batch 1: every bf16 weight read once at 70% of 3.35 TB/s = 6.85 ms.
+    decode = p.step_s(BatchShape(decode_seqs=1, decode_context=1))
+    assert decode == pytest.approx(8.03e9 * 2 / (3.35e12 * 0.7), rel=0.02)
+    # Prefill of 1024 tokens: the 2 x params x tokens rule at 50% of 989 TFLOP/s says 33 ms; it counts the
+    # embedding and lm_head for every token (we count the lm_head once) and omits attention: within 15%.
+    prefill = p.prefill_s(1024)
+    assert prefill == pytest.approx(2 * 8.03e9 * 1024 / (989e12 * 0.5), rel=0.15)
+    # KV capacity: 90% of 80 GB minus 16 GB of weights, in 16-token blocks of 2 MiB.
+    assert p.engine.num_kv_blocks == int((0.9 * 80e9 - 2 * model.num_params) // (131072 * 16))
+    # Batch 64 decode is still memory-bound: far less than 64 x the batch-1 step.
+    assert p.step_s(BatchShape(decode_seqs=64, decode_context=64 * 1024)) < 2 * decode
+
+
+def test_roofline_refuses_a_model_that_does_not_fit():
+    with pytest.raises(ValueError, match="does not fit"):
+        roofline_profile("l4", MODEL_PRESETS["llama3-70b"])
+
+
+# ---- measured profile and the CLI ----
+
+def test_profile_of_the_default_model_then_plan_from_it(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    assert main(["plan", "profile", "--max-num-batched-tokens", "256", "--out", str(path)]) == 0
+    data = json.loads(path.read_text())
+    # Prompts longer than the budget are timed chunk by chunk, as the workers run them.
+    chunks = [s for s in data["samples"] if s["kind"] == "prefill" and s.get("context", 0) > 0]
+    assert {s["context"] for s in chunks} == {256, 512, 768}
+    assert all(s["tokens"] <= 256 for s in data["samples"] if s["kind"] == "prefill")
+    assert data["format"] == "tandem-profile/1" and data["source"] == "measured"
+    assert data["kv_bytes_per_token"] == 2 * 4 * 2 * 32 * 4  # tiny Llama: 4 layers, 2 KV heads of 32, float32
+    assert {s["kind"] for s in data["samples"]} == {"prefill", "decode"}
+    assert all(s["s"] > 0 for s in data["samples"])
+    assert data["transfer"]["bytes_per_s"] > 0 and data["transfer"]["latency_s"] >= 0
+    profile = EngineProfile.load(path)
+    steps = [profile.step_s(BatchShape(n, n * (n + 1) // 2, 1)) for n in (16, 128, 1024)]
+    assert 0 < steps[0] <= steps[1] <= steps[2]
+    decodes = [profile.step_s(BatchShape(decode_seqs=b, decode_context=b * 100)) for b in (1, 8, 64)]
+    assert 0 < decodes[0] <= decodes[1] <= decodes[2]
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--profile", str(path), "--prompt-len", "uniform:32:256", "--output-len", "16",
+                 "--slo-ttft-ms", "200", "--slo-tpot-ms", "50", "--max-workers", "2", "--num-requests", "60",
+                 "--out", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert {row["name"] for row in plan["layouts"]} == {"1P:1D", "1C", "2C"}
+    assert plan["recommendation"]["name"] in {"1P:1D", "1C", "2C"}
+    assert "replicas:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--gpu", "h100", "--model-preset", "llama3-8b"], "at least one SLO"),
+    (["plan", "--slo-ttft-ms", "100"], "either --profile"),
+    (["plan", "--gpu", "h100", "--model-preset", "llama3-8b", "--slo-ttft-ms", "100", "--prompt-len", "normal:5"],
+     "bad length 'normal:5'"),
+    (["plan", "--profile", "/nonexistent.json", "--slo-ttft-ms", "100"], "does not exist"),
+])
+def test_bad_plan_input_is_a_clear_error(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_tandem_config_gives_the_layout_limits_and_routing_to_simulate():
+    from dataclasses import replace
+    from pathlib import Path
+
+    from cluster.control.config import TandemConfig
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    colocated, local = TandemConfig.from_file(configs / "colocated.yaml"), TandemConfig.from_file(configs / "local.yaml")
+    assert (Layout.from_config(colocated), Layout.from_config(local)) == (Layout.colocated_workers(2), Layout.disaggregated(1, 1))
+    limits = EngineLimits.from_config(colocated)
+    assert (limits.num_kv_blocks, limits.max_num_batched_tokens, limits.max_num_seqs) == (4096, 512, 64)
+    options = SimOptions.from_config(local)
+    assert (options.routing, options.local_prefill) == ("cache_aware", True)
+    # A 1000-token prompt on the colocated config is chunked by its 512-token budget: two prefill steps.
+    profile = replace(linear_profile(), engine=limits)
+    result = simulate(profile, Layout.from_config(colocated), [SimRequest(0.0, 1000, 2)], options)
+    assert len(result.step_ends["colocated-0"]) == 3 and result.seqs[0].first_token_s == pytest.approx(1.0)

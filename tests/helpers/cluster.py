@@ -1,0 +1,52 @@
+"""Cluster test helpers: the committed configs with test-sized KV, a mixed greedy workload, and a wait
+for every worker and the scheduler to be idle with their integrity checked."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from actors.protocol.sampling_params import SamplingParams
+from cluster.control.config import TandemConfig
+from cluster.control.launch import Cluster
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def load(name: str, **engine) -> TandemConfig:
+    backend = "zmq"
+    if name.endswith("+collective"):
+        name, backend = name.removesuffix("+collective"), "collective"
+    config = TandemConfig.from_file(CONFIGS / name)
+    return config.model_copy(update={
+        "engine": config.engine.model_copy(update={"num_kv_blocks": 512, **engine}),
+        "transfer": config.transfer.model_copy(update={"backend": backend}),
+    })
+
+
+def workload(n: int = 32):
+    g = torch.Generator().manual_seed(11)
+    system = torch.randint(10, 2048, (40,), generator=g).tolist()  # a repeated system prompt: cache hits
+    prompts, params = [], []
+    for i in range(n):
+        length = [3, 7, 15, 16, 17, 33, 64, 90][i % 8]  # shorter than, equal to and across blocks of 16
+        own = torch.randint(10, 2048, (length,), generator=g).tolist()
+        prompts.append(system + own if i % 3 == 0 else own)
+        params.append(SamplingParams(temperature=0.0, max_tokens=4 + (i * 7) % 24, ignore_eos=True))
+    return prompts, params
+
+
+def wait_until_idle(cluster: Cluster, timeout_s: float = 10.0) -> dict:
+    """Integrity of every worker and the scheduler once the last reports are in."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = cluster.check_integrity()
+        workers = state["workers"].values()
+        idle = state["scheduler"]["in_flight"] == 0 and all(
+            w["reserved"] == 0 and w["held"] == 0 and w["live_requests"] == 0 and w["used_blocks"] == 0 for w in workers
+        )
+        if idle or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)

@@ -1,0 +1,33 @@
+"""A started cluster behind the real HTTP ingress, served from a thread of the test process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from cluster.control.config import TandemConfig
+from cluster.control.launch import Cluster
+from cluster.frontend.http.server import make_server
+
+MODEL = "tiny-llama"  # the embedded default's served name
+
+
+@contextmanager
+def serving(config: TandemConfig) -> Iterator[tuple[Cluster, str]]:
+    """Yields (cluster, base URL); stops the server and the cluster afterwards."""
+    cluster = Cluster.start(config)
+    http = make_server(cluster, "127.0.0.1", 0)
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not http.started:
+            assert time.monotonic() < deadline, "the HTTP server did not start"
+            time.sleep(0.05)
+        yield cluster, f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        http.should_exit = True
+        thread.join(timeout=10)
+        cluster.shutdown()
