@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from actors.engine.engine import Engine
-from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TandemConfig
 from cluster.control.launch import Cluster
@@ -56,9 +55,9 @@ def cluster_tpot(cluster: Cluster, prompts: list[list[int]], params: SamplingPar
     live = set(times)
     while live:
         delta = deltas.get(timeout=300)
-        times[delta.request_id].extend([time.perf_counter()] * len(delta.token_ids))
-        if RequestStatus(delta.status).is_finished():
-            live.discard(delta.request_id)
+        times[delta.attempt.request_id].extend([time.perf_counter()] * len(delta.token_ids))
+        if delta.status.is_finished():
+            live.discard(delta.attempt.request_id)
     return statistics.mean(_tpot(t) for t in times.values())
 
 

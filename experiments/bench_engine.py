@@ -122,7 +122,7 @@ def decode_step_seconds(model_dir: Path, batch: int, steps: int = 20) -> float:
     for i in range(batch):
         prompt = torch.randint(10, engine.vocab_size, (64,), generator=g).tolist()
         engine.add_request(f"d{i}", prompt, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
-    while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.batcher.running) or engine.batcher.waiting:
+    while engine.prompts_pending():
         engine.step()
     engine.step()
     start = time.perf_counter()
@@ -137,7 +137,7 @@ def decode_step_seconds(model_dir: Path, batch: int, steps: int = 20) -> float:
 def prefill_vs_floor(model_dir: Path, w: Workload, flops_per_s: float) -> dict:
     engine = Engine(EngineConfig(model=str(model_dir), max_num_seqs=64, max_num_batched_tokens=8192,
                                  enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30))
-    cfg = engine.runner.cfg
+    cfg = engine.model_config
     engine.generate([w.prompts[0][:64]], SamplingParams(temperature=0.0, max_tokens=1))  # warm-up
     start = time.perf_counter()
     engine.generate(w.prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))

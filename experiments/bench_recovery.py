@@ -21,6 +21,7 @@ import ray
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TandemConfig
 from cluster.control.launch import Cluster
+from cluster.control.scheduler_state import SchedulerState
 from experiments.bench_report import report_main
 
 _CONFIG = Path(__file__).resolve().parent.parent / "configs" / "disagg-2p2d.yaml"
@@ -64,8 +65,8 @@ class _Load:
             record = {"submitted": time.monotonic(), "route": {}, "ok": False, "error": None}
             try:
                 submitted = self.client.submit(prompt, self.params, timeout_s=60)
-                record["route"] = {k: submitted.route.get(k) for k in ("prefill", "decode")}
-                events = list(self.client.events(submitted, self.params, timeout_s=120))
+                record["route"] = {"prefill": submitted.route.prefill, "decode": submitted.route.decode}
+                events = list(self.client.events(submitted, timeout_s=120))
                 record["ok"] = events[-1].finish_reason == "length"
                 record["error"] = events[-1].error
             except Exception as exc:  # rejected or timed out: recorded, the load goes on
@@ -74,7 +75,7 @@ class _Load:
             self.records.append(record)
 
 
-def _state(cluster: Cluster) -> dict | None:
+def _state(cluster: Cluster) -> SchedulerState | None:
     try:
         return ray.get(cluster.scheduler.state.remote(), timeout=10)
     except ray.exceptions.RayError:
@@ -88,8 +89,8 @@ def measure(cluster: Cluster, args: argparse.Namespace) -> dict:
     load.start()
     time.sleep(args.warmup_s)
     before = _state(cluster)
-    committed = before["committed_blocks"].get(args.victim, 0)
-    incarnation = before["incarnations"][args.victim]
+    committed = before.committed_blocks.get(args.victim, 0)
+    incarnation = before.incarnations[args.victim]
     killed = time.monotonic()
     ray.kill(cluster.workers[args.victim], no_restart=False)
     reclaimed_at = rejoined_at = None
@@ -97,9 +98,9 @@ def measure(cluster: Cluster, args: argparse.Namespace) -> dict:
         state = _state(cluster)
         now = time.monotonic()
         if state is not None:
-            if reclaimed_at is None and state["committed_blocks"].get(args.victim, 0) == 0:
+            if reclaimed_at is None and state.committed_blocks.get(args.victim, 0) == 0:
                 reclaimed_at = now
-            if rejoined_at is None and state["incarnations"].get(args.victim) not in (None, incarnation):
+            if rejoined_at is None and state.incarnations.get(args.victim) not in (None, incarnation):
                 rejoined_at = now
         time.sleep(0.01)
     time.sleep(2.0)  # steady load again, with the restarted worker

@@ -11,14 +11,14 @@ worker's own business (a sender and a receiver have pools of different sizes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 import msgpack
 import torch
 
-HEADER_VERSION = 1
-_HEADER_KEYS = {"v", "transfer_id", "lease_id", "spec", "dest_block_ids", "extra"}
+HEADER_VERSION = 2  # 2: the opaque `note` bytes replaced the `extra` map
+_HEADER_KEYS = {"v", "transfer_id", "lease_id", "spec", "dest_block_ids", "note"}
 
 
 class PageFormatError(ValueError):
@@ -99,14 +99,14 @@ class PageSpec:
 
 @dataclass(frozen=True)
 class TransferHeader:
-    """Precedes the pages of one transfer. `extra` is opaque here (the caller puts e.g. token ids there);
-    it must be msgpack-able and comes back as msgpack gives it (tuples become lists)."""
+    """Precedes the pages of one transfer. `note` is opaque bytes here: the caller's own message about
+    the transfer (the worker puts its typed handoff note there), carried as is."""
 
     transfer_id: str
     lease_id: str
     spec: PageSpec
     dest_block_ids: tuple[int, ...]
-    extra: dict[str, Any] = field(default_factory=dict)
+    note: bytes = b""
 
     def __post_init__(self) -> None:
         for name in ("transfer_id", "lease_id"):
@@ -121,8 +121,8 @@ class TransferHeader:
             if isinstance(b, bool) or not isinstance(b, int) or b < 0:
                 raise PageFormatError(f"dest_block_ids must hold non-negative ints, got {b!r}")
         object.__setattr__(self, "dest_block_ids", tuple(self.dest_block_ids))
-        if not isinstance(self.extra, dict) or not all(isinstance(k, str) for k in self.extra):
-            raise PageFormatError(f"extra must be a dict with str keys, got {self.extra!r}")
+        if not isinstance(self.note, bytes):
+            raise PageFormatError(f"note must be bytes, got {type(self.note).__name__}")
 
     @property
     def num_blocks(self) -> int:
@@ -135,10 +135,10 @@ def encode_header(header: TransferHeader) -> bytes:
         return msgpack.packb({
             "v": HEADER_VERSION, "transfer_id": header.transfer_id, "lease_id": header.lease_id,
             "spec": [s.dtype, s.block_size, s.num_layers, s.num_kv_heads, s.head_dim],
-            "dest_block_ids": list(header.dest_block_ids), "extra": header.extra,
+            "dest_block_ids": list(header.dest_block_ids), "note": header.note,
         }, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
-        raise PageFormatError(f"transfer {header.transfer_id}: header.extra is not msgpack-able: {e}") from e
+        raise PageFormatError(f"transfer {header.transfer_id}: header is not msgpack-able: {e}") from e
 
 
 def decode_header(data: bytes | memoryview) -> TransferHeader:
@@ -158,4 +158,4 @@ def decode_header(data: bytes | memoryview) -> TransferHeader:
     if not isinstance(spec, list) or len(spec) != 5:
         raise PageFormatError(f"malformed transfer header: spec {spec!r} is not [dtype, block_size, num_layers, "
                               "num_kv_heads, head_dim]")
-    return TransferHeader(msg["transfer_id"], msg["lease_id"], PageSpec(*spec), msg["dest_block_ids"], msg["extra"])
+    return TransferHeader(msg["transfer_id"], msg["lease_id"], PageSpec(*spec), msg["dest_block_ids"], msg["note"])

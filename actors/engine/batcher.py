@@ -48,6 +48,13 @@ class Batcher:
     def add(self, seq: Sequence, front: bool = False) -> None:
         (self.waiting.appendleft if front else self.waiting.append)(seq)
 
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) sequences."""
+        return len(self.running), len(self.waiting)
+
+    def queued_ids(self) -> set:
+        return {s.seq_id for s in self.running} | {s.seq_id for s in self.waiting}
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -116,6 +123,18 @@ class Batcher:
         seq.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def admit_running(self, seq: Sequence) -> bool:
+        """Put a sequence whose blocks are already allocated (a forked sample) straight into the running
+        batch; False when the batch is full."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        self.running.append(seq)
+        return True
+
+    def park(self, seq: Sequence) -> None:
+        """Take a running sequence out of the batch, its blocks kept (a prefill waiting for its handoff)."""
+        self.running.remove(seq)
 
     def finish(self, seq: Sequence, status: RequestStatus) -> None:
         """Take a sequence out of the queues and free its blocks; idempotent."""

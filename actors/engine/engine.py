@@ -18,7 +18,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.kv.block_pool import OutOfBlocksError
 from actors.engine.kv.cache_manager import KVCacheManager
 from actors.engine.model.runner import ModelRunner
-from actors.engine.outputs import CompletionOutput, GenerationResult, RequestOutput, TokenLogprob
+from actors.engine.outputs import CompletionOutput, EngineLoad, GenerationResult, RequestOutput, TokenLogprob
 from actors.engine.sampling import Sampler, SampleResult, SamplingRow, skip_draws
 from actors.engine.sequence import Sequence
 from actors.engine.text.detokenizer import IncrementalDetokenizer
@@ -151,11 +151,13 @@ class Engine:
         return Sequence(request_id, index, prompt_ids, params, cache_salt, generator, detok)
 
     def abort(self, request_id: str) -> bool:
-        """Cancel every sample of a request and free its blocks now; False if it is not here."""
-        seqs = self._requests.pop(request_id, None)
+        """Cancel every sample of a request and free its blocks now; False if it is not here. A
+        reservation is not a request: its owner ends it with `release_reservation`."""
+        seqs = self._requests.get(request_id)
         if seqs is None:
-            return self.release_reservation(request_id)
+            return False
         self.release_handoff(request_id)
+        self._requests.pop(request_id, None)
         for seq in seqs:
             self.batcher.finish(seq, RequestStatus.CANCELLED)
         return True
@@ -218,7 +220,7 @@ class Engine:
             if self._fork_blocks(parent, child):
                 child.num_computed_tokens = parent.num_computed_tokens
                 child.status = RequestStatus.DECODING
-                self.batcher.running.append(child)
+                self.batcher.admit_running(child)
             else:
                 # No room to fork now: the child waits and recomputes its prompt from the prefix cache.
                 child.status = RequestStatus.PREEMPTED
@@ -229,7 +231,7 @@ class Engine:
         return children
 
     def _fork_blocks(self, parent: Sequence, child: Sequence) -> bool:
-        if len(self.batcher.running) >= self.batcher.max_num_seqs:
+        if self.batcher.load()[0] >= self.batcher.max_num_seqs:
             return False
         try:
             copy = self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
@@ -262,7 +264,7 @@ class Engine:
             status = RequestStatus.FINISHED_LENGTH
         if status is None and seq.hand_off:
             seq.hand_off = False
-            self.batcher.running.remove(seq)  # out of the batch, blocks kept for the transfer
+            self.batcher.park(seq)  # out of the batch, blocks kept for the transfer
             seq.status = RequestStatus.TRANSFERRING
             self._handoffs[seq.request_id] = seq
         if status is not None:
@@ -312,6 +314,12 @@ class Engine:
             return None
         self._reservations[request_id] = num_tokens
         return list(self.kv.block_table((request_id, 0)))
+
+    def reserved_blocks(self, request_id: str) -> tuple[int, ...]:
+        """The blocks reserved for `request_id`'s incoming KV; () if it has no reservation."""
+        if request_id not in self._reservations:
+            return ()
+        return tuple(self.kv.block_table((request_id, 0)))
 
     def release_reservation(self, request_id: str) -> bool:
         """Free a reservation whose KV never came (or whose request failed); idempotent."""
@@ -383,7 +391,7 @@ class Engine:
     def check_integrity(self) -> None:
         self.batcher.check_integrity()
         live = {s.seq_id for seqs in self._requests.values() for s in seqs if not s.status.is_finished()}
-        queued = {s.seq_id for s in self.batcher.running} | {s.seq_id for s in self.batcher.waiting}
+        queued = self.batcher.queued_ids()
         queued |= {s.seq_id for s in self._handoffs.values()}
         if live != queued:
             raise RuntimeError(f"engine tracks {len(live)} live sequences but the batcher queues {len(queued)}")
@@ -391,6 +399,38 @@ class Engine:
     def take_kv_events(self) -> list:
         return self.kv.take_events()
 
+    def load(self) -> EngineLoad:
+        running, waiting = self.batcher.load()
+        pool = self.kv.pool
+        return EngineLoad(pool.num_free_blocks, pool.num_blocks, pool.num_used_blocks, running, waiting,
+                          self.batcher.queued_prefill_tokens(), self.batcher.num_preemptions)
+
     @property
     def num_used_blocks(self) -> int:
         return self.kv.pool.num_used_blocks
+
+    @property
+    def model_config(self):
+        """The decoder's shape (layers, heads, sizes), for cost models and benchmarks."""
+        return self.runner.cfg
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    def prompts_pending(self) -> bool:
+        """Some request still has prompt tokens to compute (waiting, or mid-prefill)."""
+        return self.batcher.queued_prefill_tokens() > 0
+
+    @property
+    def kv_caches(self):
+        """The cache tensors, for the KV transport to read and write pages (never to allocate blocks)."""
+        return self.runner.kv_caches
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_kv_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.runner.bytes_per_block

@@ -7,6 +7,19 @@ from dataclasses import dataclass, field
 from actors.protocol.request_status import RequestStatus
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """How full one engine is, as its worker reports it."""
+
+    free_blocks: int
+    num_blocks: int
+    used_blocks: int
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    preemptions: int
+
+
 @dataclass
 class TokenLogprob:
     token_id: int

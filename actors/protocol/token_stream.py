@@ -1,5 +1,7 @@
 """The token stream from workers to the client side: one zmq message per engine step per sink.
 
+Messages are `TokenDelta` lists in the protocol codec (`actors.protocol.codec.decode_deltas` reads them).
+
 A worker groups the new tokens of every request it touched in a step by the request's sink (the
 client's PULL endpoint) and pushes one message to each sink. `offset` is the number of output
 tokens before this delta, so a client can put deltas from two workers (the first token from the
@@ -9,38 +11,11 @@ prefill worker, the rest from the decode worker) back in order.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
-import msgpack
 import zmq
 
-
-@dataclass
-class TokenDelta:
-    request_id: str
-    index: int
-    offset: int
-    token_ids: list[int]
-    status: int  # a RequestStatus value
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: str | None = None
-    logprobs: list | None = None  # [[token_id, logprob, [[id, logprob], ...]], ...] when asked for
-    timings: dict | None = None  # wall-clock phase stamps (received, scheduled, first_token, adopted, finished)
-    retryable: bool = False  # a FAILED delta the client may retry elsewhere (its worker was lost)
-
-    def to_wire(self) -> list:
-        return [self.request_id, self.index, self.offset, self.token_ids, self.status,
-                self.num_prompt_tokens, self.num_cached_tokens, self.error, self.logprobs, self.timings,
-                self.retryable]
-
-
-def encode_deltas(deltas: list[TokenDelta]) -> bytes:
-    return msgpack.packb([d.to_wire() for d in deltas], use_bin_type=True)
-
-
-def decode_deltas(payload: bytes) -> list[TokenDelta]:
-    return [TokenDelta(*fields) for fields in msgpack.unpackb(payload, raw=False)]
+from actors.protocol.codec import encode
+from actors.protocol.messages import TokenDelta
 
 
 class TokenPublisher:
@@ -67,7 +42,7 @@ class TokenPublisher:
                 sock.connect(sink)
                 self._sockets[sink] = sock
             try:
-                sock.send(encode_deltas(deltas), flags=zmq.NOBLOCK)
+                sock.send(encode(deltas), flags=zmq.NOBLOCK)
             except zmq.Again:
                 self.dropped += 1
 

@@ -1,18 +1,15 @@
-"""The worker's side of the KV handoff: the transport plus lease safety.
+"""The worker's ends of the KV transport (`kv_transfer`): zmq by default, torch.distributed with a group.
 
-The transport (`kv_transfer`) writes pages into whatever destination blocks a header names. A worker
-must never let that happen to blocks whose reservation has expired (they may already belong to
-another request), so the receiver here asks the worker to `accept` each transfer before a byte is
-written, and an expiring reservation is refused while its pages are being written (`begin_expiry`).
+Lease safety is not here: the receiver asks the handoff table to `admit` each transfer before a byte is
+written (the table alone knows which reservations are live), and reports each outcome to `on_pages`.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
 from kv_transfer.collective_transport import CollectiveKVReceiver, CollectiveKVSender
-from kv_transfer.page_format import PageFormatError, PageSpec, TransferHeader
+from kv_transfer.page_format import PageSpec, TransferHeader
 from kv_transfer.zmq_transport import ZmqKVReceiver, ZmqKVSender
 
 
@@ -23,9 +20,9 @@ class HandoffSender:
         self.spec = PageSpec.from_caches(kv_caches)
         self._sender = ZmqKVSender() if group is None else CollectiveKVSender(group)
 
-    def send(self, endpoint: str, transfer_id: str, lease_id: str, src_block_ids: list[int],
-             dest_block_ids: list[int], extra: dict, timeout_s: float) -> None:
-        header = TransferHeader(transfer_id, lease_id, self.spec, tuple(dest_block_ids), extra)
+    def send(self, endpoint: str, lease_id: str, src_block_ids: list[int], dest_block_ids: tuple[int, ...],
+             note: bytes, timeout_s: float) -> None:
+        header = TransferHeader(lease_id, lease_id, self.spec, tuple(dest_block_ids), note)
         self._sender.send(endpoint, header, self.kv_caches, src_block_ids, timeout_s)
 
     def close(self) -> None:
@@ -33,47 +30,22 @@ class HandoffSender:
 
 
 class HandoffReceiver:
-    """Receives pages for live reservations only; `on_pages(header, error)` reports each outcome."""
+    """Writes admitted transfers into the caches; `on_pages(header, error)` reports each outcome
+    (`header` None: bytes that were not a header at all)."""
 
-    def __init__(self, kv_caches, accept: Callable[[TransferHeader], bool],
+    def __init__(self, kv_caches, admit: Callable[[TransferHeader], None],
                  on_pages: Callable[[TransferHeader | None, Exception | None], None],
                  transport: str, host: str, group=None):
-        self._accept = accept
-        self._on_pages = on_pages
-        self._lock = threading.Lock()
-        self._in_flight: set[str] = set()
-        self._expired: set[str] = set()
-        done, failed = (lambda h: self._done(h, None)), (lambda h, e: self._done(h, e))
+        done, failed = (lambda h: on_pages(h, None)), (lambda h, e: on_pages(h, e))
         if group is None:
-            self._receiver = ZmqKVReceiver(kv_caches, done, failed, transport=transport, host=host, admit=self._admit)
+            self._receiver = ZmqKVReceiver(kv_caches, done, failed, transport=transport, host=host, admit=admit)
         else:
-            self._receiver = CollectiveKVReceiver(kv_caches, done, failed, group=group, admit=self._admit)
+            self._receiver = CollectiveKVReceiver(kv_caches, done, failed, group=group, admit=admit)
         self._receiver.start()
 
     @property
     def endpoint(self) -> str:
         return self._receiver.endpoint
 
-    def begin_expiry(self, transfer_id: str) -> bool:
-        """Claim an expiring reservation: False while its pages are being written (try again later)."""
-        with self._lock:
-            if transfer_id in self._in_flight:
-                return False
-            self._expired.add(transfer_id)
-            return True
-
     def close(self) -> None:
         self._receiver.close()
-
-    # called by the receiver thread, after the format checks and before any byte is written
-    def _admit(self, header: TransferHeader) -> None:
-        with self._lock:
-            if header.transfer_id in self._expired or not self._accept(header):
-                raise PageFormatError(f"transfer {header.transfer_id}: no live reservation for these blocks")
-            self._in_flight.add(header.transfer_id)
-
-    def _done(self, header: TransferHeader | None, error: Exception | None) -> None:
-        if header is not None:
-            with self._lock:
-                self._in_flight.discard(header.transfer_id)
-        self._on_pages(header, error)

@@ -12,9 +12,12 @@ from typing import Callable
 
 import ray
 
+from actors.protocol.messages import LiveRequest, WorkerInfo, WorkerReport
+
 
 class SchedulerLink:
-    def __init__(self, scheduler, worker_id: str, info: Callable[[], dict], live: Callable[[], list[dict]]):
+    def __init__(self, scheduler, worker_id: str, info: Callable[[], WorkerInfo],
+                 live: Callable[[], list[LiveRequest]]):
         self.scheduler, self.worker_id = scheduler, worker_id
         self._info, self._live = info, live
         self._last_report = None  # the previous report's reply: False means "register again"
@@ -24,10 +27,10 @@ class SchedulerLink:
         handle = ray.get_runtime_context().current_actor
         self._registering = self.scheduler.register.remote(self._info(), handle, self._live())
 
-    def report(self, stats: dict, finished: list, events: list) -> None:
+    def report(self, report: WorkerReport) -> None:
         if self._forgotten():
             self.register()
-        self._last_report = self.scheduler.report.remote(self.worker_id, stats, finished, events)
+        self._last_report = self.scheduler.report.remote(report)
 
     def _forgotten(self) -> bool:
         if self._last_report is None or (self._registering is not None and not _done(self._registering)):

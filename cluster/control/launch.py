@@ -12,8 +12,8 @@ from pathlib import Path
 import ray
 
 from actors.engine.text.tokenizer import has_tokenizer, load_tokenizer
-from actors.protocol.worker_request import WorkerSpec
 from actors.worker.actor import worker_actor
+from actors.worker.spec import WorkerSpec
 from cluster.control.config import TandemConfig
 from cluster.control.scheduler import Scheduler, SchedulerSettings
 from cluster.frontend.client import TandemClient
@@ -87,7 +87,8 @@ class Cluster:
         log.info("cluster ready: %s", ", ".join(sorted(workers)))
         return cluster
 
-    def spawn_worker(self, role: str, **collective) -> str:
+    def spawn_worker(self, role: str, collective_init: str | None = None, rank: int | None = None,
+                     world_size: int | None = None) -> str:
         """Create one worker of a pool (it registers itself); returns its id. Ids are never reused, so a
         new worker cannot collide with the name of one still being torn down."""
         pool = self.config.pools()[role]
@@ -98,8 +99,7 @@ class Cluster:
             torch_threads=pool.torch_threads, lease_s=self.config.scheduler.lease_s,
             heartbeat_s=self.config.scheduler.heartbeat_s, zmq_transport=self.config.transfer.zmq_transport,
             host=self.config.transfer.host, transfer_backend=self.config.transfer.backend,
-            collective_init=collective.get("collective_init"), rank=collective.get("rank"),
-            world_size=collective.get("world_size"),
+            collective_init=collective_init, rank=rank, world_size=world_size,
         )
         self.workers[worker_id] = worker_actor().options(
             name=f"tandem-{worker_id}", namespace=NAMESPACE, num_cpus=pool.num_cpus,
@@ -116,7 +116,7 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                known = set(ray.get(self.scheduler.state.remote(), timeout=timeout_s)["workers"])
+                known = set(ray.get(self.scheduler.state.remote(), timeout=timeout_s).workers)
             except ray.exceptions.RayActorError:  # the scheduler is restarting
                 known = set()
             if worker_ids <= known:
@@ -132,10 +132,11 @@ class Cluster:
         return client
 
     def check_integrity(self, timeout_s: float = 30.0) -> dict:
-        """Every worker's and the scheduler's invariants; returns their stats (raises on a violation)."""
+        """Every worker's and the scheduler's invariants (raises on a violation); returns their stats as
+        a plain report for people and tests: {"workers": {id: stats}, "scheduler": state}."""
         stats = ray.get([w.check_integrity.remote() for w in self.workers.values()], timeout=timeout_s)
-        return {"workers": {s["worker_id"]: s for s in stats},
-                "scheduler": ray.get(self.scheduler.check_integrity.remote(), timeout=timeout_s)}
+        scheduler = ray.get(self.scheduler.check_integrity.remote(), timeout=timeout_s)
+        return {"workers": {s.worker_id: s.as_dict() for s in stats}, "scheduler": scheduler.as_dict()}
 
     def shutdown(self) -> None:
         for client in self._clients:
@@ -158,7 +159,7 @@ def _clear_orphaned_scheduler() -> None:
     except ValueError:
         return
     try:
-        workers = ray.get(stale.state.remote(), timeout=10)["workers"]
+        workers = ray.get(stale.state.remote(), timeout=10).workers
     except Exception:  # dead or stuck: nothing to keep
         workers = {}
     if workers:

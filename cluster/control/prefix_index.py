@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from actors.engine.kv.block_pool import AllCleared, BlockRemoved, BlockStored
+from actors.protocol.kv_events import AllCleared, BlockRemoved, BlockStored
 
 
 class PrefixIndex:

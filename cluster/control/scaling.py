@@ -95,7 +95,7 @@ def _drain_and_stop(cluster: Cluster, worker_id: str, timeout_s: float) -> None:
 
 def _idle(handle) -> bool:
     stats = ray.get(handle.check_integrity.remote(), timeout=30)
-    return stats["live_requests"] == stats["reserved"] == stats["held"] == 0
+    return stats.live_requests == stats.reserved == stats.held == 0
 
 
 def _ids(cluster: Cluster, role: str) -> list[str]:

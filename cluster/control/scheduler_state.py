@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
+from actors.protocol.ids import AttemptId
+from actors.protocol.messages import GenerateRequest, WorkerInfo, WorkerStats
 from cluster.control.routing import PrefillPlan, WorkerView
 
 
@@ -28,24 +30,52 @@ class SchedulerSettings:
 @dataclass
 class WorkerEntry:
     handle: object
-    info: dict
+    info: WorkerInfo
     view: WorkerView
     last_seen: float = field(default_factory=time.monotonic)
-    stats: dict = field(default_factory=dict)  # the worker's latest report, counters included
-
-
-def attempt_of(wire_id: str) -> str:
-    """The client's request id of a worker-facing id `<request id>@<attempt>`."""
-    return wire_id.partition("@")[0]
+    stats: WorkerStats | None = None  # the worker's latest report; None until its first
 
 
 @dataclass
 class Tracked:
-    request_id: str
-    wire_id: str  # what workers know it as: one id per attempt, so a stale message cannot touch a newer one
-    workers: set[str]  # every worker that may hold state for the request
-    prefill: PrefillPlan | None = None
-    decode_id: str | None = None
-    blocks: int = 0  # KV blocks committed on the decode (or colocated) worker until reclaim
+    """One request in flight, as its current attempt."""
+
+    request: GenerateRequest  # as submitted: enough to re-route it or to tell its client it failed
+    attempt: AttemptId  # what workers know it as
+    workers: set[str]  # every worker that may hold state for the attempt
+    decode_id: str  # the worker whose KV is committed to it until reclaim
+    blocks: int  # KV blocks committed on the decode (or colocated) worker
+    prefill: PrefillPlan | None = None  # None: prefilled on its decode worker
     handed_off: bool = False
-    request: dict | None = None  # as submitted: enough to re-route it or to tell its client it failed
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass(frozen=True)
+class SchedulerCounters:
+    submitted: int
+    rejected: int
+    finished: int
+    failed: int
+    local_prefills: int
+    rerouted: int
+    shed: int
+    workers_lost: int
+
+
+@dataclass(frozen=True)
+class SchedulerState:
+    """What the scheduler tells the ingress (readiness, metrics) and people: a snapshot, never a command."""
+
+    workers: dict[str, WorkerView]
+    worker_stats: dict[str, WorkerStats]
+    incarnations: dict[str, str]
+    draining: list[str]
+    in_flight: int
+    committed_blocks: dict[str, int]
+    counters: SchedulerCounters
+
+    def as_dict(self) -> dict:
+        return asdict(self)

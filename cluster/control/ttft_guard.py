@@ -8,13 +8,15 @@ received -> first-token times the workers report.
 
 from __future__ import annotations
 
+from actors.protocol.ids import AttemptId
+from actors.protocol.messages import FirstTokenWait
 from cluster.control.routing import PrefillPlan
 
 
 class TtftGuard:
     def __init__(self, limit_s: float | None):
         self.limit_s = limit_s  # None: never shed
-        self._predicted: dict[str, float] = {}  # wire id -> predicted seconds on its worker, until measured
+        self._predicted: dict[AttemptId, float] = {}  # predicted seconds on its worker, until measured
         self._calibration: dict[str, float] = {}  # worker id -> measured / predicted, smoothed
 
     @staticmethod
@@ -22,18 +24,18 @@ class TtftGuard:
         """Seconds from reaching the worker to its first token; a new prompt first waits out the step in progress."""
         return plan.predicted_ttft_s + (step_s or 0.0)
 
-    def expect(self, wire_id: str, plan: PrefillPlan, step_s: float | None) -> None:
-        self._predicted[wire_id] = self.predict(plan, step_s)
+    def expect(self, attempt: AttemptId, plan: PrefillPlan, step_s: float | None) -> None:
+        self._predicted[attempt] = self.predict(plan, step_s)
 
-    def forget(self, wire_id: str) -> None:
-        self._predicted.pop(wire_id, None)
+    def forget(self, attempt: AttemptId) -> None:
+        self._predicted.pop(attempt, None)
 
-    def observe(self, worker_id: str, waits) -> None:
-        """The worker's measured (wire id, received -> first token seconds) pairs."""
-        for wire_id, seconds in waits:
-            predicted = self._predicted.pop(wire_id, None)
+    def observe(self, worker_id: str, waits: tuple[FirstTokenWait, ...]) -> None:
+        """The worker's measured received -> first token times."""
+        for wait in waits:
+            predicted = self._predicted.pop(wait.attempt, None)
             if predicted:
-                ratio = min(max(seconds / max(predicted, 1e-3), 0.5), 10.0)
+                ratio = min(max(wait.seconds / max(predicted, 1e-3), 0.5), 10.0)
                 self._calibration[worker_id] = 0.7 * self._calibration.get(worker_id, 1.0) + 0.3 * ratio
 
     def overshoot(self, plan: PrefillPlan, step_s: float | None, waited_s: float, queue_ahead: bool) -> float | None:

@@ -1,14 +1,16 @@
 """Python client of a running cluster: submit requests to the scheduler, stream tokens back over zmq.
 
-The client binds one PULL socket (its sink); workers push one message per engine step to it. Deltas
-of one sample are put back in order by their offset (the first token comes from the prefill worker,
-the rest from the decode worker). Text, stop strings and their abort are handled here, as the HTTP
-ingress will: workers only produce token ids.
+The client binds one PULL socket (its sink); workers push one message per engine step to it, and the
+receive thread hands each delta to its request's queue. A `RequestStream` per request turns deltas
+into events (order, text, stop strings); when a worker was lost the stream asks for a migration, and
+`migrate` (the only place that resubmits) continues the request elsewhere. The HTTP ingress uses this
+client too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -19,29 +21,33 @@ from typing import Iterator
 import ray
 import zmq
 
+from actors.protocol.codec import ProtocolError, decode_deltas
+from actors.protocol.messages import Admitted, GenerateRequest, Rejected
 from actors.protocol.sampling_params import SamplingParams
-from actors.protocol.token_stream import decode_deltas
-from cluster.control.scheduler_state import attempt_of
-from cluster.frontend.request_stream import RequestStream, SampleResult, StreamEvent
+from cluster.frontend.request_stream import MigrationRefused, RequestStream, SampleResult, StreamEvent
 from kv_transfer.endpoints import advertised_host
+
+log = logging.getLogger("tandem.client")
 
 
 class AdmissionRejected(RuntimeError):
     """The scheduler did not admit the request. `retry_after_s` None: it never will, as it is."""
 
-    def __init__(self, reason: str, retry_after_s: float | None, unavailable: bool = False):
-        hint = "not admissible as it is" if retry_after_s is None else f"retry after {retry_after_s:.1f}s"
-        super().__init__(f"request rejected: {reason} ({hint})")
-        self.reason, self.retry_after_s, self.unavailable = reason, retry_after_s, unavailable
+    def __init__(self, rejected: Rejected):
+        hint = "not admissible as it is" if rejected.retry_after_s is None else f"retry after {rejected.retry_after_s:.1f}s"
+        super().__init__(f"request rejected: {rejected.reason} ({hint})")
+        self.reason, self.retry_after_s, self.unavailable = rejected.reason, rejected.retry_after_s, rejected.unavailable
 
 
 @dataclass
 class Submitted:
-    request_id: str
-    prompt_token_ids: list[int]
-    queue: queue.Queue
-    route: dict  # the scheduler's answer: which workers prefill and decode it, cached tokens
-    request: dict  # as sent, to migrate it after a worker loss
+    request: GenerateRequest  # as sent: a migration resubmits it with the tokens already received
+    queue: object  # where its deltas go (anything with a thread-safe `put`)
+    route: Admitted  # the scheduler's answer: which workers prefill and decode it, cached tokens
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 class TandemClient:
@@ -52,9 +58,10 @@ class TandemClient:
         self._socket.setsockopt(zmq.LINGER, 0)
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.sink = f"tcp://{advertised_host(host)}:{port}"  # workers on other nodes connect to it
-        self._queues: dict[str, queue.Queue] = {}
+        self._queues: dict[str, object] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self.malformed = 0  # messages on the sink that were not token deltas: dropped
         self._thread = threading.Thread(target=self._receive, name="tandem-client-sink", daemon=True)
         self._thread.start()
 
@@ -64,9 +71,15 @@ class TandemClient:
         while not self._closed.is_set():
             if not poller.poll(100):
                 continue
-            for delta in decode_deltas(self._socket.recv()):
+            try:
+                deltas = decode_deltas(self._socket.recv())
+            except ProtocolError as exc:  # garbage on the sink costs that message, never the stream
+                self.malformed += 1
+                log.warning("dropped a malformed message on the token sink: %s", exc)
+                continue
+            for delta in deltas:
                 with self._lock:
-                    q = self._queues.get(attempt_of(delta.request_id))
+                    q = self._queues.get(delta.attempt.request_id)
                 if q is not None:
                     q.put(delta)
 
@@ -77,60 +90,72 @@ class TandemClient:
 
     # ---- requests ----
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
-               request_id: str | None = None, timeout_s: float = 60.0,
-               deltas: queue.Queue | None = None) -> Submitted:
-        """Admit one request; its raw token deltas go to `deltas` if given (one queue may serve many
-        requests, read by one thread), else to a queue of its own that `events` reads."""
-        request, q = self._prepare(prompt, params, cache_salt, request_id, deltas)
-        try:
-            answer = ray.get(self.scheduler.submit.remote(request), timeout=timeout_s)
-        except BaseException:
-            self.forget(request["request_id"])
-            raise
-        return self._admitted(request, q, answer)
-
-    async def asubmit(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
-                      deltas=None, timeout_s: float = 60.0) -> Submitted:
-        """`submit` for an event loop; `deltas` needs only a thread-safe `put`."""
-        request, q = self._prepare(prompt, params, cache_salt, None, deltas)
-        try:
-            answer = await asyncio.wait_for(_awaitable(self.scheduler.submit.remote(request)), timeout_s)
-        except BaseException:
-            self.forget(request["request_id"])
-            raise
-        return self._admitted(request, q, answer)
-
-    def _prepare(self, prompt, params: SamplingParams, cache_salt, request_id, deltas) -> tuple[dict, object]:
+    def request(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
+                request_id: str | None = None) -> GenerateRequest:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this client has no tokenizer: pass the prompt as token ids")
             prompt = self.tokenizer.encode(prompt)
-        request_id = request_id or uuid.uuid4().hex
+        return GenerateRequest(request_id or uuid.uuid4().hex, tuple(prompt), params, self.sink, cache_salt)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
+               request_id: str | None = None, timeout_s: float = 60.0, deltas=None) -> Submitted:
+        """Admit one request; its raw token deltas go to `deltas` if given (one queue may serve many
+        requests, read by one thread), else to a queue of its own that `events` reads."""
+        request = self.request(prompt, params, cache_salt, request_id)
+        q = self._listen(request, deltas)
+        try:
+            answer = ray.get(self.scheduler.submit.remote(request), timeout=timeout_s)
+        except BaseException:
+            self.forget(request.request_id)
+            raise
+        return self._admitted(request, q, answer)
+
+    async def asubmit(self, request: GenerateRequest, deltas, timeout_s: float = 60.0) -> Submitted:
+        """`submit` for an event loop; `deltas` needs only a thread-safe `put`."""
+        q = self._listen(request, deltas)
+        try:
+            answer = await asyncio.wait_for(_awaitable(self.scheduler.submit.remote(request)), timeout_s)
+        except BaseException:
+            self.forget(request.request_id)
+            raise
+        return self._admitted(request, q, answer)
+
+    def _listen(self, request: GenerateRequest, deltas) -> object:
         q = deltas if deltas is not None else queue.Queue()
         with self._lock:
-            self._queues[request_id] = q
-        request = {
-            "request_id": request_id, "prompt_token_ids": list(prompt), "params": _params_dict(params),
-            "cache_salt": cache_salt, "sink": self.sink,
-        }
-        return request, q
+            self._queues[request.request_id] = q
+        return q
 
-    def _admitted(self, request: dict, q, answer: dict) -> Submitted:
-        if "rejected" in answer:
-            self.forget(request["request_id"])
-            raise AdmissionRejected(answer["rejected"], answer["retry_after_s"], answer.get("unavailable", False))
-        return Submitted(request["request_id"], request["prompt_token_ids"], q, answer, request)
+    def _admitted(self, request: GenerateRequest, q, answer: Admitted | Rejected) -> Submitted:
+        if isinstance(answer, Rejected):
+            self.forget(request.request_id)
+            raise AdmissionRejected(answer)
+        return Submitted(request, q, answer)
+
+    def migrate(self, stream: RequestStream, deltas) -> None:
+        """Resubmit a request whose worker was lost, continuing after the tokens the client already has.
+        Never blocks: a refusal arrives on `deltas` as a `MigrationRefused`, after which the stream fails."""
+        request = stream.migration_request()
+
+        def answered(future) -> None:
+            try:
+                answer = future.result()
+            except Exception as exc:  # the scheduler itself is unreachable: the request ends here
+                answer = Rejected(f"{type(exc).__name__}: {exc}", None)
+            if isinstance(answer, Rejected):
+                deltas.put(MigrationRefused(answer.reason))
+
+        self.scheduler.submit.remote(request).future().add_done_callback(answered)
 
     def stream(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
                timeout_s: float = 120.0) -> Iterator[StreamEvent]:
         """Submit one request and yield its events as they arrive; aborts it if the caller stops early."""
-        return self.events(self.submit(prompt, params, cache_salt), params, timeout_s)
+        return self.events(self.submit(prompt, params, cache_salt), timeout_s)
 
-    def events(self, submitted: Submitted, params: SamplingParams, timeout_s: float = 120.0) -> Iterator[StreamEvent]:
+    def events(self, submitted: Submitted, timeout_s: float = 120.0) -> Iterator[StreamEvent]:
         """The events of a submitted request, in order; aborts it if the caller stops early."""
-        stream = RequestStream(submitted.request_id, submitted.prompt_token_ids, params, self.tokenizer)
-        return self._pump(submitted, stream, timeout_s)
+        return self._pump(submitted, RequestStream(submitted.request, self.tokenizer), timeout_s)
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
                  cache_salt: str | None = None, timeout_s: float = 300.0) -> list[list[SampleResult]]:
@@ -138,8 +163,8 @@ class TandemClient:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         submitted = [self.submit(p, sp, cache_salt) for p, sp in zip(prompts, params_list)]
         results = []
-        for handle, sp in zip(submitted, params_list):
-            stream = RequestStream(handle.request_id, handle.prompt_token_ids, sp, self.tokenizer)
+        for handle in submitted:
+            stream = RequestStream(handle.request, self.tokenizer)
             for _ in self._pump(handle, stream, timeout_s):
                 pass
             results.append(stream.results)
@@ -151,36 +176,24 @@ class TandemClient:
             while not stream.finished:
                 remaining = deadline - time.monotonic()
                 try:
-                    delta = submitted.queue.get(timeout=max(remaining, 0.001))
+                    item = submitted.queue.get(timeout=max(remaining, 0.001))
                 except queue.Empty:
                     raise TimeoutError(f"request {submitted.request_id} produced nothing for {timeout_s}s") from None
-                yield from stream.feed(delta)
+                yield from stream.feed(item)
                 if stream.migration_pending:
-                    yield from self._migrate(submitted, stream)
+                    self.migrate(stream, submitted.queue)
         finally:
-            if stream.needs_abort:
-                self.scheduler.abort.remote(submitted.request_id)
-            self.forget(submitted.request_id)
+            self.finish(stream)
 
-    def _migrate(self, submitted: Submitted, stream: RequestStream) -> Iterator[StreamEvent]:
-        """Resubmit a request whose worker was lost, continuing after the tokens it already emitted."""
-        request = stream.migration_request(submitted.request)
-        with self._lock:
-            self._queues[submitted.request_id] = submitted.queue
-        try:
-            answer = ray.get(self.scheduler.submit.remote(request), timeout=60)
-        except Exception as exc:  # the scheduler itself is unreachable: the request ends here
-            answer = {"rejected": str(exc)}
-        if "rejected" in answer:
-            yield from stream.fail(f"worker lost and the request could not be migrated: {answer['rejected']}")
+    def finish(self, stream: RequestStream) -> None:
+        """Stop listening for a request; abort it in the cluster if it may still be generating."""
+        if stream.needs_abort:
+            self.scheduler.abort.remote(stream.request_id)
+        self.forget(stream.request_id)
 
     def forget(self, request_id: str) -> None:
         with self._lock:
             self._queues.pop(request_id, None)
-
-
-def _params_dict(params: SamplingParams) -> dict:
-    return {k: v for k, v in vars(params).items()}
 
 
 async def _awaitable(ref):

@@ -159,14 +159,14 @@ def profile_engine(model_dir: str, dtype: str = "float32", threads: int = 1, lim
     dec = [s for s in samples if s["kind"] == "decode"]
     p = fit_nonnegative(np.array([[1, s["tokens"], s["pairs"]] for s in pre], float), np.array([s["s"] for s in pre]))
     d = fit_nonnegative(np.array([[1, s["seqs"], s["context"]] for s in dec], float), np.array([s["s"] for s in dec]))
-    cfg = engine.runner.cfg
+    cfg = engine.model_config
     model = ModelShape(name=model_dir.rstrip("/").rsplit("/", 1)[-1], num_layers=cfg.num_layers,
                        hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                        head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
-                       dtype_bytes=engine.runner.dtype.itemsize,
+                       dtype_bytes=engine.dtype.itemsize,
                        )
     if measure_link:
-        transfer_bytes_per_s, transfer_latency_s = measure_transfer(engine.runner.kv_caches)
+        transfer_bytes_per_s, transfer_latency_s = measure_transfer(engine.kv_caches)
         log(f"  KV transfer (zmq ipc, in-process): {transfer_bytes_per_s / 1e9:.2f} GB/s, "
             f"{transfer_latency_s * 1e3:.2f} ms latency")
     cost = LinearCost(*p, *d)

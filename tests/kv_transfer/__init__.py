@@ -40,5 +40,5 @@ def bit_equal(a: Caches, b: Caches) -> bool:
         torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
 
 
-def header_for(caches: Caches, dest_ids: Sequence[int], transfer_id: str = "t1", **extra) -> TransferHeader:
-    return TransferHeader(transfer_id, f"lease-{transfer_id}", PageSpec.from_caches(caches), tuple(dest_ids), extra)
+def header_for(caches: Caches, dest_ids: Sequence[int], transfer_id: str = "t1", note: bytes = b"") -> TransferHeader:
+    return TransferHeader(transfer_id, f"lease-{transfer_id}", PageSpec.from_caches(caches), tuple(dest_ids), note)

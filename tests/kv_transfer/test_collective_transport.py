@@ -88,7 +88,7 @@ def _sender(group, barrier) -> dict:
                 tx.send("rank:1", header_for(src, [14, 15], bad_tid), src, [1, 2], timeout_s=PHASE_S)
             _send_malformed(group)
         src = make_caches(**kw)
-        tx.send(rank_endpoint(1), header_for(src, dest_ids, tid, token_ids=[1, 2]), src, src_ids, timeout_s=PHASE_S)
+        tx.send(rank_endpoint(1), header_for(src, dest_ids, tid, note=b"\x01\x02"), src, src_ids, timeout_s=PHASE_S)
     barrier.wait(PHASE_S)
     if group.rank == 0:
         tid, kw, src_ids, dest_ids = GOOD_P2

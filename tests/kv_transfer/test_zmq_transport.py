@@ -62,7 +62,7 @@ def test_pages_arrive_bit_identical(make_receiver, sender, transport, dtype, sta
     src = make_caches(dtype, seed=1)
     recv = make_receiver(make_caches(dtype, seed=2), transport, staged=staged)
     before = clone_caches(recv.caches)
-    header = header_for(src, [7, 2, 12], "t1", token_ids=[3, 1, 4])
+    header = header_for(src, [7, 2, 12], "t1", note=b"\x03\x01\x04")
 
     sender.send(recv.rx.endpoint, header, src, [5, 1, 9], timeout_s=5.0)
 

@@ -18,35 +18,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+
+from actors.protocol.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class OutOfBlocksError(RuntimeError):
     """Not enough free blocks for an allocation; nothing was changed."""
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """A full block is now in the prefix cache under `block_hash`."""
-
-    block_hash: int
-    parent_hash: int | None  # None: first block of its sequence
-    num_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """The block cached under `block_hash` was evicted; the hash no longer hits on this worker."""
-
-    block_hash: int
-
-
-@dataclass(frozen=True, slots=True)
-class AllCleared:
-    """Every cached hash on this worker was dropped (`reset_prefix_cache`)."""
-
-
-KVEvent = BlockStored | BlockRemoved | AllCleared
 
 
 class BlockPool:

@@ -18,7 +18,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from actors.engine.kv.block_hash import extend_block_hashes, first_block_keys
-from actors.engine.kv.block_pool import BlockPool, KVEvent, OutOfBlocksError
+from actors.engine.kv.block_pool import BlockPool, OutOfBlocksError
+from actors.protocol.kv_events import KVEvent
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
+from cluster.control.scheduler_state import SchedulerState
 from cluster.frontend.client import AdmissionRejected, TandemClient
 from cluster.frontend.http import responses
 from cluster.frontend.http.gate import Gate
@@ -82,10 +83,10 @@ class Ingress:
 
     async def open(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None) -> tuple[RequestStream, _LoopSink]:
         sink = _LoopSink(asyncio.get_running_loop(), self.queue_size, tenant)
+        # The tenant is the cache salt: no request body can choose another tenant's.
+        request = self.client.request(prompt_ids, params, tenant)
         try:
-            # The tenant is the cache salt: no request body can choose another tenant's.
-            submitted = await self.client.asubmit(prompt_ids, params, tenant, deltas=sink)
-            sink.request = submitted.request
+            await self.client.asubmit(request, sink)
         except ray.exceptions.RayError as exc:
             # The scheduler died while admitting it (Ray restarts it): nothing of the request runs.
             self.metrics.rejected.labels("unavailable").inc()
@@ -103,7 +104,7 @@ class Ingress:
             raise ApiError(429, exc.reason, None, "rate_limit_error",
                            {"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        return RequestStream(submitted.request_id, prompt_ids, params, self.tokenizer), sink
+        return RequestStream(request, self.tokenizer), sink
 
     async def events(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> AsyncIterator[StreamEvent]:
         emits: dict[int, list[float]] = {}
@@ -124,7 +125,8 @@ class Ingress:
                     return
                 events = stream.feed(item)
                 if stream.migration_pending:
-                    events += await self._migrate(stream, sink)
+                    self.metrics.migrations.inc()
+                    self.client.migrate(stream, sink)
                 for ev in events:
                     now = time.perf_counter()
                     emits.setdefault(ev.index, []).extend([now] * len(ev.token_ids))
@@ -133,30 +135,16 @@ class Ingress:
         finally:
             self.finish(stream, sink, arrival)
 
-    async def _migrate(self, stream: RequestStream, sink: _LoopSink) -> list[StreamEvent]:
-        """Resubmit after a worker loss, continuing from what the client already received."""
-        self.metrics.migrations.inc()
-        request = stream.migration_request(sink.request)
-        try:
-            answer = await asyncio.wait_for(_ref(self.client.scheduler.submit.remote(request)), 60)
-        except Exception as exc:
-            answer = {"rejected": str(exc)}
-        if "rejected" in answer:
-            return stream.fail(f"worker lost and the request could not be migrated: {answer['rejected']}")
-        return []
-
     def finish(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> None:
         """Every request ends here exactly once, however its response ended: abort what still runs,
         free the tenant's slot, and record one usage/metrics entry."""
         if sink.closed:
             return
         sink.closed = True
-        if stream.needs_abort:
-            self.client.scheduler.abort.remote(stream.request_id)
-        self.client.forget(stream.request_id)
+        self.client.finish(stream)
         self.gate.release(sink.tenant)
         emits = self._emits.pop(stream.request_id, {})
-        self.metrics.observe_phases(stream.timings)
+        self.metrics.observe_phases(stream.times)
         first = stream.results[0]
         self.metrics.prefix_queries.inc(len(stream.prompt_token_ids))
         self.metrics.prefix_hits.inc(first.num_cached_tokens)
@@ -251,7 +239,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
-    async def scheduler_state() -> dict:
+    async def scheduler_state() -> SchedulerState:
         try:
             return await asyncio.wait_for(_ref(scheduler.state.remote()), _STATE_TIMEOUT_S)
         except Exception as exc:  # a scheduler that is gone or stuck: not ready, never a hung probe
@@ -261,15 +249,15 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
     @app.get("/ready")
     async def ready():
         state = await scheduler_state()
-        roles = {v["role"] for v in state["workers"].values()}
+        roles = {v.role for v in state.workers.values()}
         ok = roles >= {"prefill", "decode"} or "colocated" in roles
-        return JSONResponse({"ready": ok, "workers": sorted(state["workers"])}, status_code=200 if ok else 503)
+        return JSONResponse({"ready": ok, "workers": sorted(state.workers)}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():
         state = await scheduler_state()
-        ingress.metrics.update_pools(state["workers"])
-        ingress.metrics.update_workers(state["worker_stats"])
+        ingress.metrics.update_pools(state.workers)
+        ingress.metrics.update_workers(state.worker_stats)
         return Response(ingress.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", response_model=None, responses=documented(ModelList, 401))

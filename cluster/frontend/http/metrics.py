@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from actors.protocol.messages import StageTimes, WorkerStats
+from cluster.control.routing import WorkerView
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -55,32 +58,35 @@ class IngressMetrics:
             self.tpot.observe((emits[-1] - emits[0]) / (len(emits) - 1))
         self.e2e.observe(emits[-1] - arrival)
 
-    def update_workers(self, stats: dict) -> None:
-        self.kv_bytes.set(sum(w.get("kv_bytes_sent", 0) for w in stats.values()))
-        self.kv_transfers.labels("sent").set(sum(w.get("transfers_sent", 0) for w in stats.values()))
-        self.kv_transfers.labels("failed").set(sum(w.get("transfers_failed", 0) for w in stats.values()))
-        self.kv_transfers.labels("adopted").set(sum(w.get("adopted", 0) for w in stats.values()))
-        self.leases_expired.set(sum(w.get("leases_expired", 0) for w in stats.values()))
+    def update_workers(self, stats: dict[str, WorkerStats]) -> None:
+        workers = list(stats.values())
+        self.kv_bytes.set(sum(w.kv_bytes_sent for w in workers))
+        self.kv_transfers.labels("sent").set(sum(w.transfers_sent for w in workers))
+        self.kv_transfers.labels("failed").set(sum(w.transfers_failed for w in workers))
+        self.kv_transfers.labels("adopted").set(sum(w.adopted for w in workers))
+        self.leases_expired.set(sum(w.leases_expired for w in workers))
         for worker_id, w in stats.items():
-            self.worker_rss.labels(worker_id).set(w.get("rss_bytes", 0))
+            self.worker_rss.labels(worker_id).set(w.rss_bytes)
 
-    def observe_phases(self, timings: dict) -> None:
+    def observe_phases(self, times: StageTimes) -> None:
         """Per-request phase durations from worker timestamps (wall clock, seconds)."""
-        pairs = ((self.queue_time, "received", "scheduled"), (self.prefill_time, "scheduled", "first_token"),
-                 (self.transfer_time, "first_token", "adopted"), (self.decode_time, "first_token", "finished"))
+        pairs = ((self.queue_time, times.received, times.scheduled),
+                 (self.prefill_time, times.scheduled, times.first_token),
+                 (self.transfer_time, times.first_token, times.adopted),
+                 (self.decode_time, times.first_token, times.finished))
         for hist, start, end in pairs:
-            if start in timings and end in timings:
-                hist.observe(max(0.0, timings[end] - timings[start]))
+            if start is not None and end is not None:
+                hist.observe(max(0.0, end - start))
 
-    def update_pools(self, workers: dict) -> None:
-        pools: dict[str, list[dict]] = {}
+    def update_pools(self, workers: dict[str, WorkerView]) -> None:
+        pools: dict[str, list[WorkerView]] = {}
         for view in workers.values():
-            pools.setdefault(view["role"], []).append(view)
+            pools.setdefault(view.role, []).append(view)
         for pool, views in pools.items():
-            self.running.labels(pool).set(sum(v["running"] for v in views))
-            self.waiting.labels(pool).set(sum(v["waiting"] for v in views))
-            total = sum(v["num_blocks"] for v in views)
-            self.kv_usage.labels(pool).set(1 - sum(v["free_blocks"] for v in views) / total if total else 0.0)
+            self.running.labels(pool).set(sum(v.running for v in views))
+            self.waiting.labels(pool).set(sum(v.waiting for v in views))
+            total = sum(v.num_blocks for v in views)
+            self.kv_usage.labels(pool).set(1 - sum(v.free_blocks for v in views) / total if total else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,7 +6,7 @@ import pytest
 
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
-from actors.engine.kv.block_pool import BlockStored
+from actors.protocol.kv_events import BlockStored
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 

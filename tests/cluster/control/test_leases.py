@@ -8,10 +8,13 @@ import time
 import ray
 import zmq
 
+from actors.protocol.codec import decode_deltas
+from actors.protocol.ids import AttemptId
+from actors.protocol.messages import GenerateRequest, KvDestination, KvReservation, WorkerRequest
 from actors.protocol.request_status import RequestStatus
-from actors.protocol.token_stream import decode_deltas
-from actors.protocol.worker_request import WorkerSpec
+from actors.protocol.sampling_params import SamplingParams
 from actors.worker.actor import worker_actor
+from actors.worker.spec import WorkerSpec
 from tests.helpers.cluster import load
 
 LEASE_S = 1.0
@@ -25,19 +28,20 @@ def test_reservation_without_pages_expires_within_the_lease(ray_session):
     port = sink.bind_to_random_port("tcp://127.0.0.1")
     try:
         ray.get(worker.info.remote(), timeout=120)
-        request = {"request_id": "never-sent", "prompt_token_ids": list(range(10, 50)), "params": {"max_tokens": 4},
-                   "cache_salt": None, "sink": f"tcp://127.0.0.1:{port}"}
+        attempt = AttemptId("never-sent", "a0")
+        request = WorkerRequest(attempt, GenerateRequest("never-sent", range(10, 50), SamplingParams(max_tokens=4),
+                                                         f"tcp://127.0.0.1:{port}"))
         start = time.monotonic()
-        blocks = ray.get(worker.reserve.remote(request), timeout=30)
-        assert len(blocks) == 3  # 40 tokens in blocks of 16
+        reservation = ray.get(worker.reserve.remote(request), timeout=30)
+        assert len(reservation.block_ids) == 3  # 40 tokens in blocks of 16
         assert sink.poll(int(LEASE_S * 1.1 * 1000)), "no failure reported within the lease + 10%"
         (delta,) = decode_deltas(sink.recv())
         elapsed = time.monotonic() - start
         assert LEASE_S <= elapsed <= LEASE_S * 1.1
-        assert delta.request_id == "never-sent" and delta.status == RequestStatus.FAILED
+        assert delta.attempt == attempt and delta.status == RequestStatus.FAILED
         assert "did not arrive within" in delta.error
         stats = ray.get(worker.check_integrity.remote(), timeout=30)
-        assert stats["reserved"] == 0 and stats["used_blocks"] == 0 and stats["leases_expired"] == 1
+        assert stats.reserved == 0 and stats.used_blocks == 0 and stats.leases_expired == 1
     finally:
         sink.close(linger=0)
         ray.get(worker.shutdown.remote(), timeout=30)
@@ -55,10 +59,10 @@ def test_hold_without_release_expires_within_the_lease(ray_session):
     pages_port = pages.bind_to_random_port("tcp://127.0.0.1")
     try:
         ray.get(worker.info.remote(), timeout=120)
-        request = {"request_id": "never-acked", "prompt_token_ids": list(range(10, 50)),
-                   "params": {"max_tokens": 4, "temperature": 0.0}, "cache_salt": None,
-                   "sink": f"tcp://127.0.0.1:{sink_port}",
-                   "dest": {"endpoint": f"tcp://127.0.0.1:{pages_port}", "block_ids": [7, 8, 9], "lease_id": "l1"}}
+        dest = KvDestination("decode-x", f"tcp://127.0.0.1:{pages_port}", KvReservation("l1", (7, 8, 9)))
+        request = WorkerRequest(AttemptId("never-acked", "a0"), GenerateRequest(
+            "never-acked", range(10, 50), SamplingParams(max_tokens=4, temperature=0.0),
+            f"tcp://127.0.0.1:{sink_port}"), dest)
         worker.submit.remote(request)
         assert pages.poll(30_000) and pages.recv_multipart()  # the pages left the prefill worker
         sent = time.monotonic()
@@ -66,12 +70,12 @@ def test_hold_without_release_expires_within_the_lease(ray_session):
         assert first.status == RequestStatus.TRANSFERRING and len(first.token_ids) == 1
         while True:
             stats = ray.get(worker.check_integrity.remote(), timeout=30)
-            if stats["held"] == 0:
+            if stats.held == 0:
                 break
             assert time.monotonic() - sent <= LEASE_S * 1.1, stats
             time.sleep(0.02)
         assert time.monotonic() - sent >= LEASE_S * 0.9
-        assert stats["leases_expired"] == 1 and stats["used_blocks"] == 0 and stats["transfers_sent"] == 1
+        assert stats.leases_expired == 1 and stats.used_blocks == 0 and stats.transfers_sent == 1
     finally:
         sink.close(linger=0)
         pages.close(linger=0)

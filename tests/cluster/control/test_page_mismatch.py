@@ -8,8 +8,8 @@ import dataclasses
 import ray
 
 from actors.protocol.sampling_params import SamplingParams
-from actors.protocol.worker_request import WorkerSpec
 from actors.worker.actor import worker_actor
+from actors.worker.spec import WorkerSpec
 from cluster.control.launch import Cluster
 from cluster.control.scheduler import Scheduler, SchedulerSettings
 from tests.helpers.cluster import load, wait_until_idle
@@ -32,7 +32,7 @@ def start_mismatched(decode_dtype: str) -> Cluster:
     workers = {wid: worker_actor().options(num_cpus=0.5, max_concurrency=16).remote(spec, scheduler)
                for wid, spec in specs.items()}
     for info in ray.get([w.info.remote() for w in workers.values()], timeout=120):
-        ray.get(scheduler.register.remote(info, workers[info["worker_id"]]), timeout=30)
+        ray.get(scheduler.register.remote(info, workers[info.worker_id]), timeout=30)
     return Cluster(config, scheduler, workers, owns_ray=False, model_dir=engine.model)
 
 

@@ -64,7 +64,7 @@ def test_pick_decode_needs_room():
 
 
 def _run(client, submitted, params):
-    return list(client.events(submitted, params))
+    return list(client.events(submitted))
 
 
 def test_live_cluster_routes_to_the_cached_worker_then_around_its_queue(ray_session):
@@ -82,20 +82,20 @@ def test_live_cluster_routes_to_the_cached_worker_then_around_its_queue(ray_sess
 
         first = client.submit(prefix + [11, 12], params)
         _run(client, first, params)
-        owner = first.route["prefill"]
+        owner = first.route.prefill
         time.sleep(0.3)  # the owner's KV events reach the scheduler with its next report
 
         # Both prefill workers idle: the one holding the 256-token prefix wins.
         again = client.submit(prefix + [13, 14, 15], params)
         _run(client, again, params)
-        assert again.route["prefill"] == owner
-        assert again.route["cached_tokens"] == 256
+        assert again.route.prefill == owner
+        assert again.route.cached_tokens == 256
         time.sleep(0.3)
 
         # A burst of long requests on that prefix: the owner's queue grows until the other worker,
         # with nothing cached, is predicted faster.
         burst = [client.submit(prefix + torch.randint(10, 2048, (1000,), generator=g).tolist(), params) for _ in range(6)]
-        routes = [s.route["prefill"] for s in burst]
+        routes = [s.route.prefill for s in burst]
         for s in burst:
             _run(client, s, params)
         assert routes[0] == owner

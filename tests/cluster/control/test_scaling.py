@@ -66,7 +66,7 @@ def assert_clean(cluster: Cluster) -> dict:
 
 
 def worker_stats(cluster: Cluster) -> dict:
-    return ray.get(cluster.scheduler.state.remote(), timeout=10)["worker_stats"]
+    return ray.get(cluster.scheduler.state.remote(), timeout=10).as_dict()["worker_stats"]
 
 
 def test_scale_up_and_down_under_load_fails_nothing(server, expected):  # noqa: F811

@@ -39,7 +39,7 @@ def assert_idle(cluster: Cluster) -> None:
 
 def scheduler_state(cluster: Cluster) -> dict | None:
     try:
-        return ray.get(cluster.scheduler.state.remote(), timeout=10)
+        return ray.get(cluster.scheduler.state.remote(), timeout=10).as_dict()
     except ray.exceptions.RayActorError:  # restarting
         return None
 

@@ -37,8 +37,8 @@ def test_lost_prefill_worker_is_rerouted(cluster):
     assert result.token_ids == expected.outputs[0].token_ids
     assert time.monotonic() - start < 60
     cluster.wait_registered({"prefill-0", "decode-0"}, timeout_s=60)  # the restarted worker is back
-    counters = ray.get(cluster.scheduler.state.remote(), timeout=10)["counters"]
-    assert counters["workers_lost"] + counters["rerouted"] >= 1
+    counters = ray.get(cluster.scheduler.state.remote(), timeout=10).counters
+    assert counters.workers_lost + counters.rerouted >= 1
     (after,) = client.generate([prompt[::-1]], GREEDY, timeout_s=60)[0]
     assert after.finish_reason == "length"
     wait_until_idle(cluster)
@@ -57,6 +57,6 @@ def test_lost_decode_worker_mid_stream_is_migrated(cluster):
     assert events[-1].finished and events[-1].finish_reason == "length", events[-1]
     tokens = [t for ev in events for t in ev.token_ids]
     assert tokens == expected.outputs[0].token_ids
-    counters = ray.get(cluster.scheduler.state.remote(), timeout=10)["counters"]
-    assert counters["workers_lost"] + counters["finished"] >= 1
+    counters = ray.get(cluster.scheduler.state.remote(), timeout=10).counters
+    assert counters.workers_lost + counters.finished >= 1
     wait_until_idle(cluster)

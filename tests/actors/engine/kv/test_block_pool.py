@@ -14,7 +14,8 @@ from actors.engine.kv.block_hash import (
     hash_block,
     hash_prompt_blocks,
 )
-from actors.engine.kv.block_pool import AllCleared, BlockPool, BlockRemoved, BlockStored, OutOfBlocksError
+from actors.engine.kv.block_pool import BlockPool, OutOfBlocksError
+from actors.protocol.kv_events import AllCleared, BlockRemoved, BlockStored
 
 BS = 4
 

@@ -6,8 +6,9 @@ import pytest
 
 import actors.engine.kv.block_hash as block_hash_module
 from actors.engine.kv.block_hash import hash_prompt_blocks
-from actors.engine.kv.block_pool import BlockRemoved, BlockStored, OutOfBlocksError
+from actors.engine.kv.block_pool import OutOfBlocksError
 from actors.engine.kv.cache_manager import KVCacheManager
+from actors.protocol.kv_events import BlockRemoved, BlockStored
 
 BS = 4
 MODEL = "test-model"

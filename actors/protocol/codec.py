@@ -1,0 +1,43 @@
+"""The one encoder for messages that travel over zmq (Ray pickles the control messages itself).
+
+Decoding is typed: bytes that are not exactly the expected message raise `ProtocolError`, so a receive
+loop can drop and count garbage instead of dying of it or passing a half-formed message on.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from actors.protocol.messages import HandoffNote, TokenDelta
+
+MAX_MESSAGE_BYTES = 64 << 20  # a step's deltas for a whole batch are far smaller; anything bigger is garbage
+
+
+class ProtocolError(ValueError):
+    """Bytes that are not a well-formed message of the expected type."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_deltas = msgspec.msgpack.Decoder(list[TokenDelta])
+_note = msgspec.msgpack.Decoder(HandoffNote)
+
+
+def encode(message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_deltas(payload: bytes) -> list[TokenDelta]:
+    return _decode(_deltas, payload)
+
+
+def decode_note(payload: bytes) -> HandoffNote:
+    return _decode(_note, payload)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, payload: bytes):
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(payload)} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        return decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+        raise ProtocolError(str(exc)) from None

@@ -1,0 +1,215 @@
+"""Every message that crosses a process, typed. Who sends what:
+
+client -> scheduler   `GenerateRequest` (submit); answer `Admitted` | `Rejected`; abort(request id)
+scheduler -> worker   `WorkerRequest` (submit, reserve -> `KvReservation`); release/abort(`AttemptId`)
+worker -> scheduler   `WorkerInfo` + `LiveRequest`s (register), `WorkerReport` (every heartbeat),
+                      handoff_done(`AttemptId`, prefill worker id)
+prefill -> decode     `HandoffNote` inside the KV transfer header (kv_transfer carries it as bytes)
+worker -> client      `TokenDelta` batches over zmq (`actors.protocol.codec`)
+
+Ray pickles the control messages; the zmq messages go through the one codec. Defaults live here and in
+`SamplingParams`, nowhere else.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields, replace
+
+from actors.protocol.ids import AttemptId
+from actors.protocol.request_status import RequestStatus
+from actors.protocol.sampling_params import SamplingParams
+
+# ---- requests ----
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A client's request as the scheduler admits it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    sink: str  # the client's zmq PULL endpoint: where token deltas go
+    cache_salt: str | None = None  # the tenant: salts the prefix-cache hashes
+    output_prefix: tuple[int, ...] = ()  # tokens the client already has: a migrated request continues after them
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        object.__setattr__(self, "output_prefix", tuple(self.output_prefix))
+
+    def continued(self, output_prefix) -> GenerateRequest:
+        """The same request, to be continued after `output_prefix` (a migration)."""
+        return replace(self, output_prefix=tuple(output_prefix))
+
+
+@dataclass(frozen=True)
+class KvReservation:
+    """Blocks a decode worker set aside for one attempt's pages, under a lease."""
+
+    lease_id: str  # names the transfer on the wire; the decode worker maps it back to the attempt
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KvDestination:
+    """Where a prefill worker pushes an attempt's pages."""
+
+    decode_worker: str
+    endpoint: str
+    reservation: KvReservation
+
+
+@dataclass(frozen=True)
+class WorkerRequest:
+    """One attempt of a request, as a worker receives it."""
+
+    attempt: AttemptId
+    request: GenerateRequest
+    dest: KvDestination | None = None  # prefill role: push the KV here after the first token
+
+
+@dataclass(frozen=True)
+class Admitted:
+    prefill: str
+    decode: str
+    cached_tokens: int = 0
+    local: bool = False  # prefilled on its decode (or colocated) worker
+
+
+@dataclass(frozen=True)
+class Rejected:
+    reason: str
+    retry_after_s: float | None  # None: the request can never be admitted as it is (a client error)
+    unavailable: bool = False  # no worker of the needed pool is registered at all
+
+
+# ---- workers ----
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    role: str  # prefill | decode | colocated
+    kv_endpoint: str | None  # decode workers: where pages are pushed
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+    incarnation: str  # one per process: tells a restarted worker from one re-announcing itself
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    role: str
+    free_blocks: int
+    num_blocks: int
+    used_blocks: int
+    running: int
+    waiting: int
+    queued_prefill_tokens: int  # engine queue plus prompts still in the worker's inbox
+    preemptions: int
+    reserved: int  # decode: reservations waiting for pages
+    held: int  # prefill: pages sent, blocks held until released
+    writing: int  # decode: transfers whose pages are being written now
+    live_requests: int
+    tokens_dropped: int
+    leases_expired: int
+    lease_overrun_s: float
+    transfers_sent: int
+    transfers_failed: int
+    late_pages_dropped: int  # page writes refused because their reservation was already released
+    adopted: int
+    kv_bytes_sent: int
+    rss_bytes: int
+    step_s: float | None = None  # smoothed engine step time; None until measured
+    prefill_s_per_token: float | None = None
+
+    def as_dict(self) -> dict:
+        """For people and metrics (introspection), never for control decisions."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class FinishedAttempt:
+    attempt: AttemptId
+    status: RequestStatus
+
+
+@dataclass(frozen=True)
+class FirstTokenWait:
+    """Measured seconds from a worker receiving an attempt to its first token (checks TTFT predictions)."""
+
+    attempt: AttemptId
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    worker_id: str
+    stats: WorkerStats
+    finished: tuple[FinishedAttempt, ...] = ()
+    kv_events: tuple = ()  # KVEvent values (actors.protocol.kv_events), in order
+    first_token_waits: tuple[FirstTokenWait, ...] = ()
+
+
+class LivePhase(enum.Enum):
+    RUNNING = "running"  # in the engine
+    RESERVED = "reserved"  # decode: blocks reserved, pages not adopted yet
+    HELD = "held"  # prefill: pages sent, blocks held until released
+
+
+@dataclass(frozen=True)
+class LiveRequest:
+    """A request a worker still holds state for, announced when it registers (again)."""
+
+    phase: LivePhase
+    request: WorkerRequest
+
+
+# ---- data plane ----
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Wall-clock stamps of one attempt's phases on its workers; None: not reached (or not this worker's)."""
+
+    received: float | None = None
+    scheduled: float | None = None
+    first_token: float | None = None
+    adopted: float | None = None
+    finished: float | None = None
+
+    def merged(self, other: StageTimes | None) -> StageTimes:
+        """These stamps overwritten by every stamp `other` has."""
+        if other is None:
+            return self
+        return replace(self, **{f.name: v for f in fields(other) if (v := getattr(other, f.name)) is not None})
+
+
+@dataclass(frozen=True)
+class HandoffNote:
+    """What the decode worker needs besides the pages to continue an attempt."""
+
+    first_token: int
+    num_cached_tokens: int
+    prefill_worker: str
+    times: StageTimes = field(default_factory=StageTimes)
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one sample of one attempt. `offset` counts the sample's output tokens before this
+    delta, so a client puts deltas from two workers (first token from prefill, the rest from decode) in order."""
+
+    attempt: AttemptId
+    index: int
+    offset: int
+    token_ids: tuple[int, ...]
+    status: RequestStatus
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    logprobs: list | None = None  # [[token_id, logprob, [[id, logprob], ...]], ...] when asked for
+    times: StageTimes | None = None  # on the first and the last delta of an attempt only
+    retryable: bool = False  # a FAILED delta the client may retry elsewhere (its worker was lost)

@@ -1,0 +1,215 @@
+"""The worker's handoff table: the one owner of reservations, holds, lease deadlines and page writes.
+
+A decode worker *reserves* blocks for an attempt's incoming pages under a lease; a prefill worker
+*holds* the blocks of pages it sent until the scheduler releases them. Every way such a lease ends goes
+through this table: adopt, release, abort, expiry, transfer failure, worker failure. The blocks
+themselves belong to the engine; the table frees them through the engine's methods only.
+
+Threads: the receiver thread calls `admit` before it writes a transfer's pages (under the table's
+lock); everything else runs on the engine thread. A reservation whose pages are being written is never
+freed under them: an abort or an expiry in the middle of a write only marks it, and its blocks are freed
+when the write has ended (`landed`), so late pages can never reach blocks given to another request.
+Pages for a lease that is gone are refused before a byte is written, and counted.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from actors.engine.engine import Engine
+from actors.protocol.ids import AttemptId
+from actors.protocol.messages import KvReservation, LivePhase, LiveRequest, WorkerRequest
+from kv_transfer.page_format import PageFormatError, TransferHeader
+
+
+class LeaseKind(enum.Enum):
+    RESERVED = "reserved"  # decode: blocks set aside, pages not adopted yet
+    HELD = "held"  # prefill: pages sent, blocks kept until released
+
+
+@dataclass
+class Lease:
+    kind: LeaseKind
+    request: WorkerRequest
+    engine_id: str
+    deadline: float  # time.monotonic()
+    lease_id: str | None = None  # reservations: the transfer name senders use
+    block_ids: tuple[int, ...] = ()
+    writing: bool = False  # its pages are being written right now
+    cancelled: bool = False  # ended during a write: freed once the write is over
+
+    @property
+    def attempt(self) -> AttemptId:
+        return self.request.attempt
+
+
+class HandoffTable:
+    def __init__(self, engine: Engine, lease_s: float):
+        self._engine = engine
+        self._lease_s = lease_s
+        self._lock = threading.Lock()
+        self._leases: dict[AttemptId, Lease] = {}
+        self._by_lease_id: dict[str, Lease] = {}
+        self._writes_open = threading.Event()  # fault hook: cleared, admitted pages wait before being written
+        self._writes_open.set()
+        self._hold_max_s = 0.0
+        self.late_pages_dropped = 0  # transfers refused because their lease had ended
+        self.expired = 0
+        self.overrun_s = 0.0  # the latest any lease was released after its deadline
+
+    # ---- decode: reservations ----
+
+    def reserve(self, request: WorkerRequest, engine_id: str) -> KvReservation | None:
+        """Set blocks aside for the attempt's prompt; None when they do not fit now."""
+        if request.attempt in self._leases:
+            raise ValueError(f"attempt {request.attempt} already has a lease here")
+        blocks = self._engine.reserve(engine_id, len(request.request.prompt_token_ids))
+        if blocks is None:
+            return None
+        lease = Lease(LeaseKind.RESERVED, request, engine_id, time.monotonic() + self._lease_s,
+                      uuid.uuid4().hex, tuple(blocks))
+        with self._lock:
+            self._leases[request.attempt] = lease
+            self._by_lease_id[lease.lease_id] = lease
+        return KvReservation(lease.lease_id, lease.block_ids)
+
+    def admit(self, header: TransferHeader) -> None:
+        """Receiver thread, before any byte is written: only into a live reservation's own blocks."""
+        with self._lock:
+            lease = self._by_lease_id.get(header.lease_id)
+            if lease is None or lease.cancelled or lease.writing:
+                self.late_pages_dropped += 1
+                raise PageFormatError(f"transfer {header.transfer_id}: no live reservation (lease ended)")
+            if tuple(header.dest_block_ids) != lease.block_ids:
+                raise PageFormatError(f"transfer {header.transfer_id}: destination blocks are not the reservation's")
+            lease.writing = True
+        if not self._writes_open.is_set():
+            self._writes_open.wait(self._hold_max_s)
+
+    def hold_writes(self, max_s: float | None) -> None:
+        """Fault hook: admitted pages wait (up to `max_s`) before being written; None lets them go."""
+        self._hold_max_s = max_s or 0.0
+        if max_s is None:
+            self._writes_open.set()
+        else:
+            self._writes_open.clear()
+
+    def landed(self, lease_id: str, ok: bool, adopt: bool = True) -> Lease | None:
+        """Engine thread, after an admitted write ended (`ok`: every page written). Returns the
+        reservation to adopt (ok) or to fail (not ok). None when there is nothing to do: the lease ended
+        during the write (its blocks are freed now), or `adopt` is False (a fault hook: the pages are
+        ignored and the reservation waits for its lease to end)."""
+        with self._lock:
+            lease = self._by_lease_id.get(lease_id)
+            if lease is None or not lease.writing:
+                return None
+            lease.writing = False
+            if lease.cancelled:
+                self.late_pages_dropped += 1
+            elif ok and not adopt:
+                return None
+            self._forget(lease)
+        if lease.cancelled or not ok:
+            self._engine.release_reservation(lease.engine_id)
+        return None if lease.cancelled else lease
+
+    def refused(self, lease_id: str) -> Lease | None:
+        """Engine thread: a transfer naming this lease was refused before any byte was written (its pages
+        do not fit the reservation: another dtype, other blocks). Returns the reservation, released, for
+        its request to fail with the reason; None if the lease is gone or another write is under way."""
+        with self._lock:
+            lease = self._by_lease_id.get(lease_id)
+            if lease is None or lease.writing:
+                return None
+            self._forget(lease)
+        self._engine.release_reservation(lease.engine_id)
+        return lease
+
+    # ---- prefill: holds ----
+
+    def hold(self, request: WorkerRequest, engine_id: str) -> None:
+        """The attempt's pages were sent: keep its blocks until `release` or the lease ends."""
+        with self._lock:
+            self._leases[request.attempt] = Lease(LeaseKind.HELD, request, engine_id, time.monotonic() + self._lease_s)
+
+    # ---- every end of a lease ----
+
+    def release(self, attempt: AttemptId) -> Lease | None:
+        """Free the attempt's lease (idempotent): a hold after its ack, or anything on abort/failure."""
+        with self._lock:
+            lease = self._leases.get(attempt)
+            if lease is None:
+                return None
+            if lease.writing:
+                lease.cancelled = True  # `landed` frees the blocks once the write is over
+                del self._leases[attempt]
+                return lease
+            self._forget(lease)
+        self._free(lease)
+        return lease
+
+    def expire(self, now: float) -> list[Lease]:
+        """Leases past their deadline, released (a reservation being written waits for the write)."""
+        with self._lock:
+            due = [lease for lease in self._leases.values() if lease.deadline < now and not lease.writing]
+        for lease in due:
+            self.release(lease.attempt)
+            self.expired += 1
+            self.overrun_s = max(self.overrun_s, now - lease.deadline)
+        return due
+
+    def release_all(self) -> list[Lease]:
+        with self._lock:
+            leases = list(self._leases.values())
+        for lease in leases:
+            self.release(lease.attempt)
+        return leases
+
+    # ---- introspection ----
+
+    def get(self, attempt: AttemptId) -> Lease | None:
+        return self._leases.get(attempt)
+
+    def count(self, kind: LeaseKind) -> int:
+        return sum(lease.kind is kind for lease in list(self._leases.values()))
+
+    def writing(self) -> int:
+        return sum(lease.writing for lease in list(self._by_lease_id.values()))
+
+    def live(self) -> list[LiveRequest]:
+        phase = {LeaseKind.RESERVED: LivePhase.RESERVED, LeaseKind.HELD: LivePhase.HELD}
+        return [LiveRequest(phase[lease.kind], lease.request) for lease in list(self._leases.values())]
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            reserved = {lease.lease_id: lease for lease in self._leases.values() if lease.kind is LeaseKind.RESERVED}
+            cancelled = {lid: lease for lid, lease in self._by_lease_id.items() if lease.cancelled}
+            if set(self._by_lease_id) != set(reserved) | set(cancelled):
+                raise RuntimeError(f"handoff table: {len(self._by_lease_id)} lease ids for {len(reserved)} "
+                                   f"reservations and {len(cancelled)} cancelled writes")
+            for lease in cancelled.values():
+                if not lease.writing:
+                    raise RuntimeError(f"handoff table: cancelled lease {lease.lease_id} is not being written")
+            leases = list(self._by_lease_id.values())
+        for lease in leases:
+            held = self._engine.reserved_blocks(lease.engine_id)
+            if held != lease.block_ids:
+                raise RuntimeError(f"handoff table: reservation {lease.lease_id} has blocks {lease.block_ids}, "
+                                   f"the engine holds {held}")
+
+    # ---- internals (callers hold the lock where noted) ----
+
+    def _forget(self, lease: Lease) -> None:  # lock held
+        self._leases.pop(lease.attempt, None)
+        if lease.lease_id is not None:
+            self._by_lease_id.pop(lease.lease_id, None)
+
+    def _free(self, lease: Lease) -> None:
+        if lease.kind is LeaseKind.RESERVED:
+            self._engine.release_reservation(lease.engine_id)
+        else:
+            self._engine.release_handoff(lease.engine_id)

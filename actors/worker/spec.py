@@ -1,0 +1,23 @@
+"""What a worker is: its id, role, engine and how it reaches the others (lease, heartbeat, transport)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actors.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    worker_id: str
+    role: str  # prefill | decode | colocated
+    engine: EngineConfig
+    torch_threads: int = 1
+    lease_s: float = 30.0
+    heartbeat_s: float = 0.05
+    zmq_transport: str = "ipc"
+    host: str = "127.0.0.1"
+    transfer_backend: str = "zmq"  # or "collective": torch.distributed over every worker of the cluster
+    collective_init: str | None = None  # "tcp://host:port" rendezvous of the collective group
+    rank: int | None = None
+    world_size: int | None = None

@@ -1,0 +1,145 @@
+"""Placement: where one request goes, decided from the scheduler's current view with no await inside.
+
+Admission (a decode or colocated worker with room for prompt + max_tokens x n, counting only KV not
+committed to requests in flight), cache-aware prefill routing (cluster/control/routing.py), and load
+shedding on the predicted time to first token (cluster/control/ttft_guard.py). The scheduler carries a
+`Placement` out; whatever it awaits meanwhile, it checks the plan's workers are still the same before
+it commits (`still_valid`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass
+
+from actors.protocol.messages import GenerateRequest, Rejected
+from cluster.control.prefix_index import PrefixIndex
+from cluster.control.registry import WorkerRegistry
+from cluster.control.request_table import RequestTable
+from cluster.control.routing import PrefillPlan, WorkerView, pick_decode, plan_prefill, predicted_ttft
+from cluster.control.scheduler_state import SchedulerSettings
+from cluster.control.ttft_guard import TtftGuard
+
+
+@dataclass(frozen=True)
+class Placement:
+    decode_id: str  # the decode (or colocated) worker whose KV the request commits
+    prefill: PrefillPlan | None  # None: no routing decision to check (a migration or n > 1 runs locally)
+    local: bool  # the whole request runs on `decode_id`
+    incarnations: tuple[tuple[str, str], ...]  # (worker id, incarnation) of every worker the plan names
+
+    @property
+    def prefill_id(self) -> str:
+        return self.decode_id if self.local else self.prefill.worker_id
+
+
+class Placer:
+    def __init__(self, settings: SchedulerSettings, registry: WorkerRegistry, table: RequestTable,
+                 index: PrefixIndex, guard: TtftGuard):
+        self.s = settings
+        self._registry, self._table, self._index, self._guard = registry, table, index, guard
+        self._turn = itertools.count()
+        self.shed = 0
+
+    @property
+    def pool(self) -> str:
+        """The role whose KV a request commits: decode, or colocated."""
+        return "colocated" if self.s.mode == "colocated" else "decode"
+
+    def blocks_needed(self, request: GenerateRequest) -> int:
+        params = request.params
+        tokens = len(request.prompt_token_ids)
+        tokens += params.max_tokens * params.n if self.s.reserve == "prompt_plus_max_tokens" else 1
+        return -(-tokens // self.s.block_size)
+
+    def place(self, request: GenerateRequest, hashes: list[int], blocks_needed: int,
+              arrived: float) -> Placement | Rejected | None:
+        """A placement, a rejection (shed), or None: no worker has room now (try again later)."""
+        prompt_len = len(request.prompt_token_ids)
+        if self.s.mode == "colocated":
+            pool = self.views_with_room("colocated")
+            fits = [v for v in pool if v.free_blocks >= blocks_needed]
+            if not fits:
+                return None
+            plan = plan_prefill(self.s.routing, fits, self._cached(fits, hashes), prompt_len, 0.0,
+                                self.typical_cost(pool), next(self._turn))
+            return self._shed(plan, arrived) or self._placement(plan.worker_id, plan, local=True)
+
+        decode = pick_decode(self.views_with_room("decode"), blocks_needed)
+        if decode is None:
+            return None
+        prefill_pool = self._registry.views("prefill")
+        cached = self._cached(prefill_pool + [decode], hashes)
+        if prefill_pool:
+            kv_bytes_per_token = self._registry.get(decode.worker_id).info.kv_bytes_per_token
+            transfer_s = prompt_len * kv_bytes_per_token / self.s.transfer_bytes_per_s
+            local_ok = self.s.local_prefill
+            plan = plan_prefill(self.s.routing, prefill_pool, cached, prompt_len, transfer_s,
+                                self.typical_cost(prefill_pool), next(self._turn),
+                                local=decode if local_ok else None, local_penalty=self.s.local_prefill_penalty)
+        else:
+            cost = predicted_ttft(decode, prompt_len, cached[decode.worker_id], self.typical_cost([decode]), 0.0)
+            plan = PrefillPlan(decode.worker_id, True, cached[decode.worker_id], cost)
+        shed = self._shed(plan, arrived)
+        if shed is not None:
+            return shed
+        if plan.local:
+            return self._placement(decode.worker_id, plan, local=True)
+        if request.params.n > 1 or request.output_prefix:
+            # Samples fork from one prefilled prompt, and a migration recomputes its output: both run whole.
+            return self._placement(decode.worker_id, None, local=True)
+        return self._placement(decode.worker_id, plan, local=False)
+
+    def still_valid(self, placement: Placement) -> bool:
+        """Every worker the plan names is still registered as the same process and takes work."""
+        return all(self._registry.is_current(wid, inc) and wid not in self._registry.draining()
+                   for wid, inc in placement.incarnations)
+
+    def views_with_room(self, role: str) -> list[WorkerView]:
+        """The role's workers with `free_blocks` = KV not committed to requests in flight.
+
+        Admission commits prompt + max_tokens x n per request (policy `prompt_plus_max_tokens`), so a
+        request admitted now can always finish; the workers' own free counts lag and include cache."""
+        return [dataclasses.replace(v, free_blocks=v.num_blocks - self._table.committed(v.worker_id))
+                for v in self._registry.views(role)]
+
+    def typical_cost(self, pool: list[WorkerView]) -> float:
+        """Per-token prefill cost for a worker not measured yet: its pool's mean, else the configured one.
+
+        Workers of one pool run the same model on the same hardware, so a fresh worker is as fast as
+        its measured peers; a pessimistic guess would keep all traffic on the first measured worker."""
+        measured = [v.prefill_s_per_token for v in pool if v.prefill_s_per_token is not None]
+        return sum(measured) / len(measured) if measured else self.s.prefill_s_per_token
+
+    def retry_after_s(self) -> float:
+        # Room frees as running requests finish: estimate from the queued prefill work on the pool.
+        views = self._registry.views(self.pool)
+        return max(1.0, sum(v.queued_prefill_tokens for v in views) * self.typical_cost(views))
+
+    def step_s(self, worker_id: str) -> float | None:
+        entry = self._registry.get(worker_id)
+        return entry.stats.step_s if entry is not None and entry.stats is not None else None
+
+    def _cached(self, views: list[WorkerView], hashes: list[int]) -> dict[str, int]:
+        return {v.worker_id: self._index.cached_blocks(v.worker_id, hashes) * self.s.block_size for v in views}
+
+    def _placement(self, decode_id: str, plan: PrefillPlan | None, local: bool) -> Placement:
+        names = {decode_id} | ({plan.worker_id} if plan is not None else set())
+        incarnations = tuple((wid, self._registry.get(wid).info.incarnation) for wid in sorted(names))
+        return Placement(decode_id, plan, local, incarnations)
+
+    def _shed(self, plan: PrefillPlan, arrived: float) -> Rejected | None:
+        """Reject now (429) a request that would miss the TTFT target anyway: admitting it would only
+        make every request behind it later too."""
+        view = self._registry.get(plan.worker_id).view
+        queue_ahead = view.queued_prefill_tokens > 0 or view.running > 0
+        ttft = self._guard.overshoot(plan, self.step_s(plan.worker_id), time.monotonic() - arrived, queue_ahead)
+        if ttft is None:
+            return None
+        self.shed += 1
+        limit = self._guard.limit_s
+        return Rejected(f"overloaded: predicted time to first token {ttft:.2f}s exceeds the {limit:.2f}s target",
+                        max(1.0, ttft - limit))
+

@@ -1,0 +1,80 @@
+"""The scheduler's request table: every request in flight, as its current attempt, and the KV each one
+has committed on its decode worker.
+
+One owner: admission reads `committed` to know a worker's room; every terminal path (finish report,
+failure, abort, worker loss, a superseded attempt) ends in `reclaim`, which is idempotent and ignores a
+report about any attempt but the current one.
+"""
+
+from __future__ import annotations
+
+from actors.protocol.ids import AttemptId
+from cluster.control.scheduler_state import Tracked
+
+
+class RequestTable:
+    def __init__(self) -> None:
+        self._requests: dict[str, Tracked] = {}
+        self._committed: dict[str, int] = {}  # worker id -> KV blocks promised to requests in flight
+        self.finished = 0
+        self.failed = 0
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def get(self, request_id: str) -> Tracked | None:
+        return self._requests.get(request_id)
+
+    def current(self, attempt: AttemptId) -> Tracked | None:
+        """The tracked request if `attempt` is its current attempt, else None (a stale message)."""
+        tracked = self._requests.get(attempt.request_id)
+        return tracked if tracked is not None and tracked.attempt == attempt else None
+
+    def commit(self, tracked: Tracked) -> Tracked | None:
+        """Track an attempt and commit its KV. Returns the older attempt it replaces, already reclaimed
+        (the caller aborts it on its workers): its KV is released, never overwritten."""
+        old = self._requests.get(tracked.request_id)
+        if old is not None:
+            self.reclaim(old.attempt, failed=True)
+        self._requests[tracked.request_id] = tracked
+        self._committed[tracked.decode_id] = self._committed.get(tracked.decode_id, 0) + tracked.blocks
+        return old
+
+    def reclaim(self, attempt: AttemptId | str, failed: bool) -> Tracked | None:
+        """End a request: by its attempt (only if it is the current one) or by request id (any attempt).
+        Returns what was tracked, or None if nothing was (a second call is a no-op)."""
+        tracked = self.current(attempt) if isinstance(attempt, AttemptId) else self._requests.get(attempt)
+        if tracked is None:
+            return None
+        del self._requests[tracked.request_id]
+        self._committed[tracked.decode_id] -= tracked.blocks
+        if not self._committed[tracked.decode_id]:
+            del self._committed[tracked.decode_id]
+        if failed:
+            self.failed += 1
+        else:
+            self.finished += 1
+        return tracked
+
+    def touching(self, worker_id: str) -> list[Tracked]:
+        return [t for t in self._requests.values() if worker_id in t.workers or t.decode_id == worker_id]
+
+    def committed(self, worker_id: str) -> int:
+        return self._committed.get(worker_id, 0)
+
+    def committed_blocks(self) -> dict[str, int]:
+        return dict(self._committed)
+
+    def check_integrity(self, known_workers: set[str]) -> None:
+        expected: dict[str, int] = {}
+        for t in self._requests.values():
+            expected[t.decode_id] = expected.get(t.decode_id, 0) + t.blocks
+        if self._committed != {wid: n for wid, n in expected.items() if n}:
+            raise RuntimeError(f"committed KV {self._committed} does not match the requests in flight {expected}")
+        for t in self._requests.values():
+            unknown = t.workers - known_workers
+            if unknown:
+                raise RuntimeError(f"request {t.request_id} tracked on unknown workers {sorted(unknown)}")
