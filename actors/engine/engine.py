@@ -19,10 +19,12 @@ from actors.engine.kv.block_pool import OutOfBlocksError
 from actors.engine.kv.cache_manager import KVCacheManager
 from actors.engine.model.runner import ModelRunner
 from actors.engine.outputs import CompletionOutput, EngineLoad, GenerationResult, RequestOutput, TokenLogprob
+from actors.engine.postprocess import append_token
 from actors.engine.sampling import Sampler, SampleResult, SamplingRow, skip_draws
 from actors.engine.sequence import Sequence
 from actors.engine.text.detokenizer import IncrementalDetokenizer
 from actors.engine.text.tokenizer import has_tokenizer, load_tokenizer, model_eos_token_ids
+from actors.engine.validation import RequestLimits, validate_request
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 
@@ -44,6 +46,9 @@ class Engine:
             )
         self.tokenizer = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
         self.eos_token_ids = model_eos_token_ids(model_dir, self.tokenizer)
+        self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.block_size, self.runner.num_kv_blocks,
+                                    config.enable_chunked_prefill, config.max_num_batched_tokens, config.detokenize,
+                                    frozenset(self.eos_token_ids))
         self.kv = KVCacheManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
             model_id=config.model_id or model_dir.name,
@@ -100,43 +105,7 @@ class Engine:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer: pass the prompt as token ids")
-            prompt_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_ids = list(prompt)
-            bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
-        if not prompt_ids or (isinstance(prompt, str) and not prompt):
-            raise ValueError("prompt is empty: give at least one token")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens but the context is {self.max_model_len} "
-                f"(max_model_len); shorten the prompt to leave room for at least one new token"
-            )
-        blocks_needed = -(-(len(prompt_ids) + 1) // self.config.block_size)
-        if blocks_needed > self.runner.num_kv_blocks:
-            raise ValueError(
-                f"prompt needs {blocks_needed} KV blocks but the cache has {self.runner.num_kv_blocks}"
-            )
-        if not self.config.enable_chunked_prefill and len(prompt_ids) > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens, above max_num_batched_tokens="
-                f"{self.config.max_num_batched_tokens} with chunked prefill off"
-            )
-        params.validate_token_ids(self.vocab_size)
-        if params.allowed_token_ids is not None and params.min_tokens > 0:
-            banned_early = self.eos_token_ids | set(params.stop_token_ids)
-            if set(params.allowed_token_ids) <= banned_early:
-                raise ValueError(
-                    "allowed_token_ids holds only end-of-sequence or stop tokens, which min_tokens forbids: "
-                    "no token could be sampled"
-                )
-        if params.stop and self.tokenizer is None and self.config.detokenize:
-            raise ValueError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)")
-        return prompt_ids
+        return validate_request(self.limits, self.tokenizer, prompt, params)
 
     def _new_sequence(self, request_id, index, prompt_ids, params, cache_salt) -> Sequence:
         generator = None
@@ -243,35 +212,16 @@ class Engine:
 
     def _append_token(self, seq: Sequence, res: SampleResult) -> RequestOutput:
         token = res.token_id
-        seq.output_token_ids.append(token)
-        if seq.status == RequestStatus.PREFILLING:
-            seq.status = RequestStatus.DECODING
-        params = seq.params
-        new_text = ""
-        status = None
-        if seq.detokenizer is not None:
-            detok = seq.detokenizer.add_tokens([token])
-            new_text = detok.new_text
-            if detok.stop_hit is not None:
-                status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_hit
-        n_out = len(seq.output_token_ids)
-        if status is None and n_out >= params.min_tokens:
-            if token in params.stop_token_ids:
-                status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, token
-            elif token in self.eos_token_ids and not params.ignore_eos:
-                status = RequestStatus.FINISHED_STOPPED
-        if status is None and (n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
+        status, new_text = append_token(seq, token, self.eos_token_ids, self.max_model_len)
         if status is None and seq.hand_off:
             seq.hand_off = False
             self.batcher.park(seq)  # out of the batch, blocks kept for the transfer
             seq.status = RequestStatus.TRANSFERRING
             self._handoffs[seq.request_id] = seq
         if status is not None:
-            if seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
-                new_text += seq.detokenizer.flush()  # no stop string matched: release the held-back text
             self.batcher.finish(seq, status)
             self._forget_if_done(seq.request_id)
+        params = seq.params
         logprobs = None
         if params.logprobs is not None:
             logprobs = [TokenLogprob(token, res.logprob, res.top_logprobs or [])]

@@ -24,7 +24,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
 
 import ray
 import torch
@@ -34,7 +33,6 @@ from actors.protocol.codec import ProtocolError, decode_note, encode
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import (
     FinishedAttempt,
-    FirstTokenWait,
     HandoffNote,
     KvReservation,
     LivePhase,
@@ -51,6 +49,7 @@ from actors.protocol.token_stream import TokenPublisher
 from actors.worker.handoff_table import HandoffTable, LeaseKind
 from actors.worker.kv_handoff import HandoffReceiver, HandoffSender
 from actors.worker.meter import WorkerMeter, rss_bytes
+from actors.worker.running import Running, engine_id
 from actors.worker.scheduler_link import SchedulerLink
 from actors.worker.spec import WorkerSpec
 from kv_transfer.collective_transport import init_collective
@@ -59,19 +58,6 @@ from kv_transfer.page_format import PageFormatError
 log = logging.getLogger("tandem.worker")
 _CALL_TIMEOUT_S = 30.0
 FAULTS = ("drop_kv_sends", "ignore_kv_arrivals", "hold_kv_writes", "slow_reserve")
-
-
-@dataclass
-class Running:
-    """An attempt in this worker's engine."""
-
-    request: WorkerRequest
-    times: StageTimes
-
-
-def engine_id(attempt: AttemptId) -> str:
-    """The engine's key for an attempt; only ever looked up, never parsed."""
-    return f"{attempt.request_id}/{attempt.attempt}"
 
 
 class Worker:
@@ -291,24 +277,7 @@ class Worker:
             run = self._running.get(out.request_id)
             if run is None:
                 continue
-            logprobs = None
-            if out.new_logprobs is not None:
-                logprobs = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.new_logprobs]
-            offset = out.num_output_tokens - len(out.new_token_ids)
-            times = None
-            if offset == 0 or out.finished:  # stamps travel on the first and the last delta only
-                if offset == 0:
-                    run.times = replace(run.times, scheduled=out.first_scheduled_time, first_token=time.time())
-                    if run.times.received is not None:  # what the scheduler's TTFT prediction is checked against
-                        self._meter.first_token_waits.append(
-                            FirstTokenWait(run.request.attempt, run.times.first_token - run.times.received))
-                if out.finished:
-                    run.times = replace(run.times, finished=time.time())
-                times = run.times
-            by_sink.setdefault(run.request.request.sink, []).append(TokenDelta(
-                run.request.attempt, out.index, offset, tuple(out.new_token_ids), out.status,
-                out.num_prompt_tokens, out.num_cached_tokens, None, logprobs, times,
-            ))
+            by_sink.setdefault(run.request.request.sink, []).append(run.delta(out, self._meter))
             if out.status == RequestStatus.TRANSFERRING:
                 self._hand_off(out.request_id, run, out)
             elif out.finished:

@@ -1,0 +1,41 @@
+"""An attempt running in a worker's engine, and what each of its engine outputs becomes on the wire."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from actors.engine.outputs import RequestOutput
+from actors.protocol.ids import AttemptId
+from actors.protocol.messages import FirstTokenWait, StageTimes, TokenDelta, WorkerRequest
+from actors.worker.meter import WorkerMeter
+
+
+def engine_id(attempt: AttemptId) -> str:
+    """The engine's key for an attempt; only ever looked up, never parsed."""
+    return f"{attempt.request_id}/{attempt.attempt}"
+
+
+@dataclass
+class Running:
+    request: WorkerRequest
+    times: StageTimes
+
+    def delta(self, out: RequestOutput, meter: WorkerMeter) -> TokenDelta:
+        """The token delta of one engine output; stamps travel on the first and the last delta only."""
+        logprobs = None
+        if out.new_logprobs is not None:
+            logprobs = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.new_logprobs]
+        offset = out.num_output_tokens - len(out.new_token_ids)
+        times = None
+        if offset == 0 or out.finished:
+            if offset == 0:
+                self.times = replace(self.times, scheduled=out.first_scheduled_time, first_token=time.time())
+                if self.times.received is not None:  # what the scheduler's TTFT prediction is checked against
+                    meter.first_token_waits.append(
+                        FirstTokenWait(self.request.attempt, self.times.first_token - self.times.received))
+            if out.finished:
+                self.times = replace(self.times, finished=time.time())
+            times = self.times
+        return TokenDelta(self.request.attempt, out.index, offset, tuple(out.new_token_ids), out.status,
+                          out.num_prompt_tokens, out.num_cached_tokens, None, logprobs, times)
