@@ -14,6 +14,10 @@ Roles:
 
 State: `_running` (attempts in the engine, by engine id) and the handoff table (reservations and
 holds) are this worker's; the engine owns its blocks and queues behind its methods.
+
+Why one file of ~370 lines: every engine-thread command (submit, adopt, abort, hand-off, expiry,
+failure, report) is a short method on the one thread that may touch the engine; splitting them would
+put that rule in several places.
 """
 
 from __future__ import annotations

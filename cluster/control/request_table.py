@@ -18,6 +18,7 @@ class RequestTable:
         self._committed: dict[str, int] = {}  # worker id -> KV blocks promised to requests in flight
         self.finished = 0
         self.failed = 0
+        self.cancelled = 0  # ended by their client (abort, deadline, disconnect) before the cluster finished
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -43,7 +44,7 @@ class RequestTable:
         self._committed[tracked.decode_id] = self._committed.get(tracked.decode_id, 0) + tracked.blocks
         return old
 
-    def reclaim(self, attempt: AttemptId | str, failed: bool) -> Tracked | None:
+    def reclaim(self, attempt: AttemptId | str, failed: bool, cancelled: bool = False) -> Tracked | None:
         """End a request: by its attempt (only if it is the current one) or by request id (any attempt).
         Returns what was tracked, or None if nothing was (a second call is a no-op)."""
         tracked = self.current(attempt) if isinstance(attempt, AttemptId) else self._requests.get(attempt)
@@ -55,6 +56,8 @@ class RequestTable:
             del self._committed[tracked.decode_id]
         if failed:
             self.failed += 1
+        elif cancelled:
+            self.cancelled += 1
         else:
             self.finished += 1
         return tracked

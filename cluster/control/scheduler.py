@@ -268,12 +268,12 @@ class Scheduler:
 
     async def abort(self, request_id: str) -> bool:
         tracked = self._table.get(request_id)
-        return tracked is not None and self._reclaim(tracked.attempt, failed=False)
+        return tracked is not None and self._reclaim(tracked.attempt, failed=False, cancelled=True)
 
-    def _reclaim(self, attempt: AttemptId, failed: bool, skip: str | None = None) -> bool:
+    def _reclaim(self, attempt: AttemptId, failed: bool, skip: str | None = None, cancelled: bool = False) -> bool:
         """Every terminal path ends here; a second call for the same attempt, or a report about an older
         attempt, does nothing."""
-        tracked = self._table.reclaim(attempt, failed)
+        tracked = self._table.reclaim(attempt, failed, cancelled)
         if tracked is None:
             return False
         self._abort_on_workers(tracked, skip)
@@ -302,7 +302,7 @@ class Scheduler:
     async def state(self) -> SchedulerState:
         entries = self._registry.entries()
         counters = SchedulerCounters(
-            self._submitted, self._rejected, self._table.finished, self._table.failed,
+            self._submitted, self._rejected, self._table.finished, self._table.failed, self._table.cancelled,
             self._local_prefills, self._rerouted, self._placer.shed, self._registry.workers_lost)
         return SchedulerState(
             {wid: dataclasses.replace(e.view) for wid, e in entries.items()},

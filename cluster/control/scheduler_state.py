@@ -59,6 +59,7 @@ class SchedulerCounters:
     rejected: int
     finished: int
     failed: int
+    cancelled: int
     local_prefills: int
     rerouted: int
     shed: int

@@ -108,6 +108,7 @@ class RequestStream:
         self.migrations_left = max_migrations if params.n == 1 else 0
         self.migration_pending = False  # its worker was lost: resubmit with what was emitted so far
         self._dead_attempts: set[AttemptId] = set()  # given up on: their late deltas are stale
+        self._ended_here = False  # ended by this side (deadline, refused migration): abort it in the cluster
 
     @property
     def request_id(self) -> str:
@@ -127,9 +128,10 @@ class RequestStream:
 
     @property
     def needs_abort(self) -> bool:
-        """The cluster may still be generating: unfinished, or ended here by a stop string."""
+        """The cluster may still be generating: unfinished, or ended here (a stop string, the request's
+        deadline, a refused migration) rather than by the cluster."""
         stopped_by_text = any(s._detok is not None and s._detok.stop_hit is not None for s in self.samples)
-        return not self.finished or stopped_by_text
+        return not self.finished or stopped_by_text or self._ended_here
 
     def migration_request(self) -> GenerateRequest:
         """The request to submit again after a worker loss: continue from the tokens already emitted."""
@@ -139,6 +141,7 @@ class RequestStream:
     def fail(self, message: str, status: RequestStatus = RequestStatus.FAILED) -> list[StreamEvent]:
         """End every unfinished sample here (FAILED, or TIMED_OUT at the request's deadline)."""
         events = []
+        self._ended_here = self._ended_here or not self.finished
         for s in self.samples:
             if not s.result.status.is_finished():
                 events += s.feed(TokenDelta(_CLIENT_SIDE, s.result.index, 0, (), status, 0, 0, message))

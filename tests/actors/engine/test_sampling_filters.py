@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from actors.engine.sampling import min_p_filter, top_k_filter, top_p_filter, typical_filter
+from actors.engine.sampling_filters import min_p_filter, top_k_filter, top_p_filter, typical_filter
 from tests.helpers.sampling import support
 
 # --- Filters: exact supports. ---

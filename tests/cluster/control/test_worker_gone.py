@@ -27,7 +27,7 @@ def test_migration_gives_up_with_a_clear_error_when_no_worker_returns(ray_sessio
         events = list(stream)
         assert events[-1].finished and events[-1].finish_reason == "error"
         assert "could not be migrated" in events[-1].error
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 30  # admission deadline + detection; a hang would be the 60 s timeout
     finally:
         cluster.workers.pop("decode-0")
         cluster.shutdown()
