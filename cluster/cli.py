@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from actors.engine.model.default_model import DEFAULT_MODEL
+from experiments.smoke import shrink
 
 _DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     add_plan(sub.add_parser("plan", help="simulate the cluster and recommend prefill/decode pool sizes under SLOs"))
 
     args = parser.parse_args(argv)
+    shrink(args, getattr(args, "smoke", None))  # TANDEM_SMOKE=1: bench and plan commands at toy sizes
     try:
         return args.func(args)
     except ValueError as exc:
@@ -165,6 +167,8 @@ def _scale(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
+    import ray
+
     from cluster.control.config import TandemConfig
     from cluster.control.launch import Cluster
     from cluster.control.scaling import ConfigWatcher
@@ -178,8 +182,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         server = make_server(cluster, host, port)
         pools = ", ".join(f"{role} x{pool.replicas}" for role, pool in config.pools().items())
+        # The Ray address is what `tandem generate --address` (or RAY_ADDRESS) takes to reach this cluster.
         print(f"tandem: serving model {served_model_name(cluster)!r} ({config.mode}: {pools}) at "
-              f"http://{host}:{port}/v1; Ctrl-C stops", flush=True)
+              f"http://{host}:{port}/v1, Ray at {ray.get_runtime_context().gcs_address}; Ctrl-C stops", flush=True)
         try:
             server.run()  # returns (or re-raises the interrupt) after a graceful HTTP shutdown
         except KeyboardInterrupt:

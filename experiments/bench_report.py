@@ -1,20 +1,48 @@
-"""The entry point every `tandem bench ...` command shares: run it, print, keep its JSON report."""
+"""What every `tandem bench ...` command shares at its end.
+
+`--out` means the same everywhere: the path of the result JSON (default `bench-<name>-<time>.json` in
+the working directory); a command that draws PNGs puts them beside it. The last line printed sums the
+run up in one line, `tandem bench <name>: ...; wrote <path>`, so a log or a CI job shows the result
+without opening the file.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 
-def report_main(bench: Callable[[argparse.Namespace], dict]) -> Callable[[argparse.Namespace], int]:
-    """Wrap `bench(args) -> report` as a subcommand: the report goes to `--out` when given."""
+def add_out_argument(p: argparse.ArgumentParser, name: str, beside: str = "") -> None:
+    p.add_argument("--out", default=None,
+                   help=f"result JSON (default: bench-{name}-<time>.json){'; ' + beside if beside else ''}")
+
+
+def out_path(name: str, out: str | None) -> Path:
+    path = Path(out or f"bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def summary_line(name: str, text: str, out: Path, plots: Sequence[Path] = ()) -> str:
+    beside = f" and {len(plots)} PNGs beside it ({', '.join(p.name for p in plots)})" if plots else ""
+    return f"tandem bench {name}: {text}; wrote {out}{beside}"
+
+
+def report_main(name: str, bench: Callable[[argparse.Namespace], dict],
+                summarize: Callable[[dict], str]) -> Callable[[argparse.Namespace], int]:
+    """Wrap `bench(args) -> report` as a subcommand that writes the report to `--out` and sums it up."""
     def main(args: argparse.Namespace) -> int:
+        out = out_path(name, args.out)  # before the run: a bad path fails at once, not after it
         report = bench(args)
-        if args.out:
-            Path(args.out).write_text(json.dumps(report, indent=2))
-            print(f"report written to {args.out}")
+        write_json(out, report)
+        print(summary_line(name, summarize(report), out), flush=True)
         return 0
 
     return main

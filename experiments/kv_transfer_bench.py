@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from experiments.smoke import shrink
 from kv_transfer.page_format import PageSpec, TransferHeader
 from kv_transfer.zmq_transport import ZmqKVReceiver, ZmqKVSender
 
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-mib-per-size", type=int, default=256, help="bytes sent per size (at least 5 transfers)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
+    shrink(args, {"sizes_mib": [1], "min_mib_per_size": 4})  # smoke mode (TANDEM_SMOKE=1): one small size
     torch.set_num_threads(1)
     rows = [r for t in args.transports for r in run_transport(t, args.sizes_mib, args.min_mib_per_size << 20)]
     if args.json:

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
 from cluster.control.config import EngineSection, TandemConfig
+from experiments.bench_report import add_out_argument, out_path, summary_line, write_json
 from experiments.compare.layouts import DEFAULT_LAYOUTS, WorkerResources, parse_layouts
 from experiments.compare.model import COMPARE_MODEL, resolve_compare_model
-from experiments.compare.report import format_compare
+from experiments.compare.report import format_compare, headline
 from experiments.compare.rescore import format_grid, slo_grid
 from experiments.compare.run import ComparePlan, run_compare
-from experiments.loadgen.cli import add_load_arguments, rates_from_args, spec_from_args
+from experiments.loadgen.cli import SMOKE_LOAD, add_load_arguments, rates_from_args, spec_from_args
 from experiments.planner.profile import EngineLimits, EngineProfile
 
 # Without --config: chunked prefill in 512-token chunks (what a colocated worker needs to keep decoding
@@ -44,12 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sim.add_argument("--profile", default=None, help="engine profile JSON: predict each run with the simulator")
     sim.add_argument("--measure-profile", action="store_true",
                      help="profile the engine here first (`tandem plan profile`), saved next to the result")
+    sim.add_argument("--profile-repeats", type=int, default=5, help="timings per profiled step shape (median)")
     o = p.add_argument_group("output")
-    o.add_argument("--out", default=None, help="result JSON (default: bench-compare-<time>.json); PNGs and the "
-                                               "layouts' configs and server logs go next to it")
+    add_out_argument(o, "compare", "PNGs and the layouts' configs and server logs go beside it")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=run, base_url="http://unused", api_key=None, served_model=None)
+    # Smoke mode (TANDEM_SMOKE=1): the tiny model, no pause between layouts, the load generator's toy load.
+    p.set_defaults(func=run, base_url="http://unused", api_key=None, served_model=None,
+                   smoke={**SMOKE_LOAD, "model": "builtin:tiny-llama", "cooldown": 0.0, "profile_repeats": 1})
 
 
 def _base_config(path: str | None) -> TandemConfig:
@@ -67,7 +68,7 @@ def _profile(args: argparse.Namespace, base: TandemConfig, model: str, out: Path
 
     limits = EngineLimits.from_config(base)
     print(f"profiling {model} ({args.threads_per_worker} thread(s)) for the planner")
-    profile = profile_engine(model, base.model.dtype, args.threads_per_worker, limits)
+    profile = profile_engine(model, base.model.dtype, args.threads_per_worker, limits, repeats=args.profile_repeats)
     path = out.parent / f"{out.stem}_profile.json"
     profile.save(path)
     print(f"profile written to {path}")
@@ -96,11 +97,10 @@ def plan_from_args(args: argparse.Namespace, out: Path) -> ComparePlan:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.out or f"bench-compare-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = out_path("compare", args.out)
     data = run_compare(plan_from_args(args, out))
     data["slo_sensitivity"] = slo_grid(data)
-    out.write_text(json.dumps(data, indent=1))
+    write_json(out, data)
     print(format_compare(data))
     print(format_grid(data["slo_sensitivity"]))
     plots = []
@@ -108,5 +108,14 @@ def run(args: argparse.Namespace) -> int:
         from experiments.compare.plots import write_compare_plots  # matplotlib loads only when plotting
 
         plots = write_compare_plots(data, out)
-    print(f"\nwrote {out}" + (f" and {', '.join(p.name for p in plots)}" if plots else ""))
+    print(summary_line("compare", summarize(data), out, plots), flush=True)
     return 0
+
+
+def summarize(data: dict) -> str:
+    """Each layout's goodput and SLO attainment at each rate, the first layout's being the baseline."""
+    def at(rate: float | None) -> str:
+        return "the trace's rate" if rate is None else f"{rate:.3g} req/s"
+
+    return "; ".join(f"{r['layout']} at {at(r['rate_rps'])}: goodput {r['goodput_rps']:.2f} req/s, "
+                     f"attainment {100 * r['attainment']:.0f}%" for r in headline(data))

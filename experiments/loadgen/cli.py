@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import time
-from pathlib import Path
 
+from experiments.bench_report import add_out_argument, out_path, summary_line
 from experiments.loadgen.report import format_run, format_sweep
 from experiments.loadgen.runner import run_benchmark
+from experiments.loadgen.server_wait import wait_for_server
 from experiments.loadgen.spec import ArrivalSpec, BenchSpec, LengthDist, WorkloadSpec
 from experiments.loadgen.sweep import DEFAULT_TARGET, sweep
+
+# Smoke mode (TANDEM_SMOKE=1, see experiments/smoke.py): a few short requests for a few seconds.
+SMOKE_LOAD = {"duration": 3.0, "num_requests": 6, "warmup": 1, "prompt_len": LengthDist.parse("uniform:16:64"),
+              "output_len": LengthDist.parse("uniform:4:8"), "sweep_steps": 2, "sweep_refine": 0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,12 +22,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
     p.add_argument("--model", default=None, help="model name (default: the first one /v1/models lists)")
     p.add_argument("--api-key", default=None, help="bearer token")
+    p.add_argument("--wait-server", type=float, default=300.0, metavar="S",
+                   help="seconds to wait for the server to answer first, e.g. while `tandem serve` starts (default: %(default)s)")
     add_load_arguments(p)
     o = p.add_argument_group("output")
-    o.add_argument("--out", default=None, help="result JSON (default: bench-serve-<time>.json); PNGs go next to it")
+    add_out_argument(o, "serve", "PNGs go beside it")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, smoke=SMOKE_LOAD)
 
 
 def add_load_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,7 +111,8 @@ def _first_rate(args: argparse.Namespace) -> float | None:
 
 def run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
-    out = Path(args.out or f"bench-serve-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = out_path("serve", args.out)
+    wait_for_server(spec.root_url, args.wait_server, {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None)
     if args.sweep or args.rates:
         result = sweep(spec, rates_from_args(args), factor=args.sweep_factor, max_steps=args.sweep_steps,
                        refine=args.sweep_refine, target=args.target_attainment,
@@ -119,5 +126,17 @@ def run(args: argparse.Namespace) -> int:
     from experiments.loadgen.plots import write_plots  # matplotlib loads only when plotting
 
     plots = [] if args.no_plots else write_plots(data, out)
-    print(f"\nwrote {out}" + (f" and {', '.join(p.name for p in plots)}" if plots else ""))
+    print(summary_line("serve", summarize(data), out, plots), flush=True)
     return 0
+
+
+def summarize(data: dict) -> str:
+    if data.get("sweep"):
+        best = data["best_rate"]
+        return (f"{len(data['runs'])} rates tried; highest with >= {100 * data['target']:.0f}% SLO attainment: "
+                + ("none" if best is None else f"{best:.3g} req/s"))
+    c, lat, slo = data["counts"], data["latency_ms"], data["slo"]
+    p50 = lambda name: "-" if lat[name]["p50"] is None else f"{lat[name]['p50']:.1f}"  # noqa: E731
+    return (f"{c['sent']} sent, {c['completed']} completed, {c['failed']} failed; TTFT p50 {p50('ttft')} ms, "
+            f"TPOT p50 {p50('tpot')} ms; SLO attainment {100 * slo['attainment']:.1f}%, "
+            f"goodput {slo['goodput_rps']:.2f} req/s")

@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lay.add_argument("--no-local-prefill", action="store_true", help="decode workers never prefill (scheduler.local_prefill: false)")
     lay.add_argument("--routing", default="cache_aware", choices=["cache_aware", "least_loaded", "round_robin"])
     p.add_argument("--out", default=None, help="write the whole search as JSON here")
-    p.set_defaults(func=_plan)
+    # Smoke mode (TANDEM_SMOKE=1): a short trace per rate, layouts of up to 2 workers.
+    p.set_defaults(func=_plan, smoke={"num_requests": 50, "max_workers": 2})
 
     sub = p.add_subparsers(dest="plan_command")
     prof = sub.add_parser("profile", help="time the real engine on this machine and write a profile JSON")
@@ -57,8 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prof.add_argument("--max-num-batched-tokens", type=int, default=2048)
     prof.add_argument("--transfer-gbps", type=float, default=None,
                       help="KV transfer GB/s to record instead of measuring zmq ipc here")
+    prof.add_argument("--repeats", type=int, default=5, help="timings per step shape (the median is kept)")
     prof.add_argument("--out", required=True, help="profile JSON to write")
-    prof.set_defaults(func=_profile)
+    prof.set_defaults(func=_profile, smoke={"model": "builtin:tiny-llama", "repeats": 1})
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -72,7 +74,7 @@ def _profile(args: argparse.Namespace) -> int:
     limits = EngineLimits(args.block_size, args.num_kv_blocks, args.max_num_seqs, args.max_num_batched_tokens)
     print(f"profiling {model} ({args.threads} thread(s), {args.dtype})")
     measure = args.transfer_gbps is None
-    profile = profile_engine(model, args.dtype, args.threads, limits, measure_link=measure,
+    profile = profile_engine(model, args.dtype, args.threads, limits, repeats=args.repeats, measure_link=measure,
                              transfer_bytes_per_s=(args.transfer_gbps or 2.0) * 1e9)
     profile.save(args.out)
     print(f"profile written to {args.out}")
