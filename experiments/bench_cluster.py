@@ -1,7 +1,8 @@
 """`tandem bench cluster`: what the cluster stack costs over the in-process engine.
 
 - TPOT through a 1P+1D cluster / TPOT of the in-process engine on the same requests, at 1 and 16
-  concurrent requests (`--concurrency`) (same torch thread count per engine: the decode worker's).
+  concurrent requests by default (`--concurrency`), with the same torch thread count per engine (the
+  decode worker's).
 - Time to first token at idle minus the prefill compute time of the same prompt.
 All numbers come from one run; ratios compare within it.
 """

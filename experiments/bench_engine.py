@@ -45,6 +45,7 @@ def make_workloads(vocab_size: int, seed: int = 0, scale: float = 1.0) -> list[W
     """Prefill-heavy: 16 prompts of 512 tokens, 64 out; decode-heavy: 32 of 64 tokens, 16..256 out
     (every count and length times `scale`)."""
     g = torch.Generator().manual_seed(seed)
+
     def n(x: int) -> int:
         return max(1, round(x * scale))
 
