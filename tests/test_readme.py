@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from experiments.compare.server import free_port, session_pids
+from experiments.compare.server import free_port, reap_session
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -212,14 +212,7 @@ class Proc:
 
     def reap(self, grace_s: float = 15.0) -> list[int]:
         """Wait for the session to empty, then kill what is left; returns the pids that were left."""
-        deadline = time.monotonic() + grace_s
-        while (pids := session_pids(self.proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        pids = reap_session(self.proc.pid, grace_s)
         self.proc.wait(10)
         return pids
 

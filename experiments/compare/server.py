@@ -99,27 +99,29 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        leftovers = self._reap_session(sid)
+        leftovers = reap_session(sid)
         deadline = time.monotonic() + 10
         while not port_is_free(self.host, self.port) and time.monotonic() < deadline:
             time.sleep(0.2)
         return {"returncode": self.proc.returncode, "leftover_pids": leftovers,
                 "port_free": port_is_free(self.host, self.port)}
 
-    def _reap_session(self, sid: int) -> list[int]:
-        """Give the session's daemons a few seconds to exit on their own, then kill what is left."""
-        deadline = time.monotonic() + 10
-        while (pids := session_pids(sid)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return pids
-
     def _tail(self, chars: int = 3000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+
+def reap_session(sid: int, grace_s: float = 10.0) -> list[int]:
+    """Give a session's processes `grace_s` to exit on their own, then kill what is left; returns the
+    pids that were left (a clean stop leaves none)."""
+    deadline = time.monotonic() + grace_s
+    while (pids := session_pids(sid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
