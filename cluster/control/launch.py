@@ -41,6 +41,10 @@ class Cluster:
         owns_ray = not ray.is_initialized()
         if owns_ray:
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            # Ray runs its workers at nice 15 so its own daemons stay responsive; here the workers *are*
+            # the job, and at nice 15 any busy neighbour starves them (a worker took over 300 s to
+            # import torch beside one `stress-ng --cpu 2`). The raylet reads this when ray.init starts it.
+            os.environ.setdefault("RAY_worker_niceness", "0")
             needed = sum(p.replicas * p.num_cpus for p in config.pools().values()) + 1
             kwargs = {"namespace": NAMESPACE, "include_dashboard": False, "log_to_driver": True}
             if address:

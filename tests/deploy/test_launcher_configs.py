@@ -122,6 +122,7 @@ def test_every_ray_start_uses_token_auth_with_the_shared_token(path):
               if "ray start" in c or "tandem serve" in c]
     assert len(starts) == 3
     assert all("RAY_AUTH_MODE=token" in c for c in starts)
+    assert all("RAY_worker_niceness=0" in c for c in starts if "ray start" in c)  # workers not starved
 
 
 @pytest.mark.parametrize("path", LAUNCHER_CONFIGS, ids=lambda p: p.name)
