@@ -128,7 +128,7 @@ def _generate_on_cluster(args: argparse.Namespace, params) -> int:
         scheduler = ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
     except ValueError:
         raise ValueError(f"no tandem cluster at Ray address {args.address!r}: start one with `tandem serve`") from None
-    client = TandemClient(scheduler, load_tokenizer(config.engine_config().model), host=config.transfer.host)
+    client = TandemClient.connect(scheduler, load_tokenizer(config.engine_config().model), host=config.transfer.host)
     try:
         out = client.generate([args.prompt], params)[0][0]
     finally:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""KV transfer throughput over zmq (ipc, tcp), as a ratio to an in-process memcpy of the same bytes.
+"""KV transfer throughput over zmq (ipc, tcp; plain or CURVE), as a ratio to an in-process memcpy.
 
 Two processes: this one sends (ZmqKVSender), a spawned child receives (ZmqKVReceiver) into its own
 cache and reports each completion time (CLOCK_MONOTONIC, shared by processes on Linux) through a
@@ -10,9 +10,12 @@ scattered destination blocks; it does not include a control-plane ack.
 
 Baseline: `dst.copy_(src)` of one contiguous tensor of the same size into a preallocated one, in this
 process, best of several runs. Every process runs torch with one thread, so the ratio compares one
-core's copy with a pipeline of two processes.
+core's copy with a pipeline of two processes. With `--encryption none curve` each size is measured
+both ways, one after the other in the same run, and `curve_over_none` is their throughput ratio (what
+`transfer.encryption: curve` costs on that link).
 
-    python experiments/kv_transfer_bench.py [--sizes-mib 1 4 16 64] [--transports ipc tcp] [--json]
+    python experiments/kv_transfer_bench.py [--sizes-mib 1 4 16 64] [--transports ipc tcp]
+                                            [--encryption none curve] [--json]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 import torch
 
 from experiments.smoke import shrink
+from kv_transfer.curve import CurveKeys
 from kv_transfer.page_format import PageSpec, TransferHeader
 from kv_transfer.zmq_transport import ZmqKVReceiver, ZmqKVSender
 
@@ -42,10 +46,10 @@ def make_caches(num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(shape).to(DTYPE), torch.randn(shape).to(DTYPE)) for _ in range(NUM_LAYERS)]
 
 
-def _receiver_main(transport: str, num_blocks: int, endpoint_q, done_q, stop) -> None:
+def _receiver_main(transport: str, num_blocks: int, keys: CurveKeys | None, endpoint_q, done_q, stop) -> None:
     torch.set_num_threads(1)
     rx = ZmqKVReceiver(make_caches(num_blocks), lambda h: done_q.put(time.monotonic()),
-                       lambda h, e: done_q.put(repr(e)), transport=transport)
+                       lambda h, e: done_q.put(repr(e)), transport=transport, keys=keys)
     rx.start()
     endpoint_q.put(rx.endpoint)
     stop.wait(600)
@@ -64,15 +68,16 @@ def memcpy_gbps(nbytes: int, reps: int) -> float:
     return nbytes / best / 1e9
 
 
-def run_transport(transport: str, sizes_mib: list[int], min_bytes: int) -> list[dict]:
+def run_transport(transport: str, sizes_mib: list[int], min_bytes: int, encryption: str) -> list[dict]:
     num_blocks = int(max(sizes_mib) / BLOCK_MIB) * 2 + 8
     caches = make_caches(num_blocks)
+    keys = CurveKeys.generate() if encryption == "curve" else None
     ctx = mp.get_context("spawn")
     endpoint_q, done_q, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_receiver_main, args=(transport, num_blocks, endpoint_q, done_q, stop), daemon=True)
+    proc = ctx.Process(target=_receiver_main, args=(transport, num_blocks, keys, endpoint_q, done_q, stop), daemon=True)
     proc.start()
     rows = []
-    sender = ZmqKVSender()
+    sender = ZmqKVSender(keys=keys)
     try:
         endpoint = endpoint_q.get(timeout=60)
         rng = random.Random(0)
@@ -90,7 +95,7 @@ def run_transport(transport: str, sizes_mib: list[int], min_bytes: int) -> list[
             t_end = max(_expect_completion(done_q) for _ in range(reps))
             gbps = reps * nbytes / (t_end - t0) / 1e9
             base = memcpy_gbps(nbytes, reps=10)
-            rows.append(dict(transport=transport, size_mib=mib, bytes=nbytes, reps=reps, gb_per_s=round(gbps, 3),
+            rows.append(dict(transport=transport, encryption=encryption, size_mib=mib, bytes=nbytes, reps=reps, gb_per_s=round(gbps, 3),
                              memcpy_gb_per_s=round(base, 3), ratio_to_memcpy=round(gbps / base, 3)))
     finally:
         sender.close()
@@ -112,22 +117,37 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--transports", nargs="+", choices=["ipc", "tcp"], default=["ipc", "tcp"])
+    ap.add_argument("--encryption", nargs="+", choices=["none", "curve"], default=["none"],
+                    help="measure plain sockets, CURVE ones, or both (then their ratio too)")
     ap.add_argument("--min-mib-per-size", type=int, default=256, help="bytes sent per size (at least 5 transfers)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
     shrink(args, {"sizes_mib": [1], "min_mib_per_size": 4})  # smoke mode (TANDEM_SMOKE=1): one small size
     torch.set_num_threads(1)
-    rows = [r for t in args.transports for r in run_transport(t, args.sizes_mib, args.min_mib_per_size << 20)]
+    rows = [r for t in args.transports for e in args.encryption
+            for r in run_transport(t, args.sizes_mib, args.min_mib_per_size << 20, e)]
+    _add_curve_ratio(rows)
     if args.json:
         print(json.dumps({"layout": {**LAYOUT, "num_layers": NUM_LAYERS, "dtype": str(DTYPE)},
                           "processes": "sender and receiver in two processes", "torch_threads": 1,
                           "machine": platform.platform(), "results": rows}, indent=2))
         return
     print(f"KV transfer, sender and receiver in two processes; {NUM_LAYERS} layers x {LAYOUT}, {DTYPE}")
-    print(f"{'transport':>9} {'MiB':>5} {'reps':>5} {'GB/s':>8} {'memcpy GB/s':>12} {'ratio':>7}")
+    print(f"{'transport':>9} {'crypto':>6} {'MiB':>5} {'reps':>5} {'GB/s':>8} {'memcpy GB/s':>12} {'ratio':>7} "
+          f"{'curve/none':>10}")
     for r in rows:
-        print(f"{r['transport']:>9} {r['size_mib']:>5} {r['reps']:>5} {r['gb_per_s']:>8.2f} "
-              f"{r['memcpy_gb_per_s']:>12.2f} {r['ratio_to_memcpy']:>7.3f}")
+        cost = f"{r['curve_over_none']:>10.3f}" if "curve_over_none" in r else f"{'':>10}"
+        print(f"{r['transport']:>9} {r['encryption']:>6} {r['size_mib']:>5} {r['reps']:>5} {r['gb_per_s']:>8.2f} "
+              f"{r['memcpy_gb_per_s']:>12.2f} {r['ratio_to_memcpy']:>7.3f} {cost}")
+
+
+def _add_curve_ratio(rows: list[dict]) -> None:
+    """On each CURVE row: its throughput over the plain one of the same transport and size."""
+    plain = {(r["transport"], r["size_mib"]): r["gb_per_s"] for r in rows if r["encryption"] == "none"}
+    for r in rows:
+        base = plain.get((r["transport"], r["size_mib"]))
+        if r["encryption"] == "curve" and base:
+            r["curve_over_none"] = round(r["gb_per_s"] / base, 3)
 
 
 if __name__ == "__main__":

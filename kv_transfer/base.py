@@ -24,6 +24,10 @@ Promises
 - On a spec mismatch, destination ids outside its pool, wrong page sizes or a header it cannot decode,
   the receiver writes NOTHING into its caches and calls `on_error(header, exc)` (`header` is None if
   it could not be decoded) with a `PageFormatError` that says what was wrong, then keeps serving.
+  Nothing is allocated for a transfer before its header passed these checks.
+- Every message the receiver throws away is counted by reason in `drops` (`kv_transfer.drops`); no
+  message, however malformed, stops the receiving thread. `alive` is False only once the thread has
+  ended (closed, or killed on purpose by a chaos hook): its owner treats that as a failed process.
 - The receiver never blocks forever: it waits for work with a poll timeout, so `close()` returns
   within about one poll interval (plus the transfer being written, if any). `close()` is idempotent.
 - The receiver does not know about leases or requests: which blocks are reserved, when a lease
@@ -40,6 +44,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from kv_transfer.drops import DropCounter
 from kv_transfer.page_format import PageFormatError, PageSpec, TransferHeader
 
 logger = logging.getLogger(__name__)
@@ -136,6 +141,7 @@ class KVReceiver(ABC):
         self._on_error = on_error
         self._admit_hook = admit
         self._ok = self._refused = self._bytes = 0
+        self.drops = DropCounter("kv_receiver")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -155,6 +161,10 @@ class KVReceiver(ABC):
     def stats(self) -> ReceiverStats:
         return ReceiverStats(self._ok, self._refused, self._bytes)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def _start_thread(self, name: str) -> None:
         if self._thread is not None:
             raise RuntimeError(f"{type(self).__name__} already started")
@@ -172,10 +182,8 @@ class KVReceiver(ABC):
     def _run(self) -> None:
         """The receiving loop; must return soon after `self._stop` is set."""
 
-    def _admit(self, header: TransferHeader, page_sizes: Sequence[int]) -> torch.Tensor:
-        """Check a header and the sizes of its page payloads before anything is written, then ask `admit`.
-
-        Returns the destination ids as an index tensor; raises PageFormatError."""
+    def _check_header(self, header: TransferHeader) -> None:
+        """What a header alone must satisfy before anything is allocated or written; raises PageFormatError."""
         header.spec.check_compatible(self.spec)
         dest = header.dest_block_ids
         bad = [b for b in dest if b >= self.num_blocks]
@@ -183,7 +191,14 @@ class KVReceiver(ABC):
             raise PageFormatError(f"transfer {header.transfer_id}: dest block ids {bad[:8]} outside the "
                                   f"receiver's pool [0, {self.num_blocks})")
         if len(set(dest)) != len(dest):
-            raise PageFormatError(f"transfer {header.transfer_id}: dest block ids repeat: {list(dest)}")
+            raise PageFormatError(f"transfer {header.transfer_id}: dest block ids repeat: {list(dest)[:16]}")
+
+    def _admit(self, header: TransferHeader, page_sizes: Sequence[int]) -> torch.Tensor:
+        """Check a header and the sizes of its page payloads before anything is written, then ask `admit`.
+
+        Returns the destination ids as an index tensor; raises PageFormatError."""
+        self._check_header(header)
+        dest = header.dest_block_ids
         want = header.num_blocks * self.spec.page_nbytes
         if len(page_sizes) != 2 * self.spec.num_layers or any(n != want for n in page_sizes):
             raise PageFormatError(
@@ -202,8 +217,8 @@ class KVReceiver(ABC):
 
     def _refuse(self, header: TransferHeader | None, exc: Exception) -> None:
         self._refused += 1
-        tid = header.transfer_id if header is not None else "?"
-        logger.warning("%s refused transfer %s: %s", type(self).__name__, tid, exc)
+        reason = "malformed" if header is None else "refused" if isinstance(exc, PageFormatError) else "error"
+        self.drops.drop(reason, exc)
         self._call(self._on_error, header, exc)
 
     @staticmethod

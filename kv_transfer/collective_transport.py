@@ -34,6 +34,7 @@ Limits (honest):
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -97,10 +98,22 @@ def host_rendezvous(bind_host: str, timeout_s: float = 300.0) -> tuple[dist.TCPS
     """Host a worker set's rendezvous in this process (the driver), on a free port of `bind_host`.
 
     With torch's "tcp://" scheme rank 0 hosts it, so its address must be known before rank 0 is even
-    placed; hosting it here needs only this node's address. Returns the store, which must stay alive
-    while ranks may join, and the `init_method` to give every rank."""
-    store = dist.TCPStore(bind_host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-    return store, f"store://{advertised_host(bind_host)}:{store.port}"
+    placed; hosting it here needs only this node's address. Returns the store and the `init_method` to
+    give every rank. The store is unauthenticated: the caller drops it (closing the port) as soon as
+    the group has formed. A TCPStore master listens on every interface whatever host it is given, so
+    the listening socket is made here, bound to `bind_host` only, and handed to it."""
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((bind_host if bind_host != "*" else "", 0))
+        listener.listen(512)
+        port = listener.getsockname()[1]
+    except BaseException:
+        listener.close()
+        raise
+    store = dist.TCPStore(bind_host, port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
+    return store, f"store://{advertised_host(bind_host)}:{port}"
 
 
 def rank_endpoint(rank: int) -> str:

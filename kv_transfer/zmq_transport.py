@@ -13,6 +13,12 @@ page frames straight into pinned buffers sized from the header (`recv_into`) and
 host-to-device copies, which finish before the transfer is reported complete. A CPU cache takes
 neither detour.
 
+Security: with `keys` (`kv_transfer.curve`) both ends speak CURVE and the receiver admits only
+holders of the cluster's secret; without, anyone who reaches the socket may send. Either way the
+receiver takes no frame larger than the largest legitimate one (its whole pool of one layer's K or V:
+zmq disconnects a peer that sends more), allocates nothing for a transfer before its header passed
+every check, and counts what it drops instead of dying of it.
+
 Limits: `send` returning means zmq has the message queued, not that the receiver got it (a receiver
 that dies with messages in flight loses them; the lease's ack covers that). A receiver queues at most
 `_RCV_HWM` whole transfers before senders block (and then time out).
@@ -30,11 +36,13 @@ import torch
 import zmq
 
 from kv_transfer.base import Admit, KVCaches, KVReceiver, KVSender, OnComplete, OnError, gather_pages, scatter_pages
+from kv_transfer.curve import CurveKeys, secure_client, secure_server
 from kv_transfer.endpoints import advertised_host
 from kv_transfer.page_format import PageFormatError, TransferError, TransferHeader, decode_header, encode_header
 
 _RCV_HWM = 16
 _CPU = torch.device("cpu")
+_HEADER_SLACK = 1 << 20  # ids, spec and the caller's note: far under this for any real transfer
 
 
 class ZmqKVSender(KVSender):
@@ -43,8 +51,9 @@ class ZmqKVSender(KVSender):
     Not thread-safe (zmq sockets are not): use a sender from one thread at a time, or one per thread.
     """
 
-    def __init__(self, context: zmq.Context | None = None, close_linger_s: float = 1.0):
+    def __init__(self, context: zmq.Context | None = None, close_linger_s: float = 1.0, keys: CurveKeys | None = None):
         self._ctx = context or zmq.Context.instance()
+        self._keys = keys
         self._close_linger_ms = int(close_linger_s * 1000)
         self._sockets: dict[str, zmq.Socket] = {}
 
@@ -88,6 +97,7 @@ class ZmqKVSender(KVSender):
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.LINGER, 0)
+            secure_client(sock, self._keys)
             try:
                 sock.connect(endpoint)
             except zmq.ZMQError as e:
@@ -122,12 +132,13 @@ class ZmqKVReceiver(KVReceiver):
     the senders can reach.
     staged: receive page frames into host buffers of our own (pinned) before writing them into the
     cache; None means "when the cache is on CUDA". On a CPU cache it only adds a copy (tests use it).
+    keys: the cluster's CURVE keys; None: an unauthenticated socket.
     """
 
     def __init__(self, kv_caches: KVCaches, on_complete: OnComplete, on_error: OnError, *,
                  transport: str = "ipc", host: str = "127.0.0.1", advertise_host: str | None = None,
                  poll_interval_s: float = 0.05, context: zmq.Context | None = None, admit: Admit | None = None,
-                 staged: bool | None = None):
+                 staged: bool | None = None, keys: CurveKeys | None = None):
         super().__init__(kv_caches, on_complete, on_error, admit)
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
@@ -140,6 +151,10 @@ class ZmqKVReceiver(KVReceiver):
         self._sock: zmq.Socket | None = None
         self._endpoint: str | None = None
         self._tmpdir: str | None = None
+        self._keys = keys
+        self._max_frames = 2 * self.spec.num_layers + 1
+        # The largest frame a legitimate sender sends: every block of one layer's K (or V) pages.
+        self.max_frame_bytes = max(self.num_blocks * self.spec.page_nbytes, 16 * self.num_blocks + _HEADER_SLACK)
 
     @property
     def endpoint(self) -> str:
@@ -151,6 +166,8 @@ class ZmqKVReceiver(KVReceiver):
         sock = self._ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, _RCV_HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        secure_server(sock, self._keys)
         if self.transport == "ipc":
             self._tmpdir = tempfile.mkdtemp(prefix="tandem-kv-")
             self._endpoint = f"ipc://{os.path.join(self._tmpdir, 'kv.sock')}"
@@ -172,23 +189,42 @@ class ZmqKVReceiver(KVReceiver):
         sock = self._sock
         try:
             while not self._stop.is_set():
-                if sock.poll(self._poll_ms, zmq.POLLIN):
-                    self._serve(*(self._recv_staged(sock) if self._staged else _recv_frames(sock)))
+                if not sock.poll(self._poll_ms, zmq.POLLIN):
+                    continue
+                try:
+                    self._serve(*(self._recv_staged(sock) if self._staged else self._recv_frames(sock)))
+                except zmq.ZMQError as e:
+                    if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                        return
+                    self.drops.drop("error", e)
+                except Exception as e:  # whatever a message did, the next one is still served
+                    self.drops.drop("error", e, exc_info=True)
+                    _drain(sock)
         finally:
             sock.close(linger=0)
 
+    def _recv_frames(self, sock: zmq.Socket) -> tuple[memoryview, list[int], list[memoryview]]:
+        frames = [sock.recv(copy=False)]
+        while sock.getsockopt(zmq.RCVMORE) and len(frames) <= self._max_frames:
+            frames.append(sock.recv(copy=False))
+        extra = _drain(sock)  # more frames than any transfer has: the size check refuses it
+        payloads = [f.buffer for f in frames[1:]]
+        return frames[0].buffer, [len(p) for p in payloads] + [0] * extra, payloads
+
     def _recv_staged(self, sock: zmq.Socket) -> tuple[memoryview, list[int], list]:
         """One message whose page frames land straight in fresh (pinned, for CUDA) host buffers, sized
-        from the header; a frame of another size, or any frame after a bad header, is only drained (the
-        size check then refuses the transfer)."""
+        from the header once it passed every check; a frame of another size, or any frame after a bad
+        header, is only drained (the size check then refuses the transfer)."""
         head = sock.recv(copy=False).buffer
         try:
-            nbytes = decode_header(head).num_blocks * self.spec.page_nbytes
+            header = decode_header(head)
+            self._check_header(header)
+            nbytes = header.num_blocks * self.spec.page_nbytes
         except PageFormatError:
             nbytes = 0
         sizes, payloads = [], []
         while sock.getsockopt(zmq.RCVMORE):
-            if nbytes:
+            if nbytes and len(payloads) < self._max_frames:
                 buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
                 sizes.append(sock.recv_into(buf.numpy()))  # the frame's full size, even if it did not fit
                 payloads.append(buf)
@@ -216,10 +252,13 @@ class ZmqKVReceiver(KVReceiver):
         self._complete(header)
 
 
-def _recv_frames(sock: zmq.Socket) -> tuple[memoryview, list[int], list[memoryview]]:
-    frames = sock.recv_multipart(copy=False)
-    payloads = [f.buffer for f in frames[1:]]
-    return frames[0].buffer, [len(p) for p in payloads], payloads
+def _drain(sock: zmq.Socket) -> int:
+    """Read and drop the rest of a multipart message; returns how many frames that was."""
+    n = 0
+    while sock.getsockopt(zmq.RCVMORE):
+        sock.recv(copy=False)
+        n += 1
+    return n
 
 
 def _as_bytes(payload) -> torch.Tensor:

@@ -16,6 +16,7 @@ import zmq
 
 from actors.protocol.codec import encode
 from actors.protocol.messages import TokenDelta
+from kv_transfer.curve import CurveKeys, secure_client
 
 
 class TokenPublisher:
@@ -25,8 +26,9 @@ class TokenPublisher:
     full, messages to it are dropped and counted.
     """
 
-    def __init__(self, context: zmq.Context | None = None, high_water_mark: int = 100_000):
+    def __init__(self, context: zmq.Context | None = None, high_water_mark: int = 100_000, keys: CurveKeys | None = None):
         self._context = context or zmq.Context.instance()
+        self._keys = keys
         self._sockets: dict[str, zmq.Socket] = {}
         self._hwm = high_water_mark
         self._lock = threading.Lock()
@@ -39,6 +41,7 @@ class TokenPublisher:
                 sock = self._context.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, self._hwm)
+                secure_client(sock, self._keys)
                 sock.connect(sink)
                 self._sockets[sink] = sock
             try:
@@ -46,8 +49,8 @@ class TokenPublisher:
             except zmq.Again:
                 self.dropped += 1
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
         with self._lock:
             for sock in self._sockets.values():
-                sock.close(linger=0)
+                sock.close(linger=int(linger_s * 1000))
             self._sockets.clear()

@@ -23,6 +23,7 @@ put that rule in several places.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -61,7 +62,8 @@ from kv_transfer.page_format import PageFormatError
 
 log = logging.getLogger("tandem.worker")
 _CALL_TIMEOUT_S = 30.0
-FAULTS = ("drop_kv_sends", "ignore_kv_arrivals", "hold_kv_writes", "slow_reserve")
+FAULTS = ("drop_kv_sends", "ignore_kv_arrivals", "hold_kv_writes", "slow_reserve", "kill_kv_receiver")
+_EXIT_RECEIVER_DEAD = 70  # the process exit status when the KV receiving thread died: Ray restarts us
 
 
 class Worker:
@@ -73,7 +75,7 @@ class Worker:
         self._inbox: queue.Queue = queue.Queue()
         self._inbox_lock = threading.Lock()
         self._inbox_prompt_tokens = 0
-        self._publisher = TokenPublisher()
+        self._publisher = TokenPublisher(keys=spec.curve_keys)
         self._running: dict[str, Running] = {}
         self._handoffs = HandoffTable(self._engine, spec.lease_s)
         self._finished: list[FinishedAttempt] = []  # not yet reported
@@ -83,11 +85,12 @@ class Worker:
             # Every worker joins at construction; Ray builds them concurrently, so the rendezvous completes.
             group = init_collective(spec.collective_init, spec.rank, spec.world_size, device=spec.engine.device)
         caches = self._engine.kv_caches
-        self._sender = HandoffSender(caches, group) if spec.role == "prefill" else None
+        kv_keys = spec.curve_keys if spec.kv_encrypted else None
+        self._sender = HandoffSender(caches, group, kv_keys) if spec.role == "prefill" else None
         self._receiver = None
         if spec.role == "decode":
             self._receiver = HandoffReceiver(caches, self._handoffs.admit, self._on_pages, spec.zmq_transport,
-                                             spec.host, group)
+                                             spec.host, group, kv_keys)
         # A fresh id per process: the scheduler tells a restarted worker (new incarnation, its requests
         # lost) from one that re-announces itself (same incarnation, its requests still live).
         self._incarnation = uuid.uuid4().hex
@@ -113,7 +116,8 @@ class Worker:
         """Chaos hooks: `drop_kv_sends` (prefill: pages are lost on the wire), `ignore_kv_arrivals`
         (decode: pages land but are never adopted or acked), `hold_kv_writes` (decode: admitted pages
         wait until the faults are cleared, at most `delay_s`, before being written), `slow_reserve`
-        (decode: a reservation takes `delay_s` longer); None clears every fault."""
+        (decode: a reservation takes `delay_s` longer), `kill_kv_receiver` (decode: the receiving
+        thread stops, as if it had crashed: the worker exits and Ray restarts it); None clears every fault."""
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
         self._put(self._do_fault, (fault, delay_s))
@@ -185,8 +189,20 @@ class Worker:
                 self._publish(outputs)
             now = time.monotonic()
             if self._finished or now - last_report >= self.spec.heartbeat_s:
+                self._check_receiver()
                 self._report()
                 last_report = now
+
+    def _check_receiver(self) -> None:
+        """A decode worker whose KV receiving thread is gone can never adopt a handoff again, yet its
+        engine would go on heartbeating: it ends the process instead, and Ray starts a fresh one."""
+        if self._receiver is None or self._receiver.alive or self._stop.is_set():
+            return
+        log.error("worker %s: the KV receiving thread is dead; failing its requests and exiting", self.spec.worker_id)
+        self._fail_everything("the decode worker's KV receiver died")
+        self._report()
+        self._publisher.close(linger_s=1.0)  # the failure deltas still leave
+        os._exit(_EXIT_RECEIVER_DEAD)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -261,6 +277,9 @@ class Worker:
             self._engine.abort(key)
 
     def _do_fault(self, fault: str | None, delay_s: float) -> None:
+        if fault == "kill_kv_receiver" and self._receiver is not None:
+            self._receiver.close()
+            return
         if fault is None:
             self._faults.clear()
         else:
@@ -354,6 +373,7 @@ class Worker:
             transfers_sent=meter.transfers_sent, transfers_failed=meter.transfers_failed,
             late_pages_dropped=table.late_pages_dropped, adopted=meter.adopted, kv_bytes_sent=meter.kv_bytes_sent,
             rss_bytes=rss_bytes(), step_s=meter.step_s, prefill_s_per_token=meter.prefill_s_per_token,
+            dropped_messages=tuple(sorted(self._receiver.dropped().items())) if self._receiver else (),
         )
 
     def _report(self) -> None:

@@ -9,16 +9,18 @@ from __future__ import annotations
 from typing import Callable
 
 from kv_transfer.collective_transport import CollectiveKVReceiver, CollectiveKVSender
+from kv_transfer.curve import CurveKeys
 from kv_transfer.page_format import PageSpec, TransferHeader
 from kv_transfer.zmq_transport import ZmqKVReceiver, ZmqKVSender
 
 
 class HandoffSender:
-    def __init__(self, kv_caches, group=None):
-        """zmq by default; with a collective `group` (from `init_collective`), torch.distributed."""
+    def __init__(self, kv_caches, group=None, keys: CurveKeys | None = None):
+        """zmq by default (CURVE with `keys`); with a collective `group` (from `init_collective`),
+        torch.distributed."""
         self.kv_caches = kv_caches
         self.spec = PageSpec.from_caches(kv_caches)
-        self._sender = ZmqKVSender() if group is None else CollectiveKVSender(group)
+        self._sender = ZmqKVSender(keys=keys) if group is None else CollectiveKVSender(group)
 
     def send(self, endpoint: str, lease_id: str, src_block_ids: list[int], dest_block_ids: tuple[int, ...],
              note: bytes, timeout_s: float) -> None:
@@ -35,10 +37,11 @@ class HandoffReceiver:
 
     def __init__(self, kv_caches, admit: Callable[[TransferHeader], None],
                  on_pages: Callable[[TransferHeader | None, Exception | None], None],
-                 transport: str, host: str, group=None):
+                 transport: str, host: str, group=None, keys: CurveKeys | None = None):
         done, failed = (lambda h: on_pages(h, None)), (lambda h, e: on_pages(h, e))
         if group is None:
-            self._receiver = ZmqKVReceiver(kv_caches, done, failed, transport=transport, host=host, admit=admit)
+            self._receiver = ZmqKVReceiver(kv_caches, done, failed, transport=transport, host=host, admit=admit,
+                                           keys=keys)
         else:
             self._receiver = CollectiveKVReceiver(kv_caches, done, failed, group=group, admit=admit)
         self._receiver.start()
@@ -46,6 +49,13 @@ class HandoffReceiver:
     @property
     def endpoint(self) -> str:
         return self._receiver.endpoint
+
+    @property
+    def alive(self) -> bool:
+        return self._receiver.alive
+
+    def dropped(self) -> dict[str, int]:
+        return self._receiver.drops.snapshot()
 
     def close(self) -> None:
         self._receiver.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.engine.config import EngineConfig
+from kv_transfer.curve import CurveKeys
 
 
 @dataclass(frozen=True)
@@ -21,3 +22,5 @@ class WorkerSpec:
     collective_init: str | None = None  # "tcp://host:port" rendezvous of the collective group
     rank: int | None = None
     world_size: int | None = None
+    curve_keys: CurveKeys | None = None  # the cluster's data-plane keys (token streams; KV pages if kv_encrypted)
+    kv_encrypted: bool = False

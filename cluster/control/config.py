@@ -74,6 +74,16 @@ class TransferSection(_Strict):
     backend: Literal["zmq", "collective"] = Field("zmq", description="KV page transport")
     zmq_transport: Literal["ipc", "tcp"] = Field("ipc", description="ipc on one host, tcp across hosts")
     host: str = Field("127.0.0.1", description="address workers bind for tcp transfers and token streams")
+    encryption: Literal["curve", "none"] | None = Field(
+        None, description="curve: zmq CURVE (authenticated, encrypted) on every data-plane socket; none: plain "
+        "sockets anyone who reaches them may use; null: curve on tcp sockets (token streams, KV pages over tcp), "
+        "none on ipc ones (a private socket directory on one host)")
+
+    def kv_encrypted(self) -> bool:
+        return self.encryption == "curve" or (self.encryption is None and self.zmq_transport == "tcp")
+
+    def tokens_encrypted(self) -> bool:  # token sinks are always tcp
+        return self.encryption != "none"
 
 
 class TenantSection(_Strict):

@@ -18,6 +18,7 @@ from cluster.control.config import TandemConfig
 from cluster.control.scheduler import Scheduler, SchedulerSettings
 from cluster.frontend.client import TandemClient
 from kv_transfer.collective_transport import host_rendezvous
+from kv_transfer.curve import CurveKeys
 
 log = logging.getLogger("tandem.launch")
 NAMESPACE = "tandem"
@@ -25,14 +26,15 @@ SCHEDULER_NAME = "tandem-scheduler"
 
 
 class Cluster:
-    def __init__(self, config: TandemConfig, scheduler, workers: dict, owns_ray: bool, model_dir: str):
+    def __init__(self, config: TandemConfig, scheduler, workers: dict, owns_ray: bool, model_dir: str,
+                 keys: CurveKeys | None = None):
         self.config = config
+        self.keys = keys  # the data plane's CURVE keys (None: `transfer.encryption: none`)
         self.scheduler = scheduler
         self.workers = workers  # worker id -> actor handle
         self._owns_ray = owns_ray
         self.model_dir = model_dir
-        self._clients: list[TandemClient] = []
-        self.rendezvous = None  # the collective transport's store, hosted by this process for the workers
+        self.clients: list[TandemClient] = []  # made by `client()`, closed by `shutdown()`
         self._engine = config.engine_config(detokenize=False)  # workers stream ids; text is the client's
         self._indices = {role: itertools.count() for role in ("prefill", "decode", "colocated")}
 
@@ -53,6 +55,7 @@ class Cluster:
                 # Logical CPUs with room to scale the pools up on this machine (`tandem scale`).
                 ray.init(num_cpus=max(4 * int(needed), os.cpu_count() or 1), **kwargs)
         engine = config.engine_config(detokenize=False)  # workers stream ids; text is the client's
+        keys = CurveKeys.generate() if config.transfer.tokens_encrypted() else None
         settings = SchedulerSettings(
             mode=config.mode, routing=config.scheduler.routing, block_size=engine.block_size,
             model_id=engine.model_id or Path(engine.model).name, reserve=config.scheduler.reserve,
@@ -61,7 +64,7 @@ class Cluster:
             local_prefill=config.scheduler.local_prefill, local_prefill_penalty=config.scheduler.local_prefill_penalty,
             prefill_s_per_token=config.scheduler.prefill_s_per_token,
             transfer_bytes_per_s=config.scheduler.transfer_bytes_per_s,
-            heartbeat_timeout_s=config.scheduler.heartbeat_timeout_s,
+            heartbeat_timeout_s=config.scheduler.heartbeat_timeout_s, curve_keys=keys,
         )
         _clear_orphaned_scheduler()
         scheduler = ray.remote(Scheduler).options(
@@ -77,13 +80,15 @@ class Cluster:
             # Hosted here rather than by rank 0, which may land on any node: this node's address is known.
             rendezvous, collective_init = host_rendezvous(config.transfer.host)
         rank = itertools.count()
-        cluster = cls(config, scheduler, workers, owns_ray, engine.model)
+        cluster = cls(config, scheduler, workers, owns_ray, engine.model, keys)
         for role, pool in config.pools().items():
             for _ in range(pool.replicas):
                 cluster.spawn_worker(role, collective_init=collective_init, rank=next(rank), world_size=world_size)
-        cluster.rendezvous = rendezvous
         try:
             ray.get([w.info.remote() for w in workers.values()], timeout=ready_timeout_s)
+            # Every worker has joined the collective group in its constructor: the unauthenticated
+            # rendezvous store closes its port now rather than listening for the cluster's lifetime.
+            del rendezvous
             cluster.wait_registered(set(workers), timeout_s=30.0)
         except BaseException:
             cluster.shutdown()
@@ -104,6 +109,7 @@ class Cluster:
             heartbeat_s=self.config.scheduler.heartbeat_s, zmq_transport=self.config.transfer.zmq_transport,
             host=self.config.transfer.host, transfer_backend=self.config.transfer.backend,
             collective_init=collective_init, rank=rank, world_size=world_size,
+            curve_keys=self.keys, kv_encrypted=self.config.transfer.kv_encrypted(),
         )
         self.workers[worker_id] = worker_actor().options(
             name=f"tandem-{worker_id}", namespace=NAMESPACE, num_cpus=pool.num_cpus,
@@ -131,8 +137,8 @@ class Cluster:
 
     def client(self) -> TandemClient:
         tokenizer = load_tokenizer(self.model_dir) if has_tokenizer(self.model_dir) else None
-        client = TandemClient(self.scheduler, tokenizer, host=self.config.transfer.host)
-        self._clients.append(client)
+        client = TandemClient(self.scheduler, tokenizer, host=self.config.transfer.host, keys=self.keys)
+        self.clients.append(client)
         return client
 
     def check_integrity(self, timeout_s: float = 30.0) -> dict:
@@ -143,7 +149,7 @@ class Cluster:
         return {"workers": {s.worker_id: s.as_dict() for s in stats}, "scheduler": scheduler.as_dict()}
 
     def shutdown(self) -> None:
-        for client in self._clients:
+        for client in self.clients:
             client.close()
         try:
             ray.get([w.shutdown.remote() for w in self.workers.values()], timeout=30)

@@ -49,6 +49,7 @@ from cluster.control.request_table import RequestTable
 from cluster.control.routing import PrefillPlan
 from cluster.control.scheduler_state import SchedulerCounters, SchedulerSettings, SchedulerState, Tracked
 from cluster.control.ttft_guard import TtftGuard
+from kv_transfer.curve import CurveKeys
 
 log = logging.getLogger("tandem.scheduler")
 _CALL_TIMEOUT_S = 30.0
@@ -62,7 +63,8 @@ class Scheduler:
         self._index = PrefixIndex()
         self._guard = TtftGuard(settings.max_predicted_ttft_s)
         self._placer = Placer(settings, self._registry, self._table, self._index, self._guard)
-        self._publisher = TokenPublisher()  # only to tell a client its request failed with a lost worker
+        # Only to tell a client its request failed with a lost worker.
+        self._publisher = TokenPublisher(keys=settings.curve_keys)
         self._epoch = uuid.uuid4().hex[:6]  # attempt ids stay unique across scheduler restarts
         self._attempts = itertools.count()
         self._queued = 0
@@ -298,6 +300,10 @@ class Scheduler:
         return Rejected(reason, retry_after_s, unavailable)
 
     # ---- introspection (for people, tests and metrics; not the control path) ----
+
+    async def data_plane_keys(self) -> CurveKeys | None:
+        """The cluster's CURVE keys, for a client joining it (through Ray, which authenticates it)."""
+        return self.s.curve_keys
 
     async def state(self) -> SchedulerState:
         entries = self._registry.entries()

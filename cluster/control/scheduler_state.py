@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import GenerateRequest, WorkerInfo, WorkerStats
+from kv_transfer.curve import CurveKeys
 from cluster.control.routing import PrefillPlan, WorkerView
 
 
@@ -25,6 +26,7 @@ class SchedulerSettings:
     transfer_bytes_per_s: float
     heartbeat_timeout_s: float = 10.0
     max_predicted_ttft_s: float | None = None  # shed requests predicted to miss this (None: no shedding)
+    curve_keys: CurveKeys | None = None  # the data plane's keys: clients that join later fetch them here
 
 
 @dataclass

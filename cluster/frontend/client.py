@@ -1,7 +1,9 @@
 """Python client of a running cluster: submit requests to the scheduler, stream tokens back over zmq.
 
 The client binds one PULL socket (its sink); workers push one message per engine step to it, and the
-receive thread hands each delta to its request's queue. A `RequestStream` per request turns deltas
+receive thread hands each delta to its request's queue. With the cluster's CURVE keys only its
+workers and scheduler can connect; whatever does arrive that is not a list of token deltas is dropped
+and counted, and only closing the client (or the `kill_sink` chaos hook) ends the thread. A `RequestStream` per request turns deltas
 into events (order, text, stop strings); when a worker was lost the stream asks for a migration, and
 `migrate` (the only place that resubmits) continues the request elsewhere. The HTTP ingress uses this
 client too.
@@ -21,10 +23,12 @@ from typing import Iterator
 import ray
 import zmq
 
-from actors.protocol.codec import ProtocolError, decode_deltas
+from actors.protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, decode_deltas
 from actors.protocol.messages import Admitted, GenerateRequest, Rejected
 from actors.protocol.sampling_params import SamplingParams
 from cluster.frontend.request_stream import MigrationRefused, RequestStream, SampleResult, StreamEvent
+from kv_transfer.curve import CurveKeys, secure_server
+from kv_transfer.drops import DropCounter
 from kv_transfer.endpoints import advertised_host
 
 log = logging.getLogger("tandem.client")
@@ -51,37 +55,65 @@ class Submitted:
 
 
 class TandemClient:
-    def __init__(self, scheduler, tokenizer=None, host: str = "127.0.0.1"):
+    def __init__(self, scheduler, tokenizer=None, host: str = "127.0.0.1", keys: CurveKeys | None = None):
+        """`keys`: the cluster's data-plane keys (`Cluster.client` passes them; `connect` fetches them)."""
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self._socket = zmq.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a bigger one disconnects its sender
+        secure_server(self._socket, keys)
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.sink = f"tcp://{advertised_host(host)}:{port}"  # workers on other nodes connect to it
         self._queues: dict[str, object] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self.malformed = 0  # messages on the sink that were not token deltas: dropped
+        self._killed = threading.Event()
+        self.drops = DropCounter("token_sink")
         self._thread = threading.Thread(target=self._receive, name="tandem-client-sink", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def connect(cls, scheduler, tokenizer=None, host: str = "127.0.0.1", timeout_s: float = 30.0) -> TandemClient:
+        """A client of a running cluster: its keys come from the scheduler, through Ray."""
+        keys = ray.get(scheduler.data_plane_keys.remote(), timeout=timeout_s)
+        return cls(scheduler, tokenizer, host, keys)
+
+    @property
+    def sink_alive(self) -> bool:
+        """False once the receiving thread has ended: no token can reach any request any more."""
+        return self._thread.is_alive()
+
+    def kill_sink(self) -> None:
+        """Chaos hook: end the receiving thread as a crash would (health checks must notice)."""
+        self._killed.set()
+        self._thread.join(timeout=5)
 
     def _receive(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        while not self._closed.is_set():
-            if not poller.poll(100):
-                continue
+        while not (self._closed.is_set() or self._killed.is_set()):
             try:
-                deltas = decode_deltas(self._socket.recv())
-            except ProtocolError as exc:  # garbage on the sink costs that message, never the stream
-                self.malformed += 1
-                log.warning("dropped a malformed message on the token sink: %s", exc)
-                continue
-            for delta in deltas:
-                with self._lock:
-                    q = self._queues.get(delta.attempt.request_id)
-                if q is not None:
-                    q.put(delta)
+                if poller.poll(100):
+                    self._deliver(self._socket.recv())
+            except zmq.ZMQError as exc:
+                if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                self.drops.drop("error", exc)
+            except Exception as exc:  # whatever one message did, the next is still delivered
+                self.drops.drop("error", exc, exc_info=True)
+
+    def _deliver(self, payload: bytes) -> None:
+        try:
+            deltas = decode_deltas(payload)
+        except ProtocolError as exc:  # garbage on the sink costs that message, never the stream
+            self.drops.drop("malformed", exc)
+            return
+        for delta in deltas:
+            with self._lock:
+                q = self._queues.get(delta.attempt.request_id)
+            if q is not None:
+                q.put(delta)
 
     def close(self) -> None:
         self._closed.set()

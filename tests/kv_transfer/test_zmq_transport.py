@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 
@@ -11,48 +10,10 @@ import msgpack
 import pytest
 import ray.util
 import torch
-import zmq
 
 from kv_transfer.page_format import PageFormatError, TransferError, encode_header
-from kv_transfer.zmq_transport import ZmqKVReceiver, ZmqKVSender
-from tests.kv_transfer import apply_transfer, bit_equal, clone_caches, header_for, make_caches
-
-WAIT_S = 10.0
-
-
-class Receiver:
-    """A started ZmqKVReceiver whose callbacks land in a queue: ("ok", header) or ("error", header, exc)."""
-
-    def __init__(self, caches, transport="ipc", on_complete=None, admit=None, **kw):
-        self.caches = caches
-        self.events: queue.Queue = queue.Queue()
-        self.rx = ZmqKVReceiver(caches, on_complete or (lambda h: self.events.put(("ok", h))),
-                                lambda h, e: self.events.put(("error", h, e)), transport=transport, admit=admit, **kw)
-        self.rx.start()
-
-    def next_event(self):
-        return self.events.get(timeout=WAIT_S)
-
-
-@pytest.fixture
-def make_receiver():
-    made = []
-
-    def make(caches, transport="ipc", **kw):
-        made.append(Receiver(caches, transport, **kw))
-        return made[-1]
-
-    yield make
-    for r in made:
-        r.rx.close()
-
-
-@pytest.fixture
-def sender():
-    s = ZmqKVSender()
-    yield s
-    s.close()
-
+from kv_transfer.zmq_transport import ZmqKVSender
+from tests.kv_transfer import WAIT_S, apply_transfer, bit_equal, clone_caches, header_for, make_caches, raw_push
 
 # staged: the page frames are received into buffers of our own, as for a CUDA cache (pinned there).
 @pytest.mark.parametrize("staged", [False, True], ids=["frames", "staged"])
@@ -170,15 +131,6 @@ def test_mismatch_is_refused_and_receiver_keeps_serving(make_receiver, sender, t
     assert bit_equal(recv.caches, apply_transfer(before, good_src, [5, 1], [7, 2]))
 
 
-def _raw_push(endpoint: str, messages: list[list[bytes]]) -> None:
-    """Hand-made messages, in order, through one socket."""
-    with zmq.Context.instance().socket(zmq.PUSH) as s:
-        s.setsockopt(zmq.LINGER, 2000)
-        s.connect(endpoint)
-        for frames in messages:
-            s.send_multipart(frames)
-
-
 @pytest.mark.parametrize("staged", [False, True], ids=["frames", "staged"])
 def test_malformed_messages_write_nothing(make_receiver, sender, staged):
     recv = make_receiver(make_caches(seed=2), staged=staged)
@@ -195,7 +147,7 @@ def test_malformed_messages_write_nothing(make_receiver, sender, staged):
         [encode_header(header_for(src, [7, 16], "oob"))] + [page] * 4,  # dest block outside the pool
         [encode_header(header_for(src, [7, 7], "dup"))] + [page] * 4,  # dest block twice
     ]
-    _raw_push(recv.rx.endpoint, bad_messages)
+    raw_push(recv.rx.endpoint, bad_messages)
     events = [recv.next_event() for _ in bad_messages]
     assert [(e[0], e[1] and e[1].transfer_id) for e in events] == [
         ("error", None), ("error", None), ("error", "short"), ("error", "short"), ("error", "short"),
@@ -209,6 +161,7 @@ def test_malformed_messages_write_nothing(make_receiver, sender, staged):
     assert "repeat" in messages[6]
     assert bit_equal(recv.caches, before)
     assert recv.rx.stats().transfers_refused == 7
+    assert recv.rx.drops.snapshot() == {"malformed": 2, "refused": 5}
 
     sender.send(recv.rx.endpoint, header, src, [0, 1], timeout_s=5.0)
     assert recv.next_event() == ("ok", header)

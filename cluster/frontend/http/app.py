@@ -31,6 +31,7 @@ from cluster.frontend.http.openapi import ChatCompletionResponse, CompletionResp
 from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from cluster.frontend.http.streaming import chat_chunks, completion_chunks, sse
 from cluster.frontend.request_stream import RequestStream, StreamEvent
+from kv_transfer.curve import rejected_handshakes
 
 _OVERFLOW = object()
 log = logging.getLogger("tandem.ingress")
@@ -237,6 +238,11 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        # A dead token-sink thread would leave every stream empty while the server looked fine: the
+        # liveness probe must fail so the pod (or the operator) restarts the ingress.
+        if not ingress.client.sink_alive:
+            return JSONResponse({"status": "unhealthy", "reason": "the token sink's receiving thread is dead"},
+                                status_code=503)
         return {"status": "ok"}
 
     async def scheduler_state() -> SchedulerState:
@@ -258,6 +264,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         state = await scheduler_state()
         ingress.metrics.update_pools(state.workers)
         ingress.metrics.update_workers(state.worker_stats)
+        ingress.metrics.update_sink(ingress.client.drops.snapshot(), rejected_handshakes())
         return Response(ingress.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", response_model=None, responses=documented(ModelList, 401))

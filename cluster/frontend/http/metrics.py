@@ -38,6 +38,12 @@ class IngressMetrics:
         self.kv_transfers = Gauge("tandem:kv_transfers", "KV handoffs, by outcome", ["outcome"], registry=r)
         self.leases_expired = Gauge("tandem:kv_leases_expired", "handoff leases that expired", registry=r)
         self.worker_rss = Gauge("tandem:worker_rss_bytes", "resident memory of each worker process", ["worker"], registry=r)
+        # Summed over the ingress's token sink and every worker's KV receiver (each restarted worker starts over).
+        self.dropped = Gauge("tandem:dropped_messages_total", "messages receive loops dropped, by socket and reason",
+                             ["socket", "reason"], registry=r)
+        self.rejected_handshakes = Gauge("tandem:rejected_handshakes_total",
+                                         "CURVE handshakes of this ingress's sockets refused (not a cluster key)",
+                                         registry=r)
         self.queue_time = Histogram("tandem:request_queue_time_seconds", "arrival at a worker -> first scheduled",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.prefill_time = Histogram("tandem:request_prefill_time_seconds", "first scheduled -> first token",
@@ -67,6 +73,17 @@ class IngressMetrics:
         self.leases_expired.set(sum(w.leases_expired for w in workers))
         for worker_id, w in stats.items():
             self.worker_rss.labels(worker_id).set(w.rss_bytes)
+        kv_drops: dict[str, int] = {}
+        for w in workers:
+            for reason, n in w.dropped_messages:
+                kv_drops[reason] = kv_drops.get(reason, 0) + n
+        for reason, n in kv_drops.items():
+            self.dropped.labels("kv_receiver", reason).set(n)
+
+    def update_sink(self, dropped: dict[str, int], rejected_handshakes: int) -> None:
+        for reason, n in dropped.items():
+            self.dropped.labels("token_sink", reason).set(n)
+        self.rejected_handshakes.set(rejected_handshakes)
 
     def observe_phases(self, times: StageTimes) -> None:
         """Per-request phase durations from worker timestamps (wall clock, seconds)."""

@@ -1,0 +1,94 @@
+"""Authenticated, encrypted zmq sockets: CURVE with one key pair per cluster.
+
+The key pair is made once per cluster (`CurveKeys.generate()`, at `tandem serve`) and reaches every
+worker and client through Ray, whose own channel is token-authenticated. Every data-plane socket (KV
+receivers and senders, token sinks and publishers) uses it both ways: a binding socket is a CURVE
+server with the cluster's secret key, a connecting socket proves that it holds the same secret. The
+one ZAP handler of each zmq context admits only clients whose public key is the cluster's, so a peer
+without the secret can neither read the traffic nor get a single message delivered: its handshake
+fails before any frame reaches the receiving loop. The rejected handshakes are counted.
+
+Sharing one pair between servers and clients is deliberate: every process that may send may also
+receive, and a per-socket pair would be handed to exactly the same processes.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import zmq
+import zmq.auth.thread
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    public: bytes  # z85-encoded, 40 bytes
+    secret: bytes
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
+
+    def __repr__(self) -> str:  # the secret never reaches a log line or an error message
+        return f"CurveKeys(public={self.public.decode()!r}, secret=<redacted>)"
+
+
+def secure_server(sock: zmq.Socket, keys: CurveKeys | None) -> None:
+    """Make a socket that binds accept only holders of `keys`; None leaves it open (plain NULL)."""
+    if keys is None:
+        return
+    _gate(sock.context).allow(keys.public)
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.curve_server = True
+
+
+def secure_client(sock: zmq.Socket, keys: CurveKeys | None) -> None:
+    """Make a socket that connects present `keys` and expect a server holding them; before connect."""
+    if keys is None:
+        return
+    sock.curve_serverkey = keys.public
+    sock.curve_publickey = keys.public
+    sock.curve_secretkey = keys.secret
+
+
+def rejected_handshakes(context: zmq.Context | None = None) -> int:
+    """CURVE handshakes this context's servers refused (a client key that is not a cluster's)."""
+    gate = _gates.get(context or zmq.Context.instance())
+    return 0 if gate is None else gate.rejected
+
+
+class _Gate:
+    """The ZAP credentials check of one context: the public keys of the clusters it serves."""
+
+    def __init__(self, context: zmq.Context):
+        self._allowed: set[bytes] = set()
+        self._lock = threading.Lock()
+        self.rejected = 0
+        self._authenticator = zmq.auth.thread.ThreadAuthenticator(context)
+        self._authenticator.start()
+        self._authenticator.configure_curve_callback("*", credentials_provider=self)
+
+    def allow(self, public: bytes) -> None:
+        with self._lock:
+            self._allowed.add(public)
+
+    def callback(self, domain: str, client_key: bytes) -> bool:  # called by the ZAP thread
+        with self._lock:
+            ok = client_key in self._allowed
+            self.rejected += not ok
+        return ok
+
+
+_gates: dict[zmq.Context, _Gate] = {}  # a context's ZAP endpoint takes one handler
+_gates_lock = threading.Lock()
+
+
+def _gate(context: zmq.Context) -> _Gate:
+    with _gates_lock:
+        gate = _gates.get(context)
+        if gate is None:
+            gate = _gates[context] = _Gate(context)
+        return gate

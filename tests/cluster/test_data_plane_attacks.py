@@ -1,0 +1,126 @@
+"""Attacks on a running cluster's data plane, replayed on loopback (KV pages and tokens over tcp).
+
+A peer on the network that lacks the cluster's secret key forges token deltas for a request whose wire
+id it sniffed, pushes a transfer at the decode worker's KV socket and sprays raw bytes at both ports:
+none of it lands, and every request still gets the engine's greedy output. A decode worker whose KV
+receiving thread dies restarts itself instead of heartbeating on as a worker that can never adopt.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import ray
+import torch
+import zmq
+
+from actors.protocol.codec import encode
+from actors.protocol.ids import AttemptId
+from actors.protocol.messages import TokenDelta
+from actors.protocol.request_status import RequestStatus
+from actors.protocol.token_stream import TokenPublisher
+from cluster.control.launch import Cluster
+from kv_transfer.curve import CurveKeys, rejected_handshakes
+from kv_transfer.page_format import PageSpec, TransferError, TransferHeader, encode_header
+from kv_transfer.zmq_transport import ZmqKVSender
+from tests.helpers.cluster import load, wait_until_idle, workload
+
+
+def tcp_config():
+    config = load("local.yaml")
+    return config.model_copy(update={"transfer": config.transfer.model_copy(update={"zmq_transport": "tcp"})})
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    live = Cluster.start(tcp_config())
+    yield live
+    live.shutdown()
+
+
+def _spray(endpoint: str) -> None:
+    """Raw bytes at a zmq port: not even a handshake."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        raw.sendall(b"\xc1 not msgpack" * 1000)
+
+
+def _stranger(endpoint: str, server_key: bytes) -> zmq.Socket:
+    """A PUSH socket that knows the server's public key (no secret) but holds a key pair of its own."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    own = CurveKeys.generate()
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_key, own.public, own.secret
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def _collect(client, handle) -> list[int]:
+    tokens = []
+    for event in client.events(handle, timeout_s=300):
+        assert event.error is None, event.error
+        tokens += event.token_ids
+    return tokens
+
+
+def test_strangers_cannot_inject_tokens_or_pages(cluster, expected):
+    assert cluster.keys is not None  # tcp sockets get CURVE by default
+    prompts, params = workload()
+    client = cluster.client()
+    decode = ray.get(cluster.workers["decode-0"].info.remote(), timeout=30)
+    refused_before = rejected_handshakes()
+    submitted = [client.submit(p, sp) for p, sp in zip(prompts, params)]
+
+    # Forged ends for every request, under any attempt name the attacker might have sniffed.
+    attempts = [AttemptId(s.request_id, a) for s in submitted for a in ("0", "1", "a")]
+    forged = [TokenDelta(a, 0, 0, (66,), RequestStatus.FINISHED_STOPPED, error="attacker") for a in attempts]
+    publishers = [TokenPublisher(), TokenPublisher(keys=CurveKeys.generate())]
+    strangers = [_stranger(client.sink, cluster.keys.public), _stranger(decode.kv_endpoint, cluster.keys.public)]
+    pages = ZmqKVSender()  # a plain zmq peer at the KV socket
+    try:
+        for publisher in publishers:
+            publisher.publish(client.sink, forged)
+        header = TransferHeader("forged", "forged", PageSpec("float32", 16, 1, 1, 1), (0,), b"")
+        strangers[0].send(encode(forged))
+        strangers[1].send_multipart([encode_header(header), b"\x00" * 64, b"\x00" * 64])
+        src = [(torch.zeros(4, 16, 1, 1), torch.zeros(4, 16, 1, 1))]
+        with pytest.raises(TransferError, match="no receiver"):  # nothing is queued for an unadmitted peer
+            pages.send(decode.kv_endpoint, TransferHeader("forged", "forged", PageSpec.from_caches(src), (0,)),
+                       src, [0], timeout_s=1.0)
+        for endpoint in (client.sink, decode.kv_endpoint):
+            _spray(endpoint)
+        outputs = [_collect(client, handle) for handle in submitted]
+    finally:
+        for closable in (*publishers, pages):
+            closable.close()
+        for sock in strangers:
+            sock.close(linger=0)
+
+    assert outputs == expected
+    deadline = time.monotonic() + 10
+    while rejected_handshakes() == refused_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rejected_handshakes() > refused_before  # the sink's ZAP check refused the stranger's key
+    assert client.drops.snapshot() == {}  # nothing from a stranger ever reached a receiving loop
+    state = wait_until_idle(cluster)
+    assert state["workers"]["decode-0"]["dropped_messages"] == ()
+    assert state["workers"]["decode-0"]["used_blocks"] == 0
+
+
+def test_a_dead_kv_receiver_restarts_its_worker(cluster, expected):
+    before = ray.get(cluster.scheduler.state.remote(), timeout=30).incarnations["decode-0"]
+    ray.get(cluster.workers["decode-0"].inject_fault.remote("kill_kv_receiver"), timeout=30)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        now = ray.get(cluster.scheduler.state.remote(), timeout=30).incarnations.get("decode-0")
+        if now not in (None, before):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("decode-0 did not come back as a new process after its KV receiver died")
+    prompts, params = workload()
+    results = cluster.client().generate(prompts, params)
+    assert [r[0].token_ids for r in results] == expected
+    wait_until_idle(cluster)
