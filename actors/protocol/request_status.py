@@ -32,7 +32,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.CANCELLED: "abort",
-    RequestStatus.TIMED_OUT: "abort",
+    RequestStatus.TIMED_OUT: "error",  # the server gave up: an error, not something the client asked for
     RequestStatus.FAILED: "error",
     RequestStatus.REJECTED: "error",
 }

@@ -59,8 +59,8 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
-        if not self.temperature >= 0.0:
-            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
@@ -69,8 +69,8 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if not 0.0 < self.typical_p <= 1.0:
             raise bad("typical_p", "must be in (0, 1]")
-        if not self.repetition_penalty > 0.0:
-            raise bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise bad("repetition_penalty", "must be a finite number > 0 (1 disables it)")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.presence_penalty <= 2.0:

@@ -38,6 +38,7 @@ class EngineSection(_Strict):
 
 class PoolSection(_Strict):
     replicas: int = Field(1, ge=0, description="number of workers in this pool")
+    max_replicas: int = Field(64, ge=1, description="most workers a live resize (`tandem scale`, /admin/scale) may ask for")
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per worker")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per worker; > 0 places the model on cuda")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads per worker")
@@ -98,14 +99,32 @@ class IngressSection(_Strict):
     port: int = Field(8000, gt=0, lt=65536, description="HTTP port")
     served_model_name: str | None = Field(None, description="the `model` clients send; null: the model directory's name")
     max_n: int = Field(16, gt=0, description="largest `n` a request may ask for")
+    max_prompts: int = Field(64, gt=0, description="most prompts in one /v1/completions request")
+    max_sequences: int = Field(256, gt=0, description="most sequences (n x prompts) one request may start")
+    max_stop_strings: int = Field(16, gt=0, description="most stop strings (and stop token ids) in one request")
+    max_stop_chars: int = Field(256, gt=0, description="longest stop string")
+    max_logit_bias: int = Field(1024, gt=0, description="most logit_bias entries in one request")
     max_body_bytes: int = Field(1 << 20, gt=0, description="larger request bodies get 413")
     stream_queue_tokens: int = Field(4096, gt=0, description="undelivered deltas per request before a slow client's request is aborted")
     request_timeout_s: float = Field(600.0, gt=0, description="default deadline of a request; a request's own `timeout` overrides it")
     admin_key: str | None = Field(
-        None, description="bearer token for the operator endpoints (POST /admin/scale); null: loopback clients only")
+        None, description="bearer token for the operator endpoints (POST /admin/scale); null: only loopback clients "
+        "of an ingress bound to loopback (one bound elsewhere then refuses them all)")
+    trusted_proxies: list[str] = Field(
+        default_factory=list, description="proxy addresses whose X-Forwarded-For is believed; empty: the client is "
+        "the TCP peer, whatever headers it sends")
     api_keys: dict[str, TenantSection] = Field(
         default_factory=dict, description="API key -> tenant and its limits; empty: no authentication"
     )
+
+
+def _where(loc: tuple) -> str:
+    """A field's path for an error message; an API key (a mapping key under api_keys) never appears."""
+    parts = [str(p) for p in loc]
+    for i, part in enumerate(parts[:-1]):
+        if part == "api_keys":
+            parts[i + 1] = "<key>"
+    return ".".join(parts)
 
 
 class TandemConfig(_Strict):
@@ -146,7 +165,7 @@ class TandemConfig(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+            problems = "; ".join(f"{_where(e['loc'])}: {e['msg']}" for e in exc.errors())
             raise ValueError(f"{path}: {problems}") from None
 
     def engine_config(self, detokenize: bool = True) -> EngineConfig:

@@ -46,6 +46,8 @@ def _scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float, d
         least = 0 if role == "prefill" else 1  # with no prefill pool, decode workers prefill locally
         if n < least:
             raise ValueError(f"{role} replicas must be at least {least}, got {n}")
+        if n > pools[role].max_replicas:
+            raise ValueError(f"{role} replicas must be at most {pools[role].max_replicas} (its max_replicas), got {n}")
     if cluster.config.transfer.backend == "collective" and any(n != _count(cluster, r) for r, n in replicas.items()):
         raise ValueError("live scaling needs transfer.backend zmq: the collective group's size is fixed at start")
     added = []

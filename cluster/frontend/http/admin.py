@@ -1,7 +1,9 @@
 """Operator endpoints on the ingress port, kept out of the OpenAPI schema: `POST /admin/scale`.
 
-Guarded by `ingress.admin_key` (a bearer token) when set; without one, only clients on this
-machine (loopback) may call them.
+Guarded by `ingress.admin_key` (a bearer token) when set. Without one, only clients on this machine
+(loopback) may call them, and only when the ingress itself binds loopback: bound to a routable address,
+a same-host proxy would make every client look local. The client is the TCP peer; X-Forwarded-For
+counts only from `ingress.trusted_proxies` (the server is built that way).
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ class ScaleRequest(BaseModel):
     colocated: int | None = Field(None, ge=1)
 
 
-def add_admin_routes(app: FastAPI, cluster: Cluster, admin_key: str | None) -> None:
+def add_admin_routes(app: FastAPI, cluster: Cluster, admin_key: str | None, bind_host: str) -> None:
     def authorize(request: Request) -> None:
         if admin_key is None:
+            if bind_host not in _LOOPBACK:
+                raise ApiError(403, "admin endpoints need ingress.admin_key on an ingress that does not bind loopback",
+                               None, "permission_error")
             if request.client is None or request.client.host not in _LOOPBACK:
                 raise ApiError(403, "admin endpoints answer only local clients unless ingress.admin_key is set", None,
                                "permission_error")

@@ -19,16 +19,18 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.scheduler_state import SchedulerState
 from cluster.frontend.client import AdmissionRejected, TandemClient
 from cluster.frontend.http import responses
+from cluster.frontend.http.body_guard import BodyGuard
 from cluster.frontend.http.gate import Gate
 from cluster.frontend.http.metrics import IngressMetrics
 from cluster.frontend.http.openapi import ChatCompletionResponse, CompletionResponse, ModelList, documented
-from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest, CompletionRequest, RequestCaps
 from cluster.frontend.http.streaming import chat_chunks, completion_chunks, sse
 from cluster.frontend.request_stream import RequestStream, StreamEvent
 from kv_transfer.curve import rejected_handshakes
@@ -65,13 +67,13 @@ class _LoopSink:
 
 class Ingress:
     def __init__(self, client: TandemClient, model_name: str, max_model_len: int, gate: Gate, vocab_size: int,
-                 max_n: int = 16,
+                 caps: RequestCaps = RequestCaps(),
                  max_body_bytes: int = 1 << 20, queue_size: int = 4096, request_timeout_s: float = 600.0):
         self.client = client
         self.tokenizer = client.tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.max_n = max_n
+        self.caps = caps
         self.max_body_bytes = max_body_bytes
         self.queue_size = queue_size
         self.request_timeout_s = request_timeout_s
@@ -110,7 +112,8 @@ class Ingress:
     async def events(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> AsyncIterator[StreamEvent]:
         emits: dict[int, list[float]] = {}
         self._emits[stream.request_id] = emits
-        deadline = arrival + (sink.timeout_s or self.request_timeout_s)
+        # A request's own `timeout` may shorten the server's deadline, never stretch it.
+        deadline = arrival + min(sink.timeout_s or self.request_timeout_s, self.request_timeout_s)
         try:
             while not stream.finished:
                 try:
@@ -167,6 +170,9 @@ class Ingress:
             params.validate_token_ids(self.vocab_size)
         except ValueError as exc:
             raise ApiError(400, str(exc), str(exc).split("parameter ", 1)[-1].split(":", 1)[0]) from None
+        if params.n * len(prompts) > self.caps.max_sequences:
+            raise ApiError(400, f"n x prompts = {params.n * len(prompts)}; at most {self.caps.max_sequences} "
+                           "sequences per request", "n")
         cost = sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts)
         self.gate.admit(tenant, cost, requests=len(prompts))
         opened = []
@@ -183,18 +189,35 @@ class Ingress:
 
     # ---- prompts ----
 
-    def encode_prompts(self, prompt) -> list[list[int]]:
+    async def encode_prompts(self, prompt) -> list[list[int]]:
+        """Token ids of each prompt; the tokenizer runs off the event loop (a long prompt takes a while)."""
         if isinstance(prompt, str):
-            prompts = [self.tokenizer.encode(prompt)]
+            raw = [prompt]
         elif prompt and all(isinstance(p, int) for p in prompt):
-            prompts = [list(prompt)]
+            raw = [list(prompt)]
         elif isinstance(prompt, list) and prompt:
-            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+            raw = list(prompt)
         else:
             raise ApiError(400, "prompt must not be empty", "prompt")
+        if len(raw) > self.caps.max_prompts:
+            raise ApiError(400, f"prompt holds {len(raw)} prompts; at most {self.caps.max_prompts} per request",
+                           "prompt")
+        for p in raw:
+            if isinstance(p, str):
+                check_text(p, "prompt")
+        prompts = await asyncio.to_thread(lambda: [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                                                   for p in raw])
         for p in prompts:
             self.check_prompt(p, "prompt")
         return prompts
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The conversation through the chat template, as token ids (call it off the event loop)."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template that rejects the conversation is the client's error
+            raise ApiError(400, f"messages: {exc}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -207,8 +230,9 @@ class Ingress:
     def check_common(self, req, max_tokens: int | None) -> int:
         if req.model != self.model_name:
             raise ApiError(400, f"model {req.model!r} does not exist; this server serves {self.model_name!r}", "model")
-        if not 1 <= req.n <= self.max_n:
-            raise ApiError(400, f"n must be between 1 and {self.max_n}", "n")
+        if not 1 <= req.n <= self.caps.max_n:
+            raise ApiError(400, f"n must be between 1 and {self.caps.max_n}", "n")
+        req.check_limits(self.caps)
         if max_tokens is not None and max_tokens < 1:
             raise ApiError(400, "max_tokens must be at least 1", "max_tokens")
         return max_tokens if max_tokens is not None else self.max_model_len
@@ -221,6 +245,22 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
     async def _api_error(_: Request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):  # FastAPI's own: 404, 405, unparsable bodies
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail), None, kind).body(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(_ClientGone)
+    async def _client_gone(_: Request, __: _ClientGone):
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):  # a bug: logged, answered in the envelope
+        log.exception("unhandled error in a request: %s", type(exc).__name__)
+        return JSONResponse(ApiError(500, f"internal error ({type(exc).__name__})", None, "server_error").body(),
+                            status_code=500)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -229,12 +269,8 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         return JSONResponse(ApiError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", param).body(),
                             status_code=400)
 
-    @app.middleware("http")
-    async def _body_limit(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > ingress.max_body_bytes:
-            return JSONResponse(ApiError(413, f"request body over {ingress.max_body_bytes} bytes", None).body(), status_code=413)
-        return await call_next(request)
+    # API key first, then the body's bytes as they arrive: nobody gets a body read for free.
+    app.add_middleware(BodyGuard, gate=ingress.gate, max_body_bytes=ingress.max_body_bytes)
 
     @app.get("/health")
     async def health():
@@ -281,17 +317,16 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise ApiError(400, "logprobs must be between 0 and 20", "logprobs")
         params = req.sampling_params(max_tokens, req.logprobs)
-        prompts = ingress.encode_prompts(req.prompt)
+        prompts = await ingress.encode_prompts(req.prompt)
         opened = await ingress.open_all(prompts, params, tenant, req.timeout)
         rid = f"cmpl-{uuid.uuid4().hex}"
         echo_texts = [ingress.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         if req.stream:
             return sse(completion_chunks(ingress, opened, rid, req, echo_texts, arrival),
                         lambda: [ingress.finish(st, sk, arrival) for st, sk in opened])
+        await _run_unless_disconnected(request, ingress, opened, arrival)
         choices, completion_tokens, cached = [], 0, 0
         for i, (stream, sink) in enumerate(opened):
-            async for _ in ingress.events(stream, sink, arrival):
-                pass
             for r in stream.results:
                 _raise_if_failed(r)
                 lp = responses.completion_logprobs(ingress.tokenizer, r.logprobs, len(echo_texts[i])) if req.logprobs is not None else None
@@ -307,15 +342,13 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
     async def chat(req: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         tenant = ingress.gate.authenticate(request.headers.get("authorization"))
-        max_tokens = ingress.check_common(req, req.max_completion_tokens or req.max_tokens)
+        max_tokens = ingress.check_common(
+            req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise ApiError(400, "top_logprobs must be between 0 and 20", "top_logprobs")
-        try:
-            text = ingress.tokenizer.apply_chat_template([m.model_dump() for m in req.messages], tokenize=False,
-                                                         add_generation_prompt=True)
-        except Exception as exc:  # a template that rejects the conversation is the client's error
-            raise ApiError(400, f"messages: {exc}", "messages") from None
-        prompt = ingress.tokenizer.encode(text, add_special_tokens=False)
+        messages = [m.model_dump() for m in req.messages]
+        check_text(json.dumps(messages, ensure_ascii=False), "messages")
+        prompt = await asyncio.to_thread(ingress.chat_prompt, messages)
         ingress.check_prompt(prompt, "messages")
         max_tokens = min(max_tokens, ingress.max_model_len - len(prompt))  # unset: the rest of the context
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
@@ -324,8 +357,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         if req.stream:
             return sse(chat_chunks(ingress, stream, sink, rid, req, arrival),
                         lambda: ingress.finish(stream, sink, arrival))
-        async for _ in ingress.events(stream, sink, arrival):
-            pass
+        await _run_unless_disconnected(request, ingress, [(stream, sink)], arrival)
         choices = []
         for r in stream.results:
             _raise_if_failed(r)
@@ -342,6 +374,45 @@ async def _ref(ref):
     return await ref
 
 
+def check_text(text: str, param: str) -> None:
+    """JSON can carry lone surrogates ("\\ud800"), which are not text: a 400 naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} is not valid Unicode (it holds a lone surrogate)", param) from None
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _run_unless_disconnected(request: Request, ingress: Ingress, opened: list, arrival: float) -> None:
+    """Run non-streamed requests to their end, unless the client hangs up first: then abort them at once
+    (a client that left must not keep the cluster generating for nobody)."""
+    async def run() -> None:
+        for stream, sink in opened:
+            async for _ in ingress.events(stream, sink, arrival):
+                pass
+
+    async def hung_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, gone = asyncio.ensure_future(run()), asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():
+        work.cancel()
+        for stream, sink in opened:  # whatever has not started its events yet ends here too
+            ingress.finish(stream, sink, arrival)
+        raise _ClientGone()
+    work.result()
+
+
 def _raise_if_failed(result) -> None:
+    if result.status == RequestStatus.TIMED_OUT:
+        raise ApiError(504, f"the request ran past its deadline: {result.error}", None, "timeout")
     if result.finish_reason == "error":
         raise ApiError(500, f"the request failed in the cluster: {result.error}", None, "server_error")

@@ -5,6 +5,7 @@ Bad input raises `ApiError` (HTTP 400) naming the parameter, never a 5xx.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,14 +24,27 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
+@dataclass(frozen=True)
+class RequestCaps:
+    """Per-request caps of the ingress (config `ingress`): one request cannot crowd out the others."""
+
+    max_n: int = 16
+    max_prompts: int = 64  # prompts in one /v1/completions request
+    max_sequences: int = 256  # n x prompts
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+    max_logit_bias: int = 1024
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do: clients send vendor extras.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored, as OpenAI-compatible servers do: clients send vendor extras. No float
+    # may be Infinity or NaN (JSON has neither; Python's parser accepts both).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     n: int = 1
@@ -50,7 +64,24 @@ class _Common(BaseModel):
     user: str | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    timeout: float | None = Field(None, gt=0, description="seconds before the request ends as timed out")
+    timeout: float | None = Field(None, gt=0, description="seconds before the request ends as timed out; it can "
+                                   "only shorten the server's own deadline")
+    best_of: int | None = None
+
+    def check_limits(self, limits: RequestCaps) -> None:
+        """What one request may ask for, beyond what a valid one needs (each a 400 naming the field)."""
+        if self.best_of is not None and self.best_of != self.n and self.best_of > 1:
+            raise ApiError(400, "best_of > 1 is not supported; use n", "best_of")
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stop) > limits.max_stop_strings:
+            raise ApiError(400, f"stop has {len(stop)} strings; at most {limits.max_stop_strings} are allowed", "stop")
+        if any(len(s) > limits.max_stop_chars for s in stop):
+            raise ApiError(400, f"every stop string must be at most {limits.max_stop_chars} characters", "stop")
+        if len(self.stop_token_ids or ()) > limits.max_stop_strings:
+            raise ApiError(400, f"stop_token_ids has more than {limits.max_stop_strings} ids", "stop_token_ids")
+        if len(self.logit_bias or {}) > limits.max_logit_bias:
+            raise ApiError(400, f"logit_bias has {len(self.logit_bias)} entries; at most {limits.max_logit_bias} "
+                           "are allowed", "logit_bias")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         bias = None

@@ -1,0 +1,74 @@
+"""Who may resize the pools over HTTP: the client is the TCP peer (X-Forwarded-For counts only from a
+configured proxy), an ingress that binds a routable address needs `admin_key`, and no request may ask
+for more replicas than the pool's `max_replicas`. Nothing here resizes anything: every call is refused
+or fails validation, and the pools stay as they were."""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from cluster.control.launch import Cluster
+from cluster.frontend.http.server import make_server
+from tests.helpers.cluster import load
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    live = Cluster.start(load("local.yaml"))
+    yield live
+    live.shutdown()
+
+
+@contextmanager
+def ingress(cluster: Cluster, host: str, **settings):
+    """The HTTP server in front of `cluster`, bound to `host`, with `settings` in its ingress config."""
+    original = cluster.config
+    cluster.config = original.model_copy(update={"ingress": original.ingress.model_copy(update=settings)})
+    http = make_server(cluster, host, 0)
+    cluster.config = original
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not http.started:
+            assert time.monotonic() < deadline, "the HTTP server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        http.should_exit = True
+        thread.join(timeout=10)
+
+
+def _scale(url: str, body: dict, **headers) -> httpx.Response:
+    return httpx.post(url + "/admin/scale", json=body, headers=headers, timeout=30)
+
+
+def test_forwarded_for_counts_only_from_a_trusted_proxy(cluster):
+    spoofed = {"X-Forwarded-For": "203.0.113.9"}
+    with ingress(cluster, "127.0.0.1") as url:  # no proxy configured: the header is ignored
+        too_many = _scale(url, {"decode": 1000}, **spoofed)
+        assert too_many.status_code == 400, too_many.text  # let through as local, stopped by the cap
+        assert "at most 64" in too_many.json()["error"]["message"]
+    with ingress(cluster, "127.0.0.1", trusted_proxies=["127.0.0.1"]) as url:  # a same-host proxy
+        remote = _scale(url, {"decode": 2}, **spoofed)
+        assert remote.status_code == 403, remote.text
+        assert remote.json()["error"]["type"] == "permission_error"
+    assert sorted(cluster.workers) == ["decode-0", "prefill-0"]
+
+
+def test_a_routable_ingress_needs_the_admin_key(cluster):
+    with ingress(cluster, "0.0.0.0") as url:  # reached over loopback here, but bound to every interface
+        refused = _scale(url, {"decode": 2})
+        assert refused.status_code == 403 and "admin_key" in refused.json()["error"]["message"]
+    with ingress(cluster, "0.0.0.0", admin_key="s3cret") as url:
+        assert _scale(url, {"decode": 2}).status_code == 401
+        wrong = _scale(url, {"decode": 2}, Authorization="Bearer nope")
+        assert wrong.status_code == 401 and "s3cret" not in wrong.text
+        capped = _scale(url, {"prefill": 65}, Authorization="Bearer s3cret")
+        assert capped.status_code == 400 and "max_replicas" in capped.json()["error"]["message"]
+    assert sorted(cluster.workers) == ["decode-0", "prefill-0"]
