@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--decode", type=int, default=None, help="decode replicas")
     scale.add_argument("--colocated", type=int, default=None, help="colocated replicas")
     scale.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
-    scale.add_argument("--admin-key", default=os.environ.get("TANDEM_ADMIN_KEY"),
-                       help="the server's ingress.admin_key (default: $TANDEM_ADMIN_KEY)")
+    # The key never goes on the command line, where `ps` and shell history would show it.
+    scale.add_argument("--admin-key-file", default=None,
+                       help="a file holding the server's admin key (default: $TANDEM_ADMIN_KEY, if set)")
     scale.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the resize to finish")
     scale.set_defaults(func=_scale)
 
@@ -147,7 +148,13 @@ def _scale(args: argparse.Namespace) -> int:
             if n is not None}
     if not body:
         raise ValueError("give at least one of --prefill, --decode, --colocated")
-    headers = {"Authorization": f"Bearer {args.admin_key}"} if args.admin_key else {}
+    key = os.environ.get("TANDEM_ADMIN_KEY")
+    if args.admin_key_file:
+        try:
+            key = Path(args.admin_key_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read --admin-key-file {args.admin_key_file}: {exc.strerror}") from None
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         resp = httpx.post(args.url.rstrip("/") + "/admin/scale", json=body, headers=headers, timeout=args.timeout)
     except httpx.HTTPError as exc:
@@ -172,11 +179,12 @@ def _serve(args: argparse.Namespace) -> int:
     from cluster.control.config import TandemConfig
     from cluster.control.launch import Cluster
     from cluster.control.scaling import ConfigWatcher
-    from cluster.frontend.http.server import make_server, served_model_name
+    from cluster.frontend.http.server import check_exposure, make_server, served_model_name
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = TandemConfig.from_file(args.config)
     host, port = args.host or config.ingress.host, args.port or config.ingress.port
+    check_exposure(config.ingress, host)  # before anything starts
     cluster = Cluster.start(config, address=args.address)
     watcher = ConfigWatcher(cluster, args.config).start()  # edits of the pools' replicas resize live
     try:

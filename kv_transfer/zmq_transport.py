@@ -42,6 +42,7 @@ from kv_transfer.page_format import PageFormatError, TransferError, TransferHead
 
 _RCV_HWM = 16
 _CPU = torch.device("cpu")
+_DIR_PREFIX = "tandem-kv-"  # + the owner's pid + "-": ipc socket directories
 _HEADER_SLACK = 1 << 20  # ids, spec and the caller's note: far under this for any real transfer
 
 
@@ -169,7 +170,8 @@ class ZmqKVReceiver(KVReceiver):
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         secure_server(sock, self._keys)
         if self.transport == "ipc":
-            self._tmpdir = tempfile.mkdtemp(prefix="tandem-kv-")
+            _remove_stale_socket_dirs()
+            self._tmpdir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
             self._endpoint = f"ipc://{os.path.join(self._tmpdir, 'kv.sock')}"
             sock.bind(self._endpoint)
         else:
@@ -250,6 +252,24 @@ class ZmqKVReceiver(KVReceiver):
             self._refuse(header, TransferError(f"transfer {header.transfer_id}: writing pages failed: {e}"))
             return
         self._complete(header)
+
+
+def _remove_stale_socket_dirs() -> None:
+    """Socket directories of receivers whose process is gone (killed, crashed: `close` never ran).
+    The owner's pid is in the name; a directory whose pid lives (or is not ours to probe) stays."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(_DIR_PREFIX):
+            continue
+        pid = name[len(_DIR_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:  # alive, under another user
+            pass
 
 
 def _drain(sock: zmq.Socket) -> int:

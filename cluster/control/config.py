@@ -114,8 +114,52 @@ class IngressSection(_Strict):
         default_factory=list, description="proxy addresses whose X-Forwarded-For is believed; empty: the client is "
         "the TCP peer, whatever headers it sends")
     api_keys: dict[str, TenantSection] = Field(
-        default_factory=dict, description="API key -> tenant and its limits; empty: no authentication"
+        default_factory=dict, description="API key -> tenant and its limits; empty (and no api_keys_file): no "
+        "authentication"
     )
+    api_keys_file: str | None = Field(
+        None, description="a YAML file of more `api_keys` (key -> tenant section), e.g. a mounted Kubernetes Secret; "
+        "read at start, so keys stay out of the config itself")
+    admin_key_file: str | None = Field(None, description="a file holding the admin key (instead of admin_key)")
+    allow_anonymous: bool = Field(
+        False, description="serve a non-loopback ingress with no API keys (everyone is one tenant and shares one "
+        "prefix cache; its cache hits are then not reported)")
+
+    def tenants(self) -> dict[str, TenantSection]:
+        """Every API key: the inline ones and those of `api_keys_file`."""
+        keys = dict(self.api_keys)
+        if self.api_keys_file:
+            data = _read_secret_yaml(self.api_keys_file, "ingress.api_keys_file")
+            try:
+                keys.update({k: TenantSection.model_validate(v) for k, v in data.items()})
+            except ValidationError as exc:
+                problems = "; ".join(f"<key>.{_where(e['loc'])}: {e['msg']}" for e in exc.errors())
+                raise ValueError(f"ingress.api_keys_file {self.api_keys_file}: {problems}") from None
+        return keys
+
+    def admin(self) -> str | None:
+        """The admin key, inline or from `admin_key_file`."""
+        if self.admin_key_file:
+            try:
+                key = Path(self.admin_key_file).expanduser().read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"ingress.admin_key_file: cannot read {self.admin_key_file}: {exc.strerror}") from None
+            if not key:
+                raise ValueError(f"ingress.admin_key_file {self.admin_key_file} is empty")
+            return key
+        return self.admin_key
+
+
+def _read_secret_yaml(path: str, field: str) -> dict:
+    try:
+        data = yaml.safe_load(Path(path).expanduser().read_text())
+    except OSError as exc:
+        raise ValueError(f"{field}: cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError:
+        raise ValueError(f"{field}: {path} is not YAML") from None  # the parser's message would quote a key
+    if not isinstance(data, dict):
+        raise ValueError(f"{field}: {path} must hold a mapping of API key -> tenant section")
+    return data
 
 
 def _where(loc: tuple) -> str:

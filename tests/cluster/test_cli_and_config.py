@@ -54,3 +54,26 @@ def test_config_typo_names_the_field(tmp_path):
 def test_local_config_loads(default_model_dir):
     config = TandemConfig.from_file(Path(__file__).parents[2] / "configs" / "local.yaml")
     assert config.engine_config().model == str(default_model_dir)
+
+
+def test_serve_refuses_a_routable_ingress_without_keys(tmp_path):
+    """Before anything starts: no Ray, no workers (it returns at once)."""
+    proc = _tandem("serve", "--host", "0.0.0.0", "--port", "18099")
+    assert proc.returncode == 2
+    assert "refusing to serve on 0.0.0.0 with no API keys" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_keys_in_a_config_error_are_redacted(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ingress:\n  api_keys:\n    sk-live-0123456789: {tenant: 5, extra: 1}\n")
+    with pytest.raises(ValueError) as err:
+        TandemConfig.from_file(bad)
+    assert "ingress.api_keys.<key>.tenant" in str(err.value) and "sk-live" not in str(err.value)
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("sk-file-0123456789: {tenant: 5}\n")
+    bad.write_text(f"ingress:\n  api_keys_file: {keys}\n")
+    with pytest.raises(ValueError) as err:
+        TandemConfig.from_file(bad).ingress.tenants()
+    assert "tenant" in str(err.value) and "sk-file" not in str(err.value)
+    keys.write_text("sk-file-0123456789: {tenant: team-a}\n")
+    assert TandemConfig.from_file(bad).ingress.tenants()["sk-file-0123456789"].tenant == "team-a"

@@ -8,6 +8,7 @@ the probes hit /health and /ready, each pool lands in its own worker group.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from pathlib import Path
@@ -24,6 +25,7 @@ CRD = REPO / "tests" / "deploy" / "schemas" / "kuberay-ray.io_rayclusters.yaml"
 SHARED_CRD = REPO.parent / "shared" / "schemas" / CRD.name
 VALUES = {"default": None, **{p.stem: p for p in sorted((CHART / "ci").glob("*.yaml"))}}
 CONFIG_DIR = "/etc/tandem"
+KEYS_DIR = "/etc/tandem-keys"
 
 
 @pytest.fixture(scope="session")
@@ -72,16 +74,16 @@ def test_lint(helm, name):
 
 
 @pytest.mark.parametrize("name, kinds", [
-    ("default", ["ConfigMap", "Service", "RayCluster"]),
-    ("ci-values", ["ConfigMap", "Service", "RayCluster", "ServiceMonitor"]),
-    ("colocated-values", ["ConfigMap", "Service", "RayCluster"]),
+    ("default", ["Secret", "ConfigMap", "Service", "RayCluster"]),
+    ("ci-values", ["Secret", "ConfigMap", "Service", "RayCluster", "ServiceMonitor"]),
+    ("colocated-values", ["Secret", "ConfigMap", "Service", "RayCluster"]),
 ])
 def test_renders_the_expected_objects(helm, name, kinds):
     assert [o["kind"] for o in render(helm, VALUES[name])] == kinds
 
 
 def test_core_objects_pass_the_kubernetes_schema(rendered):
-    for kind in ("ConfigMap", "Service"):
+    for kind in ("Secret", "ConfigMap", "Service"):
         kubernetes_validate.validate(rendered[kind], KUBERNETES_VERSION, strict=True)
 
 
@@ -178,7 +180,51 @@ def test_ci_values_reach_the_pods(helm):
     assert objects["Service"]["spec"]["type"] == "LoadBalancer"
 
 
+def _keys_mount(objects: dict) -> tuple[dict, dict]:
+    head = _head(objects["RayCluster"])
+    (mount,) = [m for m in head["spec"]["containers"][0]["volumeMounts"] if m["mountPath"] == KEYS_DIR]
+    (volume,) = [v for v in head["spec"]["volumes"] if v["name"] == mount["name"]]
+    return mount, volume
+
+
+def test_keys_live_in_a_secret_the_ingress_reads(helm, tmp_path):
+    """No key in the ConfigMap; the generated Secret holds one API key and the admin key, mounted where
+    the rendered config points, in the format `tandem serve` reads."""
+    objects = {o["kind"]: o for o in render(helm, None)}
+    secret, config_text = objects["Secret"], objects["ConfigMap"]["data"]["config.yaml"]
+    files = {name: base64.b64decode(value).decode() for name, value in secret["data"].items()}
+    assert set(files) == {"api_keys.yaml", "admin-key"}
+    for value in files.values():
+        assert value.strip() and value.strip().split(":")[0] not in config_text
+    mount, volume = _keys_mount(objects)
+    assert mount["readOnly"] and volume["secret"]["secretName"] == secret["metadata"]["name"]
+    for name, text in files.items():  # as the pod would see them
+        (tmp_path / name).write_text(text)
+    config = _pool_config(objects, tmp_path)
+    assert (config.ingress.api_keys_file, config.ingress.admin_key_file) == (
+        f"{KEYS_DIR}/api_keys.yaml", f"{KEYS_DIR}/admin-key")
+    local = config.ingress.model_copy(update={"api_keys_file": str(tmp_path / "api_keys.yaml"),
+                                              "admin_key_file": str(tmp_path / "admin-key")})
+    (tenant,) = local.tenants().values()
+    assert tenant.tenant == "default" and len(local.admin()) == 40
+
+
+def test_given_keys_an_own_secret_or_anonymous_serving(helm, tmp_path):
+    given = {o["kind"]: o for o in render(helm, None, "--set", "access.apiKeys.k-1.tenant=team-a",
+                                          "--set", "access.adminKey=op-key")}
+    files = {n: base64.b64decode(v).decode() for n, v in given["Secret"]["data"].items()}
+    assert files["admin-key"] == "op-key" and "k-1:" in files["api_keys.yaml"] and "team-a" in files["api_keys.yaml"]
+    own = {o["kind"]: o for o in render(helm, None, "--set", "access.existingSecret=my-keys")}
+    assert "Secret" not in own and _keys_mount(own)[1]["secret"]["secretName"] == "my-keys"
+    anonymous = {o["kind"]: o for o in render(helm, None, "--set", "access.allowAnonymous=true")}
+    assert set(anonymous["Secret"]["data"]) == {"admin-key"}
+    config = _pool_config(anonymous, tmp_path)
+    assert config.ingress.allow_anonymous and config.ingress.api_keys_file is None
+
+
 @pytest.mark.parametrize("override, message", [
+    (["--set", "config.ingress.api_keys.sk-1.tenant=a"], "keep API and admin keys out of config.ingress"),
+    (["--set", "config.ingress.admin_key=x"], "keep API and admin keys out of config.ingress"),
     (["--set", "mode=disagregated"], 'mode must be disaggregated or colocated, not "disagregated"'),
     (["--set", "pools.decode.replicas=9"], "pools.decode.replicas (9) must lie within minReplicas (0) and maxReplicas (4)"),
 ])

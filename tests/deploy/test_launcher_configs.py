@@ -48,7 +48,8 @@ def _served_pool_config(launcher: dict) -> Path:
     assert serve, "no head start command runs `tandem serve`"
     args = shlex.split(serve.group(1))
     assert args[args.index("--address") + 1] == "auto", "tandem serve must join the head's Ray"
-    assert args[args.index("--host") + 1] == "0.0.0.0", "the ingress must listen beyond the head's loopback"
+    # The head's loopback: `ray attach -p` tunnels to it, and no key-less ingress faces the network.
+    assert args[args.index("--host") + 1] == "127.0.0.1"
     return _remote_to_local(launcher, args[args.index("--config") + 1])
 
 

@@ -1,10 +1,14 @@
 """A KV receiver open to the network: only holders of the cluster's keys get a transfer in, and nothing a
 peer sends (oversized frames, too many frames, a header claiming more blocks than the pool, raw bytes)
-allocates for it, writes a block or stops the receiving thread. Each drop is counted by reason."""
+allocates for it, writes a block or stops the receiving thread. Each drop is counted by reason. And
+what a killed receiver leaves behind (its ipc directory) is cleaned up by the next one."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import tempfile
 import time
 
 import pytest
@@ -93,3 +97,17 @@ def test_a_dead_receiving_thread_shows(make_receiver):
     assert recv.rx.alive
     recv.rx.close()
     assert not recv.rx.alive
+
+
+def test_socket_dirs_of_dead_receivers_are_removed_at_start(make_receiver):
+    """A receiver killed without `close` leaves its ipc directory behind; the next one to start in any
+    process removes it, and leaves the directories of live processes alone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that is gone now
+    stale = tempfile.mkdtemp(prefix=f"tandem-kv-{dead.pid}-")
+    live = tempfile.mkdtemp(prefix=f"tandem-kv-{os.getpid()}-")
+    try:
+        make_receiver(make_caches())
+        assert not os.path.exists(stale) and os.path.isdir(live)
+    finally:
+        os.rmdir(live)

@@ -18,7 +18,7 @@ from cluster.control.launch import Cluster
 from cluster.control.scaling import ResizeInProgress, scale
 from cluster.frontend.http.protocol import ApiError
 
-_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
 class ScaleRequest(BaseModel):
@@ -31,10 +31,10 @@ class ScaleRequest(BaseModel):
 def add_admin_routes(app: FastAPI, cluster: Cluster, admin_key: str | None, bind_host: str) -> None:
     def authorize(request: Request) -> None:
         if admin_key is None:
-            if bind_host not in _LOOPBACK:
+            if bind_host not in LOOPBACK:
                 raise ApiError(403, "admin endpoints need ingress.admin_key on an ingress that does not bind loopback",
                                None, "permission_error")
-            if request.client is None or request.client.host not in _LOOPBACK:
+            if request.client is None or request.client.host not in LOOPBACK:
                 raise ApiError(403, "admin endpoints answer only local clients unless ingress.admin_key is set", None,
                                "permission_error")
             return

@@ -68,12 +68,16 @@ class _LoopSink:
 class Ingress:
     def __init__(self, client: TandemClient, model_name: str, max_model_len: int, gate: Gate, vocab_size: int,
                  caps: RequestCaps = RequestCaps(),
-                 max_body_bytes: int = 1 << 20, queue_size: int = 4096, request_timeout_s: float = 600.0):
+                 max_body_bytes: int = 1 << 20, queue_size: int = 4096, request_timeout_s: float = 600.0,
+                 hide_cache_hits: bool = False):
         self.client = client
         self.tokenizer = client.tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.caps = caps
+        # Anonymous users of a public ingress share one prefix cache: a reported hit would tell one
+        # what another sent.
+        self.hide_cache_hits = hide_cache_hits
         self.max_body_bytes = max_body_bytes
         self.queue_size = queue_size
         self.request_timeout_s = request_timeout_s
@@ -81,6 +85,9 @@ class Ingress:
         self.vocab_size = vocab_size
         self.metrics = IngressMetrics()
         self._emits: dict[str, dict[int, list[float]]] = {}
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+        return responses.usage(prompt_tokens, completion_tokens, 0 if self.hide_cache_hits else cached_tokens)
 
     # ---- one cluster request ----
 
@@ -334,7 +341,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
                                 "finish_reason": r.finish_reason})
                 completion_tokens += len(r.token_ids)
             cached += stream.results[0].num_cached_tokens
-        usage = responses.usage(sum(len(p) for p in prompts), completion_tokens, cached)
+        usage = ingress.usage(sum(len(p) for p in prompts), completion_tokens, cached)
         return responses.completion_body(rid, ingress.model_name, choices, usage)
 
     @app.post("/v1/chat/completions", response_model=None,
@@ -364,7 +371,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
             lp = responses.chat_logprobs(ingress.tokenizer, r.logprobs) if req.logprobs else None
             choices.append({"index": r.index, "message": {"role": "assistant", "content": r.text}, "logprobs": lp,
                             "finish_reason": r.finish_reason})
-        usage = responses.usage(len(prompt), sum(len(r.token_ids) for r in stream.results), stream.results[0].num_cached_tokens)
+        usage = ingress.usage(len(prompt), sum(len(r.token_ids) for r in stream.results), stream.results[0].num_cached_tokens)
         return responses.chat_body(rid, ingress.model_name, choices, usage, chunk=False)
 
     return app

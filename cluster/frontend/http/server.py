@@ -7,8 +7,9 @@ from pathlib import Path
 import uvicorn
 
 from actors.engine.model.loader import read_hf_config
+from cluster.control.config import IngressSection, TenantSection
 from cluster.control.launch import Cluster
-from cluster.frontend.http.admin import add_admin_routes
+from cluster.frontend.http.admin import LOOPBACK, add_admin_routes
 from cluster.frontend.http.app import Ingress, create_app
 from cluster.frontend.http.gate import Gate, TenantLimits
 from cluster.frontend.http.protocol import RequestCaps
@@ -22,22 +23,33 @@ def served_model_name(cluster: Cluster) -> str:
     return path.split(":", 1)[1] if path.startswith("builtin:") else Path(path).name
 
 
-def build_ingress(cluster: Cluster) -> Ingress:
+def check_exposure(ingress: IngressSection, host: str) -> dict[str, TenantSection]:
+    """The API keys to serve with; refuses an ingress reachable from the network that nobody has to
+    authenticate to, unless the config says so (`ingress.allow_anonymous`)."""
+    tenants = ingress.tenants()
+    if host not in LOOPBACK and not tenants and not ingress.allow_anonymous:
+        raise ValueError(f"refusing to serve on {host} with no API keys: set ingress.api_keys (or api_keys_file), "
+                         "bind 127.0.0.1, or set ingress.allow_anonymous: true")
+    return tenants
+
+
+def build_ingress(cluster: Cluster, host: str = "127.0.0.1") -> Ingress:
     config = cluster.config
     hf = read_hf_config(cluster.model_dir)
     max_len = config.model.max_model_len or hf["max_position_embeddings"]
-    gate = Gate({key: TenantLimits(**t.model_dump()) for key, t in config.ingress.api_keys.items()})
+    tenants = check_exposure(config.ingress, host)
+    gate = Gate({key: TenantLimits(**t.model_dump()) for key, t in tenants.items()})
     i = config.ingress
     caps = RequestCaps(i.max_n, i.max_prompts, i.max_sequences, i.max_stop_strings, i.max_stop_chars, i.max_logit_bias)
     return Ingress(cluster.client(), served_model_name(cluster), max_len, gate, hf["vocab_size"], caps=caps,
-                   max_body_bytes=config.ingress.max_body_bytes, queue_size=config.ingress.stream_queue_tokens,
-                   request_timeout_s=config.ingress.request_timeout_s)
+                   max_body_bytes=i.max_body_bytes, queue_size=i.stream_queue_tokens,
+                   request_timeout_s=i.request_timeout_s, hide_cache_hits=not tenants and host not in LOOPBACK)
 
 
 def make_server(cluster: Cluster, host: str, port: int) -> uvicorn.Server:
-    app = create_app(build_ingress(cluster), cluster.scheduler)
+    app = create_app(build_ingress(cluster, host), cluster.scheduler)
     ingress = cluster.config.ingress
-    add_admin_routes(app, cluster, ingress.admin_key, host)
+    add_admin_routes(app, cluster, ingress.admin(), host)
     # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: behind a same-host proxy every client
     # would then be whatever address it claims. Only the configured proxies are believed.
     trusted = ingress.trusted_proxies

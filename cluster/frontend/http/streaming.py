@@ -76,7 +76,7 @@ async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionR
         completion = sum(len(r.token_ids) for stream, _ in opened for r in stream.results)
         cached = sum(stream.results[0].num_cached_tokens for stream, _ in opened)
         prompt = sum(len(stream.prompt_token_ids) for stream, _ in opened)
-        yield responses.completion_body(rid, model, [], responses.usage(prompt, completion, cached))
+        yield responses.completion_body(rid, model, [], ingress.usage(prompt, completion, cached))
 
 
 async def chat_chunks(ingress: Ingress, stream: RequestStream, sink, rid: str, req: ChatCompletionRequest,
@@ -92,5 +92,5 @@ async def chat_chunks(ingress: Ingress, stream: RequestStream, sink, rid: str, r
                                                 "finish_reason": ev.finish_reason if ev.finished else None}], None, chunk=True)
     if req.stream_options and req.stream_options.include_usage:
         completion = sum(len(r.token_ids) for r in stream.results)
-        yield responses.chat_body(rid, model, [], responses.usage(len(stream.prompt_token_ids), completion,
+        yield responses.chat_body(rid, model, [], ingress.usage(len(stream.prompt_token_ids), completion,
                                                                   stream.results[0].num_cached_tokens), chunk=True)

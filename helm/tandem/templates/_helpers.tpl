@@ -54,6 +54,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* The tandem pool config (cluster/control/config.py), from values. */}}
 {{- define "tandem.poolConfig" -}}
 {{- $config := deepCopy .Values.config -}}
+{{- $ingress := default (dict) $config.ingress -}}
+{{- if or (hasKey $ingress "api_keys") (hasKey $ingress "admin_key") -}}
+{{- fail "keep API and admin keys out of config.ingress (it is rendered into a ConfigMap): use access.apiKeys, access.adminKey or access.existingSecret" -}}
+{{- end -}}
+{{- $_ := set $ingress "admin_key_file" (printf "%s/admin-key" (include "tandem.keysDir" .)) -}}
+{{- if .Values.access.allowAnonymous -}}
+{{- $_ := set $ingress "allow_anonymous" true -}}
+{{- else -}}
+{{- $_ := set $ingress "api_keys_file" (printf "%s/api_keys.yaml" (include "tandem.keysDir" .)) -}}
+{{- end -}}
+{{- $_ := set $config "ingress" $ingress -}}
 {{- $_ := set $config "mode" .Values.mode -}}
 {{- $_ := set $config "model" (dict "path" .Values.model.path "dtype" .Values.model.dtype "max_model_len" .Values.model.maxModelLen) -}}
 {{- range $role := include "tandem.roles" . | fromJsonArray -}}
@@ -84,4 +95,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   mountPath: {{ .Values.model.mountPath }}
   readOnly: true
 {{- end }}
+{{- end -}}
+
+{{/* Where the head pod mounts the keys Secret (not under the ConfigMap mount: that one is read-only). */}}
+{{- define "tandem.keysDir" -}}/etc/tandem-keys{{- end -}}
+
+{{/* The Secret holding api_keys.yaml and admin-key: the user's, or the chart's own. */}}
+{{- define "tandem.keysSecret" -}}
+{{- default (printf "%s-keys" (include "tandem.fullname" .)) .Values.access.existingSecret -}}
 {{- end -}}

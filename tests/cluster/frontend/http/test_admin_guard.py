@@ -1,7 +1,8 @@
-"""Who may resize the pools over HTTP: the client is the TCP peer (X-Forwarded-For counts only from a
-configured proxy), an ingress that binds a routable address needs `admin_key`, and no request may ask
-for more replicas than the pool's `max_replicas`. Nothing here resizes anything: every call is refused
-or fails validation, and the pools stay as they were."""
+"""Exposure of the HTTP front. An ingress bound to a routable address refuses to start without API keys
+unless told to serve anonymously, and then reports no prefix-cache hits. Who may resize the pools:
+the client is the TCP peer (X-Forwarded-For counts only from a configured proxy), a routable ingress
+needs `admin_key`, and no request may ask for more than the pool's `max_replicas`. Nothing here
+resizes anything: every call is refused or fails validation, and the pools stay as they were."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from cluster.control.launch import Cluster
 from cluster.frontend.http.server import make_server
 from tests.helpers.cluster import load
+from tests.helpers.http_server import MODEL
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +31,10 @@ def ingress(cluster: Cluster, host: str, **settings):
     """The HTTP server in front of `cluster`, bound to `host`, with `settings` in its ingress config."""
     original = cluster.config
     cluster.config = original.model_copy(update={"ingress": original.ingress.model_copy(update=settings)})
-    http = make_server(cluster, host, 0)
-    cluster.config = original
+    try:
+        http = make_server(cluster, host, 0)
+    finally:
+        cluster.config = original
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
     try:
@@ -61,11 +65,24 @@ def test_forwarded_for_counts_only_from_a_trusted_proxy(cluster):
     assert sorted(cluster.workers) == ["decode-0", "prefill-0"]
 
 
-def test_a_routable_ingress_needs_the_admin_key(cluster):
-    with ingress(cluster, "0.0.0.0") as url:  # reached over loopback here, but bound to every interface
+def test_a_routable_ingress_needs_keys(cluster, tmp_path):
+    with pytest.raises(ValueError, match="refusing to serve on 0.0.0.0 with no API keys"):
+        with ingress(cluster, "0.0.0.0"):
+            pass
+    # Reached over loopback here, but bound to every interface.
+    with ingress(cluster, "0.0.0.0", allow_anonymous=True) as url:
         refused = _scale(url, {"decode": 2})
         assert refused.status_code == 403 and "admin_key" in refused.json()["error"]["message"]
-    with ingress(cluster, "0.0.0.0", admin_key="s3cret") as url:
+        # Everyone shares one prefix cache here: a hit reported to one user would reveal another's prompt.
+        body = {"model": MODEL, "prompt": "a shared system prompt " * 8, "max_tokens": 2, "temperature": 0}
+        usages = [httpx.post(url + "/v1/completions", json=body, timeout=120).json()["usage"] for _ in range(2)]
+        assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages] == [0, 0]
+    with ingress(cluster, "127.0.0.1") as url:  # the same cache, now warm, reported on a loopback ingress
+        usage = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+    key_file = tmp_path / "admin-key"
+    key_file.write_text("s3cret\n")
+    with ingress(cluster, "0.0.0.0", allow_anonymous=True, admin_key_file=str(key_file)) as url:
         assert _scale(url, {"decode": 2}).status_code == 401
         wrong = _scale(url, {"decode": 2}, Authorization="Bearer nope")
         assert wrong.status_code == 401 and "s3cret" not in wrong.text
