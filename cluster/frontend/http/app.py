@@ -271,6 +271,9 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is a byte offset, not a field
+            why = first.get("ctx", {}).get("error", "")
+            return JSONResponse(ApiError(400, f"the request body is not valid JSON ({why})", None).body(), status_code=400)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = loc[0] if loc else None
         return JSONResponse(ApiError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", param).body(),
