@@ -10,8 +10,9 @@ from actors.engine.model.loader import read_hf_config
 from cluster.control.config import IngressSection, TenantSection
 from cluster.control.launch import Cluster
 from cluster.frontend.http.admin import LOOPBACK, add_admin_routes
-from cluster.frontend.http.app import Ingress, create_app
+from cluster.frontend.http.app import create_app
 from cluster.frontend.http.gate import Gate, TenantLimits
+from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.protocol import RequestCaps
 
 

@@ -4,27 +4,36 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
 from cluster.frontend.http import responses
-from cluster.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from cluster.frontend.request_stream import RequestStream
 
 if TYPE_CHECKING:
-    from cluster.frontend.http.app import Ingress
+    from cluster.frontend.http.ingress import Ingress
+
+log = logging.getLogger("tandem.ingress")
 
 
 def sse(chunks: AsyncIterator[dict], on_close) -> StreamingResponse:
-    """Server-sent events; `on_close` runs however the stream ends (done, error, client gone)."""
+    """Server-sent events; `on_close` runs however the stream ends (done, error, client gone). A failure
+    after the 200 went out cannot change the status: it ends the stream with an error event (the
+    OpenAI envelope), then [DONE], never a cut-off connection."""
     async def body():
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
+        except Exception as exc:  # noqa: BLE001 (a bug: logged, told to the client in the stream)
+            log.exception("a stream failed after it started")
+            error = ApiError(500, f"internal error while streaming ({type(exc).__name__})", None, "server_error")
+            yield f"data: {json.dumps(error.body())}\n\n".encode()
         finally:
             on_close()
+        yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
 

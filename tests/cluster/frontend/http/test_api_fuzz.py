@@ -1,36 +1,71 @@
-"""Acceptance 2 of the ingress issue: fuzz the API from its own OpenAPI schema; no input gives a 5xx,
-and every JSON response matches the schema the server publishes."""
+"""Fuzz the API from its own OpenAPI schema, with API keys on: no input gives a 5xx, every JSON response
+matches the schema the server publishes, and every server-sent event of a stream is a chunk of the
+documented shape, ending in [DONE]. Some cases go without the key (401), the rest with it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import HealthCheck, given, settings
+from pydantic import ValidationError
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance  # noqa: E402
 
-from tests.helpers.http_server import MODEL
+from cluster.control.config import TenantSection  # noqa: E402
+from cluster.frontend.http.openapi import ChatCompletionChunk, CompletionResponse  # noqa: E402
+from tests.helpers.cluster import load  # noqa: E402
+from tests.helpers.http_server import MODEL, serving  # noqa: E402
+
+KEY = "fuzz-key-0123456789"
+CHUNKS = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionChunk}
 
 
 @pytest.fixture(scope="module")
-def api(server):  # noqa: F811
-    return schemathesis.openapi.from_url(server[1] + "/openapi.json")
+def keyed_server(ray_session):
+    config = load("local.yaml")
+    ingress = config.ingress.model_copy(update={"api_keys": {KEY: TenantSection(tenant="fuzz")}})
+    with serving(config.model_copy(update={"ingress": ingress})) as live:
+        yield live
 
 
-def test_no_input_gives_a_server_error(api):
+def _stream_problems(path: str, text: str) -> list[str]:
+    """What is wrong with a server-sent event stream of `path`: every event a chunk, [DONE] last."""
+    events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    if not events or events[-1] != "[DONE]":
+        return [f"the stream does not end with [DONE]: {events[-1:]}"]
+    problems = []
+    for event in events[:-1]:
+        try:
+            if "error" in json.loads(event):  # the server failed mid-stream: as bad as a 5xx
+                problems.append(f"error event: {event[:300]}")
+                continue
+            CHUNKS[path].model_validate(json.loads(event))
+        except (ValueError, ValidationError) as exc:
+            problems.append(f"chunk {event[:200]}: {exc}"[:400])
+    return problems
+
+
+def test_no_input_gives_a_server_error(keyed_server):
+    api = schemathesis.openapi.from_url(keyed_server[1] + "/openapi.json")
     ops = [op for op in api.get_all_operations() if op.ok().method in ("post", "get")]
     assert len(ops) == 6  # health, ready, metrics, models, completions, chat
-    failures, statuses = [], {}
+    failures, statuses, streams = [], {}, 0
     for result in ops:
         operation = result.ok()
         strategy = operation.as_strategy()
+        calls = [0]
 
         @settings(max_examples=30, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck), derandomize=True)
         def check(case):
+            nonlocal streams
             if isinstance(case.body, dict):
                 case.body["model"] = MODEL  # else nearly every case stops at 404 before reaching the cluster
-            response = case.call(timeout=60)
+            calls[0] += 1
+            keyed = calls[0] % 5 != 0  # one case in five without the key
+            response = case.call(timeout=60, headers={"Authorization": f"Bearer {KEY}"} if keyed else {})
             statuses.setdefault(operation.path, []).append(response.status_code)
             content_type = "".join(response.headers.get("content-type") or [])
             if content_type.startswith("application/json"):
@@ -38,10 +73,15 @@ def test_no_input_gives_a_server_error(api):
                     case.validate_response(response, checks=[response_schema_conformance, status_code_conformance])
                 except Exception as exc:
                     failures.append((operation.path, case.body, response.status_code, f"schema: {exc}"[:400]))
+            elif content_type.startswith("text/event-stream"):
+                streams += 1
+                failures.extend((operation.path, case.body, response.status_code, p)
+                                for p in _stream_problems(operation.path, response.text))
             if response.status_code >= 500:
                 failures.append((operation.path, case.body, response.status_code, response.text[:300]))
 
         given(strategy)(check)()
     assert not failures, failures[:5]
     for path in ("/v1/completions", "/v1/chat/completions"):  # the fuzz reached generation, not only errors
-        assert 200 in statuses[path] and 400 in statuses[path], (path, sorted(set(statuses[path])))
+        assert {200, 400, 401} <= set(statuses[path]), (path, sorted(set(statuses[path])))
+    assert streams > 0, "no case streamed: the SSE check never ran"

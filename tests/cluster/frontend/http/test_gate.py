@@ -10,7 +10,8 @@ import openai
 import pytest
 import uvicorn
 
-from cluster.frontend.http.app import Ingress, create_app
+from cluster.frontend.http.app import create_app
+from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.gate import Gate, TenantLimits
 from cluster.frontend.http.protocol import ApiError
 from tests.helpers.http_server import MODEL

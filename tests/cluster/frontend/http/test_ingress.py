@@ -165,8 +165,8 @@ def test_slow_client_is_bounded_then_aborted(server):
     """A reader that stalls never makes the server buffer more than the per-request bound."""
     import asyncio
 
-    from cluster.frontend.http.app import Ingress
     from cluster.frontend.http.gate import Gate
+    from cluster.frontend.http.ingress import Ingress
 
     cluster = server[0]
     ingress = Ingress(cluster.client(), MODEL, 2048, Gate(None), 2048, queue_size=4)

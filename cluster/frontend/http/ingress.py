@@ -1,0 +1,242 @@
+"""One HTTP request's life in the cluster: admission through the gate, one cluster request per prompt,
+its token events with the request's deadline, and one place where every request ends.
+
+Token deltas arrive on the client's zmq thread and are handed to the event loop through a bounded queue
+per request: a client that reads too slowly fills it, and the request is aborted rather than buffered
+without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import AsyncIterator
+
+import ray
+
+from actors.protocol.request_status import RequestStatus
+from actors.protocol.sampling_params import SamplingParams
+from cluster.frontend.client import AdmissionRejected, TandemClient
+from cluster.frontend.http import responses
+from cluster.frontend.http.gate import Gate
+from cluster.frontend.http.metrics import IngressMetrics
+from cluster.frontend.http.protocol import ApiError, RequestCaps
+from cluster.frontend.request_stream import RequestStream, StreamEvent
+
+_OVERFLOW = object()
+log = logging.getLogger("tandem.ingress")
+
+
+class _LoopSink:
+    """Thread-safe `put` from the zmq thread into a bounded asyncio queue of one request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, maxsize: int, tenant: str | None):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=maxsize)
+        self.overflowed = False
+        self.tenant = tenant
+        self.closed = False
+        self.timeout_s: float | None = None  # the request's own deadline, if it set one
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item) -> None:
+        if self.overflowed:
+            return
+        try:
+            self.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            self.overflowed = True
+            self.queue._queue.clear()  # drop what the slow client never read; the request is aborted
+            self.queue.put_nowait(_OVERFLOW)
+
+
+class Ingress:
+    def __init__(self, client: TandemClient, model_name: str, max_model_len: int, gate: Gate, vocab_size: int,
+                 caps: RequestCaps = RequestCaps(),
+                 max_body_bytes: int = 1 << 20, queue_size: int = 4096, request_timeout_s: float = 600.0,
+                 hide_cache_hits: bool = False):
+        self.client = client
+        self.tokenizer = client.tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.caps = caps
+        # Anonymous users of a public ingress share one prefix cache: a reported hit would tell one
+        # what another sent.
+        self.hide_cache_hits = hide_cache_hits
+        self.max_body_bytes = max_body_bytes
+        self.queue_size = queue_size
+        self.request_timeout_s = request_timeout_s
+        self.gate = gate
+        self.vocab_size = vocab_size
+        self.metrics = IngressMetrics()
+        self._emits: dict[str, dict[int, list[float]]] = {}
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+        return responses.usage(prompt_tokens, completion_tokens, 0 if self.hide_cache_hits else cached_tokens)
+
+    # ---- one cluster request ----
+
+    async def open(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None) -> tuple[RequestStream, _LoopSink]:
+        sink = _LoopSink(asyncio.get_running_loop(), self.queue_size, tenant)
+        # The tenant is the cache salt: no request body can choose another tenant's.
+        request = self.client.request(prompt_ids, params, tenant)
+        try:
+            await self.client.asubmit(request, sink)
+        except ray.exceptions.RayError as exc:
+            # The scheduler died while admitting it (Ray restarts it): nothing of the request runs.
+            self.metrics.rejected.labels("unavailable").inc()
+            raise ApiError(503, f"the scheduler was lost while admitting the request ({type(exc).__name__}); retry",
+                           None, "service_unavailable", {"Retry-After": "1"}) from None
+        except AdmissionRejected as exc:
+            if exc.unavailable:
+                self.metrics.rejected.labels("unavailable").inc()
+                raise ApiError(503, exc.reason, None, "service_unavailable",
+                               {"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
+            if exc.retry_after_s is None:
+                self.metrics.rejected.labels("inadmissible").inc()
+                raise ApiError(400, exc.reason, "max_tokens") from None
+            self.metrics.rejected.labels("admission").inc()
+            raise ApiError(429, exc.reason, None, "rate_limit_error",
+                           {"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        return RequestStream(request, self.tokenizer), sink
+
+    async def events(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> AsyncIterator[StreamEvent]:
+        emits: dict[int, list[float]] = {}
+        self._emits[stream.request_id] = emits
+        # A request's own `timeout` may shorten the server's deadline, never stretch it.
+        deadline = arrival + min(sink.timeout_s or self.request_timeout_s, self.request_timeout_s)
+        try:
+            while not stream.finished:
+                try:
+                    item = await asyncio.wait_for(sink.queue.get(), max(deadline - time.perf_counter(), 0.0))
+                except asyncio.TimeoutError:
+                    # The request's deadline, wherever it is in the cluster: TIMED_OUT, then aborted.
+                    self.metrics.rejected.labels("timed_out").inc()
+                    for ev in stream.fail("the request ran past its deadline", RequestStatus.TIMED_OUT):
+                        yield ev
+                    return
+                if item is _OVERFLOW:
+                    self.metrics.rejected.labels("slow_client").inc()
+                    return
+                events = stream.feed(item)
+                if stream.migration_pending:
+                    self.metrics.migrations.inc()
+                    self.client.migrate(stream, sink)
+                for ev in events:
+                    now = time.perf_counter()
+                    emits.setdefault(ev.index, []).extend([now] * len(ev.token_ids))
+                    self.metrics.generation_tokens.inc(len(ev.token_ids))
+                    yield ev
+        finally:
+            self.finish(stream, sink, arrival)
+
+    def finish(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> None:
+        """Every request ends here exactly once, however its response ended: abort what still runs,
+        free the tenant's slot, and record one usage/metrics entry."""
+        if sink.closed:
+            return
+        sink.closed = True
+        self.client.finish(stream)
+        self.gate.release(sink.tenant)
+        emits = self._emits.pop(stream.request_id, {})
+        self.metrics.observe_phases(stream.times)
+        first = stream.results[0]
+        self.metrics.prefix_queries.inc(len(stream.prompt_token_ids))
+        self.metrics.prefix_hits.inc(first.num_cached_tokens)
+        log.info("usage %s", json.dumps({
+            "request_id": stream.request_id, "tenant": sink.tenant, "prompt_tokens": len(stream.prompt_token_ids),
+            "cached_tokens": first.num_cached_tokens,
+            "generated_tokens": stream.received_tokens,
+            "emitted_tokens": sum(len(r.token_ids) for r in stream.results),
+            "finish_reasons": [r.finish_reason for r in stream.results],
+        }))
+        for r in stream.results:
+            self.metrics.observe_emits(arrival, emits.get(r.index, []))
+            self.metrics.finished.labels(r.finish_reason or "abort").inc()
+
+    async def open_all(self, prompts: list[list[int]], params: SamplingParams, tenant: str | None,
+                       timeout_s: float | None = None) -> list:
+        """Pass the gate, then open one cluster request per prompt; all or nothing."""
+        try:
+            params.validate_token_ids(self.vocab_size)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), str(exc).split("parameter ", 1)[-1].split(":", 1)[0]) from None
+        if params.n * len(prompts) > self.caps.max_sequences:
+            raise ApiError(400, f"n x prompts = {params.n * len(prompts)}; at most {self.caps.max_sequences} "
+                           "sequences per request", "n")
+        cost = sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts)
+        self.gate.admit(tenant, cost, requests=len(prompts))
+        opened = []
+        try:
+            for p in prompts:
+                opened.append(await self.open(p, params, tenant))
+                opened[-1][1].timeout_s = timeout_s
+        except BaseException:
+            for stream, sink in opened:
+                self.finish(stream, sink, 0.0)
+            self.gate.release(tenant, len(prompts) - len(opened))
+            raise
+        return opened
+
+    # ---- prompts ----
+
+    async def encode_prompts(self, prompt) -> list[list[int]]:
+        """Token ids of each prompt; the tokenizer runs off the event loop (a long prompt takes a while)."""
+        if isinstance(prompt, str):
+            raw = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            raw = [list(prompt)]
+        elif isinstance(prompt, list) and prompt:
+            raw = list(prompt)
+        else:
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        if len(raw) > self.caps.max_prompts:
+            raise ApiError(400, f"prompt holds {len(raw)} prompts; at most {self.caps.max_prompts} per request",
+                           "prompt")
+        for p in raw:
+            if isinstance(p, str):
+                check_text(p, "prompt")
+        prompts = await asyncio.to_thread(lambda: [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                                                   for p in raw])
+        for p in prompts:
+            self.check_prompt(p, "prompt")
+        return prompts
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The conversation through the chat template, as token ids (call it off the event loop)."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template that rejects the conversation is the client's error
+            raise ApiError(400, f"messages: {exc}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise ApiError(400, f"{param} must not be empty", param)
+        if len(ids) >= self.max_model_len:
+            raise ApiError(400, f"{param} has {len(ids)} tokens; this model's context is {self.max_model_len}", param)
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise ApiError(400, f"{param} holds a token id outside the vocabulary [0, {self.vocab_size})", param)
+
+    def check_common(self, req, max_tokens: int | None) -> int:
+        if req.model != self.model_name:
+            raise ApiError(400, f"model {req.model!r} does not exist; this server serves {self.model_name!r}", "model")
+        if not 1 <= req.n <= self.caps.max_n:
+            raise ApiError(400, f"n must be between 1 and {self.caps.max_n}", "n")
+        req.check_limits(self.caps)
+        if max_tokens is not None and max_tokens < 1:
+            raise ApiError(400, "max_tokens must be at least 1", "max_tokens")
+        return max_tokens if max_tokens is not None else self.max_model_len
+
+
+def check_text(text: str, param: str) -> None:
+    """JSON can carry lone surrogates ("\\ud800"), which are not text: a 400 naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} is not valid Unicode (it holds a lone surrogate)", param) from None
