@@ -105,7 +105,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         return {"object": "list", "data": [{"id": ingress.model_name, "object": "model", "created": 0, "owned_by": "tandem"}]}
 
     @app.post("/v1/completions", response_model=None,
-              responses=documented(CompletionResponse, 400, 401, 413, 429, 500, 503, streams=True))
+              responses=documented(CompletionResponse, 400, 401, 408, 413, 429, 500, 503, 504, streams=True))
     async def completions(req: CompletionRequest, request: Request):
         arrival = time.perf_counter()
         tenant = ingress.gate.authenticate(request.headers.get("authorization"))
@@ -124,7 +124,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         choices, completion_tokens, cached = [], 0, 0
         for i, (stream, sink) in enumerate(opened):
             for r in stream.results:
-                _raise_if_failed(r)
+                _raise_if_failed(r, ingress.own_deadline(sink))
                 lp = responses.completion_logprobs(ingress.tokenizer, r.logprobs, len(echo_texts[i])) if req.logprobs is not None else None
                 choices.append({"index": i * req.n + r.index, "text": echo_texts[i] + r.text, "logprobs": lp,
                                 "finish_reason": r.finish_reason})
@@ -134,7 +134,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         return responses.completion_body(rid, ingress.model_name, choices, usage)
 
     @app.post("/v1/chat/completions", response_model=None,
-              responses=documented(ChatCompletionResponse, 400, 401, 413, 429, 500, 503, streams=True))
+              responses=documented(ChatCompletionResponse, 400, 401, 408, 413, 429, 500, 503, 504, streams=True))
     async def chat(req: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         tenant = ingress.gate.authenticate(request.headers.get("authorization"))
@@ -156,7 +156,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         await _run_unless_disconnected(request, ingress, [(stream, sink)], arrival)
         choices = []
         for r in stream.results:
-            _raise_if_failed(r)
+            _raise_if_failed(r, ingress.own_deadline(sink))
             lp = responses.chat_logprobs(ingress.tokenizer, r.logprobs) if req.logprobs else None
             choices.append({"index": r.index, "message": {"role": "assistant", "content": r.text}, "logprobs": lp,
                             "finish_reason": r.finish_reason})
@@ -199,8 +199,10 @@ async def _run_unless_disconnected(request: Request, ingress: Ingress, opened: l
     work.result()
 
 
-def _raise_if_failed(result) -> None:
+def _raise_if_failed(result, own_timeout: bool) -> None:
+    """`own_timeout`: the request's `timeout` set its deadline (a 408, the client's choice), not the
+    server's request_timeout_s (a 504)."""
     if result.status == RequestStatus.TIMED_OUT:
-        raise ApiError(504, f"the request ran past its deadline: {result.error}", None, "timeout")
+        raise ApiError(408 if own_timeout else 504, result.error or "the request ran past its deadline", None, "timeout")
     if result.finish_reason == "error":
         raise ApiError(500, f"the request failed in the cluster: {result.error}", None, "server_error")

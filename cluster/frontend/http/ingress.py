@@ -75,6 +75,10 @@ class Ingress:
         self.metrics = IngressMetrics()
         self._emits: dict[str, dict[int, list[float]]] = {}
 
+    def own_deadline(self, sink: _LoopSink) -> bool:
+        """Whether the request's own `timeout` (shorter than the server's) set its deadline."""
+        return sink.timeout_s is not None and sink.timeout_s < self.request_timeout_s
+
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         return responses.usage(prompt_tokens, completion_tokens, 0 if self.hide_cache_hits else cached_tokens)
 

@@ -57,7 +57,7 @@ def test_no_input_gives_a_server_error(keyed_server):
     api = schemathesis.openapi.from_url(keyed_server[1] + "/openapi.json")
     ops = [op for op in api.get_all_operations() if op.ok().method in ("post", "get")]
     assert len(ops) == 6  # health, ready, metrics, models, completions, chat
-    failures, statuses, streams = [], {}, 0
+    failures, statuses = [], {}
     for result in ops:
         operation = result.ok()
         strategy = operation.as_strategy()
@@ -66,7 +66,6 @@ def test_no_input_gives_a_server_error(keyed_server):
         @settings(max_examples=30, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck), derandomize=True)
         def check(case):
-            nonlocal streams
             if isinstance(case.body, dict):
                 case.body["model"] = MODEL  # else nearly every case stops at 404 before reaching the cluster
             calls[0] += 1
@@ -80,7 +79,6 @@ def test_no_input_gives_a_server_error(keyed_server):
                 except Exception as exc:
                     failures.append((operation.path, case.body, response.status_code, f"schema: {exc}"[:400]))
             elif content_type.startswith("text/event-stream"):
-                streams += 1
                 failures.extend((operation.path, case.body, response.status_code, p)
                                 for p in _stream_problems(operation.path, response.text, response.stream_cut_short))
             if response.status_code >= 500:
@@ -98,4 +96,3 @@ def test_no_input_gives_a_server_error(keyed_server):
         resp = httpx.post(keyed_server[1] + path, json=full, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         assert _stream_problems(path, resp.text, cut_short=False) == []
-        streams += 1
