@@ -7,6 +7,8 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
+import uvicorn
+
 from cluster.control.config import TandemConfig
 from cluster.control.launch import Cluster
 from cluster.frontend.http.server import make_server
@@ -15,10 +17,8 @@ MODEL = "tiny-llama"  # the embedded default's served name
 
 
 @contextmanager
-def serving(config: TandemConfig) -> Iterator[tuple[Cluster, str]]:
-    """Yields (cluster, base URL); stops the server and the cluster afterwards."""
-    cluster = Cluster.start(config)
-    http = make_server(cluster, "127.0.0.1", 0)
+def running(http: uvicorn.Server) -> Iterator[str]:
+    """Runs a uvicorn server in a thread of this process; yields its base URL (over loopback)."""
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
     try:
@@ -26,8 +26,18 @@ def serving(config: TandemConfig) -> Iterator[tuple[Cluster, str]]:
         while not http.started:
             assert time.monotonic() < deadline, "the HTTP server did not start"
             time.sleep(0.05)
-        yield cluster, f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
+        yield f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
     finally:
         http.should_exit = True
         thread.join(timeout=10)
+
+
+@contextmanager
+def serving(config: TandemConfig) -> Iterator[tuple[Cluster, str]]:
+    """Yields (cluster, base URL); stops the server and the cluster afterwards."""
+    cluster = Cluster.start(config)
+    try:
+        with running(make_server(cluster, "127.0.0.1", 0)) as url:
+            yield cluster, url
+    finally:
         cluster.shutdown()

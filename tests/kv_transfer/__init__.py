@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import zmq
 
 from kv_transfer.page_format import PageSpec, TransferHeader
 
@@ -44,12 +43,3 @@ def bit_equal(a: Caches, b: Caches) -> bool:
 
 def header_for(caches: Caches, dest_ids: Sequence[int], transfer_id: str = "t1", note: bytes = b"") -> TransferHeader:
     return TransferHeader(transfer_id, f"lease-{transfer_id}", PageSpec.from_caches(caches), tuple(dest_ids), note)
-
-
-def raw_push(endpoint: str, messages: list[list[bytes]]) -> None:
-    """Hand-made messages, in order, through one socket."""
-    with zmq.Context.instance().socket(zmq.PUSH) as s:
-        s.setsockopt(zmq.LINGER, 2000)
-        s.connect(endpoint)
-        for frames in messages:
-            s.send_multipart(frames)

@@ -17,7 +17,8 @@ import zmq
 from kv_transfer.curve import CurveKeys, rejected_handshakes
 from kv_transfer.page_format import TransferError, encode_header
 from kv_transfer.zmq_transport import ZmqKVSender
-from tests.kv_transfer import apply_transfer, bit_equal, clone_caches, header_for, make_caches, raw_push
+from tests.kv_transfer import apply_transfer, bit_equal, clone_caches, header_for, make_caches
+from tests.helpers.sockets import raw_push
 
 
 def _host_port(endpoint: str) -> tuple[str, int]:

@@ -13,7 +13,8 @@ import torch
 
 from kv_transfer.page_format import PageFormatError, TransferError, encode_header
 from kv_transfer.zmq_transport import ZmqKVSender
-from tests.kv_transfer import WAIT_S, apply_transfer, bit_equal, clone_caches, header_for, make_caches, raw_push
+from tests.kv_transfer import WAIT_S, apply_transfer, bit_equal, clone_caches, header_for, make_caches
+from tests.helpers.sockets import raw_push
 
 # staged: the page frames are received into buffers of our own, as for a CUDA cache (pinned there).
 @pytest.mark.parametrize("staged", [False, True], ids=["frames", "staged"])

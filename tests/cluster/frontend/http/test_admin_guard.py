@@ -6,8 +6,6 @@ resizes anything: every call is refused or fails validation, and the pools stay 
 
 from __future__ import annotations
 
-import threading
-import time
 from contextlib import contextmanager
 
 import httpx
@@ -16,7 +14,7 @@ import pytest
 from cluster.control.launch import Cluster
 from cluster.frontend.http.server import make_server
 from tests.helpers.cluster import load
-from tests.helpers.http_server import MODEL
+from tests.helpers.http_server import MODEL, running
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +33,8 @@ def ingress(cluster: Cluster, host: str, **settings):
         http = make_server(cluster, host, 0)
     finally:
         cluster.config = original
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not http.started:
-            assert time.monotonic() < deadline, "the HTTP server did not start"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        http.should_exit = True
-        thread.join(timeout=10)
+    with running(http) as url:
+        yield url
 
 
 def _scale(url: str, body: dict, **headers) -> httpx.Response:

@@ -10,23 +10,15 @@ import httpx
 import openai
 import pytest
 import ray
-import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from tests.helpers.cluster import load, wait_until_idle
 from tests.helpers.http_server import MODEL, serving
+from tests.helpers.sockets import raw_push
 
 GARBAGE = [[b"\xc1 not msgpack"], [b"\x00" * 100], [b"\x93\x01\x02"], [b"x", b"y", b"z"]]
-
-
-def _push(endpoint: str, messages: list[list[bytes]]) -> None:
-    with zmq.Context.instance().socket(zmq.PUSH) as sock:
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.connect(endpoint)
-        for frames in messages:
-            sock.send_multipart(frames)
 
 
 def _dropped(base_url: str) -> dict[tuple[str, str], float]:
@@ -49,8 +41,8 @@ def test_garbage_is_counted_and_streams_go_on(plain_server):
     assert cluster.keys is None
     sink = cluster.clients[-1].sink  # the ingress's client
     kv_endpoint = ray.get(cluster.workers["decode-0"].info.remote(), timeout=30).kv_endpoint
-    _push(sink, GARBAGE)
-    _push(kv_endpoint, GARBAGE)
+    raw_push(sink, GARBAGE)
+    raw_push(kv_endpoint, GARBAGE)
 
     prompt = "The quick brown fox"
     (ref,) = Engine(load("local.yaml").engine_config()).generate(
