@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.bench_recovery import add_arguments as add_bench_recovery
 
     add_bench_recovery(bench_sub.add_parser("recovery", help="kill a worker under load: time to route around it, blocks reclaimed/s"))
+    from experiments.bench_tenants import add_arguments as add_bench_tenants
+
+    add_bench_tenants(bench_sub.add_parser("tenants", help="one tenant floods: the other's latency and KV, with and without shares"))
     from experiments.loadgen.cli import add_arguments as add_bench_serve
 
     add_bench_serve(bench_sub.add_parser("serve", help="open-loop load against an OpenAI-compatible server: latency, SLO goodput"))

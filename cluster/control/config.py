@@ -90,8 +90,13 @@ class TransferSection(_Strict):
 class TenantSection(_Strict):
     tenant: str = Field(description="tenant name: also the prefix-cache salt of its requests")
     requests_per_minute: float | None = Field(None, gt=0, description="request rate limit; null: none")
-    tokens_per_minute: float | None = Field(None, gt=0, description="prompt + max_tokens x n per minute; null: none")
+    tokens_per_minute: float | None = Field(
+        None, gt=0, description="prompt + max_tokens x n per minute (what a request did not generate is given back "
+        "when it ends); null: ingress.default_tokens_per_minute")
     max_concurrency: int | None = Field(None, gt=0, description="requests in flight at once; null: no quota")
+    kv_share: float | None = Field(
+        None, gt=0, le=1, description="most of the decode (colocated) pool's KV the tenant's requests may hold at "
+        "once, and of the admission queue; null: an equal share, 1 / the number of tenants")
 
 
 class IngressSection(_Strict):
@@ -107,6 +112,8 @@ class IngressSection(_Strict):
     max_body_bytes: int = Field(1 << 20, gt=0, description="larger request bodies get 413")
     stream_queue_tokens: int = Field(4096, gt=0, description="undelivered deltas per request before a slow client's request is aborted")
     request_timeout_s: float = Field(600.0, gt=0, description="default deadline of a request; a request's own `timeout` overrides it")
+    default_tokens_per_minute: float | None = Field(
+        1_000_000, gt=0, description="tokens_per_minute of a tenant that sets none; null: no limit")
     admin_key: str | None = Field(
         None, description="bearer token for the operator endpoints (POST /admin/scale); null: only loopback clients "
         "of an ingress bound to loopback (one bound elsewhere then refuses them all)")

@@ -3,7 +3,8 @@ has committed on its decode worker.
 
 One owner: admission reads `committed` to know a worker's room; every terminal path (finish report,
 failure, abort, worker loss, a superseded attempt) ends in `reclaim`, which is idempotent and ignores a
-report about any attempt but the current one.
+report about any attempt but the current one. The same commitments summed by tenant (the request's cache
+salt) bound what one tenant may hold.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ class RequestTable:
     def __init__(self) -> None:
         self._requests: dict[str, Tracked] = {}
         self._committed: dict[str, int] = {}  # worker id -> KV blocks promised to requests in flight
+        self._by_tenant: dict[str | None, int] = {}  # cache salt -> the same blocks, summed by tenant
         self.finished = 0
         self.failed = 0
         self.cancelled = 0  # ended by their client (abort, deadline, disconnect) before the cluster finished
@@ -42,6 +44,8 @@ class RequestTable:
             self.reclaim(old.attempt, failed=True)
         self._requests[tracked.request_id] = tracked
         self._committed[tracked.decode_id] = self._committed.get(tracked.decode_id, 0) + tracked.blocks
+        tenant = tracked.request.cache_salt
+        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + tracked.blocks
         return old
 
     def reclaim(self, attempt: AttemptId | str, failed: bool, cancelled: bool = False) -> Tracked | None:
@@ -54,6 +58,10 @@ class RequestTable:
         self._committed[tracked.decode_id] -= tracked.blocks
         if not self._committed[tracked.decode_id]:
             del self._committed[tracked.decode_id]
+        tenant = tracked.request.cache_salt
+        self._by_tenant[tenant] -= tracked.blocks
+        if not self._by_tenant[tenant]:
+            del self._by_tenant[tenant]
         if failed:
             self.failed += 1
         elif cancelled:
@@ -71,12 +79,23 @@ class RequestTable:
     def committed_blocks(self) -> dict[str, int]:
         return dict(self._committed)
 
+    def tenant_committed(self, cache_salt: str | None) -> int:
+        return self._by_tenant.get(cache_salt, 0)
+
+    def tenant_blocks(self) -> dict[str, int]:
+        """KV blocks committed per named tenant (anonymous requests are left out)."""
+        return {t: n for t, n in self._by_tenant.items() if t is not None}
+
     def check_integrity(self, known_workers: set[str]) -> None:
         expected: dict[str, int] = {}
+        by_tenant: dict[str | None, int] = {}
         for t in self._requests.values():
             expected[t.decode_id] = expected.get(t.decode_id, 0) + t.blocks
+            by_tenant[t.request.cache_salt] = by_tenant.get(t.request.cache_salt, 0) + t.blocks
         if self._committed != {wid: n for wid, n in expected.items() if n}:
             raise RuntimeError(f"committed KV {self._committed} does not match the requests in flight {expected}")
+        if self._by_tenant != {t: n for t, n in by_tenant.items() if n}:
+            raise RuntimeError(f"KV by tenant {self._by_tenant} does not match the requests in flight {by_tenant}")
         for t in self._requests.values():
             unknown = t.workers - known_workers
             if unknown:

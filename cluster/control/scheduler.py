@@ -4,6 +4,7 @@
 - `RequestTable`: requests in flight, the KV each committed, reclaim (request_table.py)
 - `Placer`: admission, routing, load shedding, decided with no await inside (placement.py)
 - `PrefixIndex`: which worker caches which prefix blocks (prefix_index.py)
+- `TenantShares`: no tenant holds more than its share of the KV or of the admission queue (tenant_shares.py)
 
 An async actor: every method runs on one event loop, so its state needs no locks, but an `await` lets
 anything happen: after one, a placement is checked again (`still_valid`) before it is committed.
@@ -48,6 +49,7 @@ from cluster.control.registry import WorkerRegistry
 from cluster.control.request_table import RequestTable
 from cluster.control.routing import PrefillPlan
 from cluster.control.scheduler_state import SchedulerCounters, SchedulerSettings, SchedulerState, Tracked
+from cluster.control.tenant_shares import TenantShares
 from cluster.control.ttft_guard import TtftGuard
 from kv_transfer.curve import CurveKeys
 
@@ -63,11 +65,11 @@ class Scheduler:
         self._index = PrefixIndex()
         self._guard = TtftGuard(settings.max_predicted_ttft_s)
         self._placer = Placer(settings, self._registry, self._table, self._index, self._guard)
+        self._shares = TenantShares(self._table, self._registry, settings.max_queued)
         # Only to tell a client its request failed with a lost worker.
         self._publisher = TokenPublisher(keys=settings.curve_keys)
         self._epoch = uuid.uuid4().hex[:6]  # attempt ids stay unique across scheduler restarts
         self._attempts = itertools.count()
-        self._queued = 0
         self._watchdog: asyncio.Task | None = None
         self._submitted = self._rejected = self._local_prefills = self._rerouted = 0
 
@@ -192,13 +194,16 @@ class Scheduler:
             self._reclaim(tracked.attempt, failed=True)  # a migration: the old attempt's worker is gone
         elif tracked is not None:
             return self._reject(f"request_id {request.request_id!r} is already in flight", None)
-        if self._queued >= self.s.max_queued:
+        if self._shares.queued() >= self.s.max_queued:
             return self._reject("the admission queue is full", self._placer.retry_after_s())
-        self._queued += 1
+        refused = self._shares.enter_queue(request)
+        if refused is not None:
+            self._rejected += 1
+            return refused
         try:
             return await self._admit(request)
         finally:
-            self._queued -= 1
+            self._shares.leave_queue(request)
 
     async def _admit(self, request: GenerateRequest) -> Admitted | Rejected:
         arrived = time.monotonic()
@@ -214,7 +219,11 @@ class Scheduler:
                 biggest = max(v.num_blocks for v in views)
                 return self._reject(f"the request needs {blocks_needed} KV blocks (prompt + max_tokens x n); the "
                                     f"largest {pool} worker has {biggest}: lower max_tokens or n", None)
-            if views:
+            too_big = self._shares.too_big(request, blocks_needed, pool)
+            if too_big is not None:
+                self._rejected += 1
+                return too_big
+            if views and self._shares.fits(request, blocks_needed, pool):
                 placed = self._placer.place(request, hashes, blocks_needed, arrived)
                 if isinstance(placed, Rejected):
                     self._rejected += 1
@@ -226,6 +235,9 @@ class Scheduler:
             if time.monotonic() >= deadline:
                 if not self._registry.views(pool):
                     return self._reject(f"no {pool} worker is ready", 5.0, unavailable=True)
+                if not self._shares.fits(request, blocks_needed, pool):
+                    self._rejected += 1
+                    return self._shares.over_share(request, blocks_needed, pool, self._placer.retry_after_s())
                 return self._reject("no worker has room for the request's KV", self._placer.retry_after_s())
             await asyncio.sleep(0.01)
 
@@ -236,8 +248,10 @@ class Scheduler:
         if not placement.local:
             decode = self._registry.get(placement.decode_id)
             reservation = await self._reserve(decode.handle, WorkerRequest(attempt, request), placement.decode_id)
-            # Anything may have happened during the await: a worker forgotten, replaced or draining.
-            if reservation is None or not self._placer.still_valid(placement):
+            # Anything may have happened during the await: a worker forgotten, replaced or draining, or
+            # another request of the tenant admitted.
+            if (reservation is None or not self._placer.still_valid(placement)
+                    or not self._shares.fits(request, blocks, self._placer.pool)):
                 if reservation is not None:
                     decode.handle.abort.remote(attempt)
                 return None
@@ -314,9 +328,11 @@ class Scheduler:
             {wid: dataclasses.replace(e.view) for wid, e in entries.items()},
             {wid: e.stats for wid, e in entries.items() if e.stats is not None},
             {wid: e.info.incarnation for wid, e in entries.items()},
-            self._registry.draining(), len(self._table), self._table.committed_blocks(), counters)
+            self._registry.draining(), len(self._table), self._table.committed_blocks(), counters,
+            self._table.tenant_blocks())
 
     async def check_integrity(self) -> SchedulerState:
         self._index.check_integrity()
+        self._shares.check_integrity()
         self._table.check_integrity(self._registry.ids())
         return await self.state()

@@ -79,6 +79,7 @@ class SchedulerState:
     in_flight: int
     committed_blocks: dict[str, int]
     counters: SchedulerCounters
+    tenant_blocks: dict[str, int] = field(default_factory=dict)  # KV committed per named tenant
 
     def as_dict(self) -> dict:
         return asdict(self)

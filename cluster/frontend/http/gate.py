@@ -1,7 +1,9 @@
-"""The ingress gate: API key -> tenant, per-tenant rate limits and concurrency quota.
+"""The ingress gate: API key -> tenant, per-tenant rate limits, concurrency quota and KV share.
 
 The tenant, never the request body, decides the prefix-cache salt, so one tenant can neither share
-nor probe another's cache. Without configured keys there is one anonymous tenant and no limits.
+nor probe another's cache. Without configured keys there is one anonymous tenant and no limits. The
+KV share is enforced where the KV is committed (cluster/control/tenant_shares.py); the gate only says
+what it is.
 """
 
 from __future__ import annotations
@@ -19,6 +21,19 @@ class TenantLimits:
     requests_per_minute: float | None = None
     tokens_per_minute: float | None = None
     max_concurrency: int | None = None
+    kv_share: float | None = None  # of the pool's KV and admission queue; None: no limit
+
+
+def tenant_limits(sections: dict, default_tokens_per_minute: float | None) -> dict[str, TenantLimits]:
+    """API key -> limits, from the config's tenant sections: unset token rates take the default, unset
+    KV shares are equal shares (a lone tenant has no KV limit)."""
+    equal_share = 1.0 / max(1, len({t.tenant for t in sections.values()}))
+    limits = {}
+    for key, t in sections.items():
+        share = t.kv_share if t.kv_share is not None else equal_share
+        limits[key] = TenantLimits(t.tenant, t.requests_per_minute, t.tokens_per_minute or default_tokens_per_minute,
+                                   t.max_concurrency, share if share < 1.0 else None)
+    return limits
 
 
 class _Bucket:
@@ -40,6 +55,9 @@ class _Bucket:
 
     def take(self, amount: float) -> None:
         self.level -= min(amount, self.capacity)
+
+    def give_back(self, amount: float) -> None:
+        self.level = min(self.capacity, self.level + amount)
 
 
 class Gate:
@@ -84,11 +102,18 @@ class Gate:
                     b.take(n)
             self._in_flight[tenant] = self._in_flight.get(tenant, 0) + requests
 
-    def release(self, tenant: str | None, requests: int = 1) -> None:
+    def release(self, tenant: str | None, requests: int = 1, unused_tokens: int = 0) -> None:
+        """Free request slots, and give back the tokens they were charged for but did not generate."""
         if tenant is None:
             return
         with self._lock:
             self._in_flight[tenant] -= requests
+            bucket = self._tokens.get(tenant)
+            if bucket is not None and unused_tokens > 0:
+                bucket.give_back(unused_tokens)
+
+    def kv_share(self, tenant: str | None) -> float | None:
+        return None if tenant is None else self._limits[tenant].kv_share
 
     def in_flight(self, tenant: str) -> int:
         return self._in_flight.get(tenant, 0)

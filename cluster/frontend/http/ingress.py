@@ -87,7 +87,7 @@ class Ingress:
     async def open(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None) -> tuple[RequestStream, _LoopSink]:
         sink = _LoopSink(asyncio.get_running_loop(), self.queue_size, tenant)
         # The tenant is the cache salt: no request body can choose another tenant's.
-        request = self.client.request(prompt_ids, params, tenant)
+        request = self.client.request(prompt_ids, params, tenant, kv_share=self.gate.kv_share(tenant))
         try:
             await self.client.asubmit(request, sink)
         except ray.exceptions.RayError as exc:
@@ -146,7 +146,8 @@ class Ingress:
             return
         sink.closed = True
         self.client.finish(stream)
-        self.gate.release(sink.tenant)
+        params = stream.request.params
+        self.gate.release(sink.tenant, unused_tokens=max(0, params.max_tokens * params.n - stream.received_tokens))
         emits = self._emits.pop(stream.request_id, {})
         self.metrics.observe_phases(stream.times)
         first = stream.results[0]
@@ -183,7 +184,8 @@ class Ingress:
         except BaseException:
             for stream, sink in opened:
                 self.finish(stream, sink, 0.0)
-            self.gate.release(tenant, len(prompts) - len(opened))
+            unopened = len(prompts) - len(opened)  # never admitted: nothing of them was generated
+            self.gate.release(tenant, unopened, unused_tokens=unopened * params.max_tokens * params.n)
             raise
         return opened
 

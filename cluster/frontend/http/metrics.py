@@ -37,6 +37,9 @@ class IngressMetrics:
         self.kv_bytes = Gauge("tandem:kv_transfer_bytes", "KV page bytes sent by prefill workers", registry=r)
         self.kv_transfers = Gauge("tandem:kv_transfers", "KV handoffs, by outcome", ["outcome"], registry=r)
         self.leases_expired = Gauge("tandem:kv_leases_expired", "handoff leases that expired", registry=r)
+        self._tenants_seen: set[str] = set()
+        self.tenant_kv = Gauge("tandem:tenant_kv_blocks", "KV blocks committed to each tenant's requests in flight",
+                               ["tenant"], registry=r)
         self.worker_rss = Gauge("tandem:worker_rss_bytes", "resident memory of each worker process", ["worker"], registry=r)
         # Summed over the ingress's token sink and every worker's KV receiver (each restarted worker starts over).
         self.dropped = Gauge("tandem:dropped_messages_total", "messages receive loops dropped, by socket and reason",
@@ -104,6 +107,11 @@ class IngressMetrics:
             self.waiting.labels(pool).set(sum(v.waiting for v in views))
             total = sum(v.num_blocks for v in views)
             self.kv_usage.labels(pool).set(1 - sum(v.free_blocks for v in views) / total if total else 0.0)
+
+    def update_tenants(self, blocks: dict[str, int]) -> None:
+        self._tenants_seen.update(blocks)
+        for tenant in self._tenants_seen:
+            self.tenant_kv.labels(tenant).set(blocks.get(tenant, 0))  # nothing in flight: holds nothing
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,7 +11,7 @@ from cluster.control.config import IngressSection, TenantSection
 from cluster.control.launch import Cluster
 from cluster.frontend.http.admin import LOOPBACK, add_admin_routes
 from cluster.frontend.http.app import create_app
-from cluster.frontend.http.gate import Gate, TenantLimits
+from cluster.frontend.http.gate import Gate, tenant_limits
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.protocol import RequestCaps
 
@@ -34,22 +34,23 @@ def check_exposure(ingress: IngressSection, host: str) -> dict[str, TenantSectio
     return tenants
 
 
-def build_ingress(cluster: Cluster, host: str = "127.0.0.1") -> Ingress:
+def build_ingress(cluster: Cluster, host: str = "127.0.0.1", ingress: IngressSection | None = None) -> Ingress:
+    """The ingress of `cluster`, as its config's ingress section says (or `ingress`, e.g. a benchmark's)."""
     config = cluster.config
     hf = read_hf_config(cluster.model_dir)
     max_len = config.model.max_model_len or hf["max_position_embeddings"]
-    tenants = check_exposure(config.ingress, host)
-    gate = Gate({key: TenantLimits(**t.model_dump()) for key, t in tenants.items()})
-    i = config.ingress
+    i = ingress or config.ingress
+    tenants = check_exposure(i, host)
+    gate = Gate(tenant_limits(tenants, i.default_tokens_per_minute))
     caps = RequestCaps(i.max_n, i.max_prompts, i.max_sequences, i.max_stop_strings, i.max_stop_chars, i.max_logit_bias)
     return Ingress(cluster.client(), served_model_name(cluster), max_len, gate, hf["vocab_size"], caps=caps,
                    max_body_bytes=i.max_body_bytes, queue_size=i.stream_queue_tokens,
                    request_timeout_s=i.request_timeout_s, hide_cache_hits=not tenants and host not in LOOPBACK)
 
 
-def make_server(cluster: Cluster, host: str, port: int) -> uvicorn.Server:
-    app = create_app(build_ingress(cluster, host), cluster.scheduler)
-    ingress = cluster.config.ingress
+def make_server(cluster: Cluster, host: str, port: int, ingress: IngressSection | None = None) -> uvicorn.Server:
+    ingress = ingress or cluster.config.ingress
+    app = create_app(build_ingress(cluster, host, ingress), cluster.scheduler)
     add_admin_routes(app, cluster, ingress.admin(), host)
     # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: behind a same-host proxy every client
     # would then be whatever address it claims. Only the configured proxies are believed.

@@ -8,13 +8,15 @@ import time
 import httpx
 import openai
 import pytest
+import ray
 import uvicorn
 
 from cluster.frontend.http.app import create_app
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.gate import Gate, TenantLimits
 from cluster.frontend.http.protocol import ApiError
-from tests.helpers.http_server import MODEL
+from tests.helpers.cluster import wait_until_idle
+from tests.helpers.http_server import MODEL, running
 
 
 def test_gate_unit_limits():
@@ -111,3 +113,39 @@ def test_no_ready_worker_is_503(ray_session):
         thread.join(timeout=10)
         client.close()
         ray.kill(scheduler)
+
+
+def test_a_tenant_cannot_hold_more_than_its_share_of_the_kv(server):
+    """Two tenants with half the decode KV each (512 blocks of 16 tokens): one tenant's long request holds
+    most of its half; its next request is refused (429), the other tenant still gets a request as big."""
+    cluster = server[0]
+    gate = Gate({"key-a": TenantLimits("tenant-a", kv_share=0.5), "key-b": TenantLimits("tenant-b", kv_share=0.5)})
+    with running(uvicorn.Server(uvicorn.Config(create_app(Ingress(cluster.client(), MODEL, 2048, gate, 2048),
+                                                          cluster.scheduler),
+                                               host="127.0.0.1", port=0, log_level="warning"))) as url:
+        a = openai.OpenAI(base_url=url + "/v1", api_key="key-a", max_retries=0)
+        b = openai.OpenAI(base_url=url + "/v1", api_key="key-b", max_retries=0)
+        big = dict(model=MODEL, prompt="hold the pool", n=2, max_tokens=1900, extra_body={"ignore_eos": True})
+        with pytest.raises(openai.BadRequestError) as too_big:  # 4 x 1100 tokens: more than the whole share
+            a.completions.create(model=MODEL, prompt="x", n=4, max_tokens=1100)
+        assert "share" in too_big.value.message and too_big.value.body["param"] == "max_tokens"
+        held = a.completions.create(stream=True, **big)  # 2 x 1900 + prompt: ~238 of tenant-a's 256 blocks
+        next(iter(held))
+        started = time.monotonic()
+        with pytest.raises(openai.RateLimitError) as refused:
+            a.completions.create(model=MODEL, prompt="one more", max_tokens=400)
+        assert "tenant-a" in refused.value.message and "share" in refused.value.message
+        assert int(refused.value.response.headers["retry-after"]) >= 1
+        assert time.monotonic() - started < 30  # the admission deadline (1 s here), not the request's timeout
+        other = b.completions.create(stream=True, **big)  # tenant-b's half is untouched
+        next(iter(other))
+        state = ray.get(cluster.scheduler.state.remote(), timeout=30)
+        assert set(state.tenant_blocks) == {"tenant-a", "tenant-b"}, state.tenant_blocks
+        assert 230 < state.tenant_blocks["tenant-a"] == state.tenant_blocks["tenant-b"] <= 256, state.tenant_blocks
+        assert b.completions.create(model=MODEL, prompt="x", max_tokens=1).choices[0].finish_reason == "length"
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        assert f'tandem:tenant_kv_blocks{{tenant="tenant-a"}} {float(state.tenant_blocks["tenant-a"])}' in metrics
+        held.close()
+        other.close()
+    idle = wait_until_idle(cluster, timeout_s=60)
+    assert idle["scheduler"]["tenant_blocks"] == {} and idle["scheduler"]["in_flight"] == 0

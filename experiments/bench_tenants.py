@@ -1,0 +1,182 @@
+"""`tandem bench tenants`: can one tenant's flood slow down or starve another?
+
+One cluster, two tenants behind the real HTTP ingress. Tenant B sends small requests one after another;
+its latency is measured alone, then while tenant A floods (threads each sending many prompts x n per
+request). Both runs are repeated under two ingress policies on the same cluster: `shares` (the
+defaults: equal KV shares, the default tokens/minute) and `no_shares` (each tenant may take the whole
+pool), so the report shows what the shares change. Reported per policy, from one run: B's p50 and p95
+loaded / unloaded, B's failures, A's answers by status, and the most KV blocks A held against its share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import ray
+
+from cluster.control.config import IngressSection, TandemConfig, TenantSection
+from cluster.control.launch import Cluster
+from cluster.frontend.http.server import make_server, served_model_name
+from experiments.bench_report import add_out_argument, report_main
+
+_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=str(_CONFIG), help="cluster layout (default: configs/local.yaml)")
+    p.add_argument("--probes", type=int, default=10, help="tenant B requests per phase")
+    p.add_argument("--queue-timeout-s", type=float, default=10.0,
+                   help="the cluster's admission deadline (scheduler.queue_timeout_s): how long a request waits for room")
+    p.add_argument("--probe-max-tokens", type=int, default=16)
+    p.add_argument("--flooders", type=int, default=4, help="tenant A threads, each one streamed request at a time")
+    p.add_argument("--flood-prompts", type=int, default=1, help="prompts in each of A's requests")
+    p.add_argument("--flood-n", type=int, default=16, help="n of each of A's requests")
+    p.add_argument("--flood-prompt-len", type=int, default=64, help="tokens in each of A's prompts")
+    p.add_argument("--flood-max-tokens", type=int, default=1020,
+                   help="with the other defaults, one of A's requests commits 1024 KV blocks (a quarter of local.yaml's)")
+    add_out_argument(p, "tenants")
+    p.set_defaults(func=report_main("tenants", bench, summarize),
+                   smoke={"probes": 3, "flooders": 2, "flood_n": 4, "flood_max_tokens": 8})
+
+
+def summarize(r: dict) -> str:
+    parts = []
+    for name, p in r["policies"].items():
+        def x(v: float | None) -> str:
+            return "n/a (every request failed)" if v is None else f"x{v:.2f}"
+
+        parts.append(f"{name}: B p50 {x(p['b_p50_ratio'])} (p95 {x(p['b_p95_ratio'])}) under A's flood, "
+                     f"B failed {p['b_failed']}, A answered {p['a_statuses']}, A held <= {p['a_peak_blocks']} of "
+                     f"{p['pool_blocks']} blocks")
+    return "; ".join(parts)
+
+
+def _policy(name: str) -> IngressSection:
+    if name == "shares":
+        tenants = {"key-a": TenantSection(tenant="a"), "key-b": TenantSection(tenant="b")}
+        return IngressSection(api_keys=tenants)
+    whole = {"key-a": TenantSection(tenant="a", kv_share=1.0), "key-b": TenantSection(tenant="b", kv_share=1.0)}
+    return IngressSection(api_keys=whole, default_tokens_per_minute=None)
+
+
+def _probe(url: str, model: str, args, count: int) -> tuple[list[float], list[str]]:
+    latencies, failures = [], []
+    body = {"model": model, "prompt": "tenant b asks a short question", "max_tokens": args.probe_max_tokens,
+            "temperature": 0.0, "ignore_eos": True}
+    with httpx.Client(timeout=300, headers={"Authorization": "Bearer key-b"}) as http:
+        for _ in range(count):
+            started = time.perf_counter()
+            answer = http.post(url + "/v1/completions", json=body)
+            if answer.status_code == 200:
+                latencies.append(time.perf_counter() - started)
+            else:
+                failures.append(f"{answer.status_code}: {answer.json()['error']['message']}")
+    return latencies, failures
+
+
+class _Flood:
+    """Tenant A: each thread streams one big request after another until stopped, then hangs up (the
+    ingress aborts what it was generating)."""
+
+    def __init__(self, url: str, model: str, args):
+        self.statuses: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        rng = random.Random(0)
+        prompts = [[rng.randrange(10, 1000) for _ in range(args.flood_prompt_len)] for _ in range(args.flood_prompts)]
+        self._body = {"model": model, "prompt": prompts, "n": args.flood_n, "max_tokens": args.flood_max_tokens,
+                      "temperature": 1.0, "ignore_eos": True, "stream": True}
+        self._url = url
+        self._threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(args.flooders)]
+
+    def __enter__(self) -> _Flood:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=600)
+
+    def _loop(self) -> None:
+        with httpx.Client(timeout=600, headers={"Authorization": "Bearer key-a"}) as http:
+            while not self._stop.is_set():
+                with http.stream("POST", self._url + "/v1/completions", json=self._body) as answer:
+                    with self._lock:
+                        self.statuses[str(answer.status_code)] += 1
+                    for _ in answer.iter_lines():
+                        if self._stop.is_set():
+                            break
+                if answer.status_code == 429:
+                    self._stop.wait(min(5.0, float(answer.headers.get("retry-after", "1"))))
+
+
+def _watch_blocks(cluster: Cluster, stop: threading.Event, peak: dict) -> None:
+    while not stop.is_set():
+        state = ray.get(cluster.scheduler.state.remote(), timeout=30)
+        for tenant, blocks in state.tenant_blocks.items():
+            peak[tenant] = max(peak.get(tenant, 0), blocks)
+        time.sleep(0.05)
+
+
+def _run_policy(cluster: Cluster, name: str, args) -> dict:
+    model = served_model_name(cluster)
+    http = make_server(cluster, "127.0.0.1", 0, _policy(name))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    while not http.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
+    try:
+        _probe(url, model, args, 2)  # warm-up
+        alone, alone_failed = _probe(url, model, args, args.probes)
+        peak: dict[str, int] = {}
+        stop = threading.Event()
+        watcher = threading.Thread(target=_watch_blocks, args=(cluster, stop, peak), daemon=True)
+        watcher.start()
+        with _Flood(url, model, args) as flood:
+            time.sleep(2.0)  # the flood fills the pool first
+            loaded, loaded_failed = _probe(url, model, args, args.probes)
+        stop.set()
+        watcher.join(timeout=30)
+    finally:
+        http.should_exit = True
+        thread.join(timeout=30)
+    state = ray.get(cluster.scheduler.state.remote(), timeout=30)
+    pool = [v for v in state.workers.values() if v.role in ("decode", "colocated")]
+
+    def q(xs: list[float], p: int) -> float | None:
+        return statistics.quantiles(xs, n=100, method="inclusive")[p - 1] if len(xs) > 1 else (xs[0] if xs else None)
+
+    def ratio(p: int) -> float | None:
+        return None if q(loaded, p) is None or q(alone, p) is None else q(loaded, p) / q(alone, p)
+
+    return {
+        "b_alone_p50_s": q(alone, 50), "b_loaded_p50_s": q(loaded, 50),
+        "b_p50_ratio": ratio(50), "b_p95_ratio": ratio(95),
+        "b_failed": len(alone_failed) + len(loaded_failed), "b_failures": alone_failed + loaded_failed,
+        "a_statuses": dict(flood.statuses), "a_peak_blocks": peak.get("a", 0), "b_peak_blocks": peak.get("b", 0),
+        "pool_blocks": sum(v.num_blocks for v in pool),
+    }
+
+
+def bench(args: argparse.Namespace) -> dict:
+    config = TandemConfig.from_file(args.config)
+    scheduler = config.scheduler.model_copy(update={"queue_timeout_s": args.queue_timeout_s})
+    cluster = Cluster.start(config.model_copy(update={"scheduler": scheduler}))
+    try:
+        policies = {name: _run_policy(cluster, name, args) for name in ("no_shares", "shares")}
+        state = cluster.check_integrity()
+    finally:
+        cluster.shutdown()
+    return {"policies": policies, "scheduler_in_flight_after": state["scheduler"]["in_flight"],
+            "flood": {"threads": args.flooders, "prompts": args.flood_prompts, "n": args.flood_n,
+                      "max_tokens": args.flood_max_tokens}}
