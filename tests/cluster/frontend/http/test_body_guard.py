@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 
+import psutil
 import pytest
 import uvicorn
 
@@ -93,20 +94,28 @@ def _chunked_post(port: int, key: str | None, total: int) -> tuple[int, dict, in
     return status, json.loads(body), sent
 
 
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
 def test_no_key_gets_401_before_the_body_is_read(server):
     app, port = server
+    before = _rss()
     status, body, sent = _chunked_post(port, None, 1536 << 20)  # a 1.5 GB body, if anyone read it
     assert status == 401 and body["error"]["type"] == "authentication_error"
     assert sent < 64 << 20  # the answer came long before the body would have been sent
     assert app.calls == 0
+    assert _rss() - before < 128 << 20  # the server (a thread of this process) kept none of it
 
 
 def test_an_oversized_chunked_body_gets_413_at_the_limit(server):
     app, port = server
+    before = _rss()
     status, body, sent = _chunked_post(port, "k1", 50 << 20)
     assert status == 413 and body["error"]["code"] == 413
     assert sent < 50 << 20
     assert app.calls == 0
+    assert _rss() - before < 128 << 20
 
 
 def test_a_body_within_the_limit_reaches_the_app_whole(server):
