@@ -33,6 +33,7 @@ class GenerateRequest:
     sink: str  # the client's zmq PULL endpoint: where token deltas go
     cache_salt: str | None = None  # the tenant: salts the prefix-cache hashes
     kv_share: float | None = None  # most of its pool's KV the tenant (cache_salt) may hold at once; None: all
+    deadline: float | None = None  # wall-clock time (time.time()) its client gives up: a moved request waits till then
     output_prefix: tuple[int, ...] = ()  # tokens the client already has: a migrated request continues after them
 
     def __post_init__(self) -> None:

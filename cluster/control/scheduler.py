@@ -147,7 +147,7 @@ class Scheduler:
                 self._tell_client(tracked, f"worker {worker_id} was lost ({why}) while serving the request")
 
     async def _resubmit(self, lost: Tracked) -> None:
-        answer = await self.submit(lost.request)
+        answer = await self._submit(lost.request, patient=True)
         if isinstance(answer, Rejected):
             self._tell_client(lost, f"could not re-route after a worker loss: {answer.reason}", retryable=False)
 
@@ -188,6 +188,11 @@ class Scheduler:
 
     async def submit(self, request: GenerateRequest) -> Admitted | Rejected:
         """Admit and route one request (or the next attempt of a migrated one)."""
+        return await self._submit(request, patient=bool(request.output_prefix))
+
+    async def _submit(self, request: GenerateRequest, patient: bool) -> Admitted | Rejected:
+        """`patient`: the request lost its worker (a migration, a re-routed prefill): it waits for a
+        worker until its own deadline, since one that Ray restarts is back in seconds."""
         self._submitted += 1
         tracked = self._table.get(request.request_id)
         if tracked is not None and request.output_prefix:
@@ -201,14 +206,17 @@ class Scheduler:
             self._rejected += 1
             return refused
         try:
-            return await self._admit(request)
+            return await self._admit(request, patient)
         finally:
             self._shares.leave_queue(request)
 
-    async def _admit(self, request: GenerateRequest) -> Admitted | Rejected:
+    async def _admit(self, request: GenerateRequest, patient: bool) -> Admitted | Rejected:
         arrived = time.monotonic()
         # Waiting for KV room past the TTFT target is pointless too: the request would miss it.
-        deadline = arrived + min(self.s.queue_timeout_s, self.s.max_predicted_ttft_s or self.s.queue_timeout_s)
+        wait_s = min(self.s.queue_timeout_s, self.s.max_predicted_ttft_s or self.s.queue_timeout_s)
+        if patient and request.deadline is not None:
+            wait_s = max(wait_s, request.deadline - time.time())
+        deadline = arrived + wait_s
         blocks_needed = self._placer.blocks_needed(request)
         hashes = hash_prompt_blocks(list(request.prompt_token_ids), self.s.block_size, request.cache_salt,
                                     self.s.model_id)

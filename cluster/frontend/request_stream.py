@@ -98,7 +98,9 @@ class MigrationRefused:
 class RequestStream:
     """All samples of one request; `feed` every delta that arrives, in any order."""
 
-    def __init__(self, request: GenerateRequest, tokenizer=None, max_migrations: int = 2):
+    # Each worker loss is another move while the request's deadline allows; the cap stops a request that
+    # kills every worker it lands on.
+    def __init__(self, request: GenerateRequest, tokenizer=None, max_migrations: int = 16):
         self.request = request
         params = request.params
         self.samples = [_Sample(i, _detokenizer(tokenizer, list(request.prompt_token_ids), params))

@@ -84,10 +84,12 @@ class Ingress:
 
     # ---- one cluster request ----
 
-    async def open(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None) -> tuple[RequestStream, _LoopSink]:
+    async def open(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None,
+                   deadline: float | None = None) -> tuple[RequestStream, _LoopSink]:
         sink = _LoopSink(asyncio.get_running_loop(), self.queue_size, tenant)
         # The tenant is the cache salt: no request body can choose another tenant's.
-        request = self.client.request(prompt_ids, params, tenant, kv_share=self.gate.kv_share(tenant))
+        request = self.client.request(prompt_ids, params, tenant, kv_share=self.gate.kv_share(tenant),
+                                      deadline=deadline)
         try:
             await self.client.asubmit(request, sink)
         except ray.exceptions.RayError as exc:
@@ -176,10 +178,12 @@ class Ingress:
                            "sequences per request", "n")
         cost = sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts)
         self.gate.admit(tenant, cost, requests=len(prompts))
+        # The same deadline as `events` keeps, on the wall clock: the scheduler may run on another host.
+        deadline = time.time() + min(timeout_s or self.request_timeout_s, self.request_timeout_s)
         opened = []
         try:
             for p in prompts:
-                opened.append(await self.open(p, params, tenant))
+                opened.append(await self.open(p, params, tenant, deadline))
                 opened[-1][1].timeout_s = timeout_s
         except BaseException:
             for stream, sink in opened:

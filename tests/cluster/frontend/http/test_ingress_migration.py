@@ -19,9 +19,10 @@ MODEL = "tiny-llama"
 @pytest.fixture(scope="module")
 def server(ray_session):
     config = load("local.yaml")
-    # The migration waits for the restarted decode worker: give admission time for it to come back.
+    # Fresh requests wait 1 s for admission; a migrated one waits for the restarted decode worker (several
+    # seconds) until its own deadline.
     config = config.model_copy(update={"scheduler": config.scheduler.model_copy(
-        update={"queue_timeout_s": 60.0, "local_prefill": False})})
+        update={"queue_timeout_s": 1.0, "local_prefill": False})})
     with serving(config) as live:
         yield live
 
