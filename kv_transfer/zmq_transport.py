@@ -35,7 +35,9 @@ from typing import Sequence
 import torch
 import zmq
 
-from kv_transfer.base import Admit, KVCaches, KVReceiver, KVSender, OnComplete, OnError, gather_pages, scatter_pages
+from kv_transfer.base import (
+    Admit, KVCaches, KVReceiver, KVSender, OnComplete, OnError, gather_pages, logger, scatter_pages,
+)
 from kv_transfer.curve import CurveKeys, secure_client, secure_server
 from kv_transfer.endpoints import advertised_host
 from kv_transfer.page_format import PageFormatError, TransferError, TransferHeader, decode_header, encode_header
@@ -111,6 +113,27 @@ class ZmqKVSender(KVSender):
         sock = self._sockets.pop(endpoint, None)
         if sock is not None:
             sock.close(linger=0)
+
+
+def _close_listening(sock: zmq.Socket) -> None:
+    """Close a bound socket so that it refuses peers from now on.
+
+    zmq closes a socket in its I/O thread after `close` returns; until then a tcp listener still accepts
+    peers and takes their messages (a sender would believe a closed receiver got its pages). Unbinding
+    and waiting for the listener's CLOSED event makes the close take effect here."""
+    endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    if endpoint.startswith("tcp://"):
+        monitor = sock.get_monitor_socket(zmq.EVENT_CLOSED)
+        try:
+            sock.unbind(endpoint)
+            if monitor.poll(2000):
+                monitor.recv_multipart()
+        except zmq.ZMQError as e:
+            logger.warning("closing %s: %s", endpoint, e)
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+    sock.close(linger=0)
 
 
 def _host_pages(kv_caches: KVCaches, src: torch.Tensor) -> list[torch.Tensor]:
@@ -203,7 +226,7 @@ class ZmqKVReceiver(KVReceiver):
                     self.drops.drop("error", e, exc_info=True)
                     _drain(sock)
         finally:
-            sock.close(linger=0)
+            _close_listening(sock)
 
     def _recv_frames(self, sock: zmq.Socket) -> tuple[memoryview, list[int], list[memoryview]]:
         frames = [sock.recv(copy=False)]
