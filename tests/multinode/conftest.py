@@ -1,0 +1,98 @@
+"""The namespaced cluster: three "hosts" on this box (experiments/netns_cluster.sh), Ray on each, and
+`tandem serve` on the head. Needs root (network, PID and mount namespaces); skipped without it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from cluster.control.config import TandemConfig
+from tests.helpers.cluster import CONFIGS
+
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "netns_cluster.sh"
+HEAD_IP = "198.51.100.10"
+API_KEY = "netns-test-key"
+
+
+def netns(*args: str, timeout_s: float = 120) -> str:
+    done = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "TANDEM_NETNS_STATE": _STATE})
+    if done.returncode:
+        raise RuntimeError(f"netns_cluster.sh {' '.join(args)} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return done.stdout
+
+
+_STATE = "/run/tandem-netns-test"
+
+
+def _can_run() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    missing = [tool for tool in ("ip", "unshare", "nsenter", "pgrep") if shutil.which(tool) is None]
+    return f"missing {', '.join(missing)}" if missing else None
+
+
+def serve_config(tmp: Path) -> Path:
+    """configs/local.yaml spread over the hosts: the prefill pool on w1, the decode pool on w2 (their
+    `tandem_prefill` / `tandem_decode` resources), KV over tcp, the ingress on the head's address."""
+    config = TandemConfig.from_file(CONFIGS / "local.yaml").model_dump(mode="json", exclude_none=True)
+    config["engine"]["num_kv_blocks"] = 512
+    config["prefill"].update(resources={"tandem_prefill": 1}, num_cpus=1)
+    config["decode"].update(resources={"tandem_decode": 1}, num_cpus=1)
+    config["transfer"].update(zmq_transport="tcp", host="0.0.0.0")
+    config["ingress"].update(host=HEAD_IP, port=8000, api_keys={API_KEY: {"tenant": "netns"}})
+    path = tmp / "netns-serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """head + w1 + w2 with Ray running on each; everything removed afterwards, pass or fail."""
+    why = _can_run()
+    if why:
+        pytest.skip(why)
+    netns("down")  # what a killed earlier run left
+    try:
+        netns("up", "2")
+        netns("ray-up", timeout_s=300)
+        yield
+    finally:
+        netns("down")
+
+
+@pytest.fixture(scope="module")
+def served(hosts, tmp_path_factory, default_model_dir):
+    """`tandem serve` on the head; yields its base URL (reached from this root namespace over the bridge)."""
+    config = serve_config(tmp_path_factory.mktemp("netns"))
+    log = config.with_suffix(".log")
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "TANDEM_NETNS_STATE": _STATE}
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(SCRIPT), "run", "head", "tandem", "serve", "--address", "auto",
+                                 "--config", str(config)], stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://{HEAD_IP}:8000"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "tandem serve on the head did not become ready: " + log.read_text()[-4000:]
+            try:
+                if httpx.get(url + "/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()  # SIGTERM to the nsenter'd process group's leader; down kills the rest anyway
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
