@@ -14,7 +14,8 @@
 #
 # Addresses: the bridge (this root namespace) is 198.51.100.1, the head .10, worker i .1i. Only that
 # documentation range and loopback carry traffic. Worker i offers the Ray resource `tandem_host_wi`
-# and, as in the `ray up` configs, w1 offers `tandem_prefill` and w2 `tandem_decode`.
+# and, as the GPU node types of the `ray up` configs do, w1 offers `tandem_prefill` and every other
+# worker host `tandem_decode`.
 set -euo pipefail
 
 STATE=${TANDEM_NETNS_STATE:-/run/tandem-netns}
@@ -79,7 +80,7 @@ ray_up() {
     for host in $(hosts); do
         [ "$host" = head ] && continue
         local extra=""
-        case $host in w1) extra=', "tandem_prefill": 1' ;; w2) extra=', "tandem_decode": 1' ;; esac
+        case $host in w1) extra=', "tandem_prefill": 1' ;; *) extra=', "tandem_decode": 1' ;; esac
         run "$host" env RAY_AUTH_MODE=token RAY_worker_niceness=0 RAY_USAGE_STATS_ENABLED=0 \
             ray start --address="$head_ip:6379" --node-ip-address="$(address "$host")" \
             --num-cpus="${TANDEM_WORKER_CPUS:-4}" --resources="{\"tandem_host_$host\": 1$extra}" \

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,14 +18,21 @@ import yaml
 from cluster.control.config import TandemConfig
 from tests.helpers.cluster import CONFIGS
 
-SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "netns_cluster.sh"
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "experiments" / "netns_cluster.sh"
 HEAD_IP = "198.51.100.10"
 API_KEY = "netns-test-key"
 
 
+def integrity() -> dict:
+    """The cluster's integrity report, from a driver on the head (raises if an invariant is broken)."""
+    return json.loads(netns("run", "head", sys.executable, "-m", "tests.multinode.integrity", timeout_s=180)
+                      .strip().splitlines()[-1])
+
+
 def netns(*args: str, timeout_s: float = 120) -> str:
-    done = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "TANDEM_NETNS_STATE": _STATE})
+    done = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout_s, cwd=REPO,
+                          env={**os.environ, "TANDEM_NETNS_STATE": _STATE, "RAY_AUTH_MODE": "token"})
     if done.returncode:
         raise RuntimeError(f"netns_cluster.sh {' '.join(args)} failed ({done.returncode}): {done.stderr[-2000:]}")
     return done.stdout
@@ -40,12 +49,14 @@ def _can_run() -> str | None:
 
 
 def serve_config(tmp: Path) -> Path:
-    """configs/local.yaml spread over the hosts: the prefill pool on w1, the decode pool on w2 (their
-    `tandem_prefill` / `tandem_decode` resources), KV over tcp, the ingress on the head's address."""
+    """configs/local.yaml spread over the hosts: the prefill worker on w1, two decode workers on w2 and
+    w3 (their `tandem_prefill` / `tandem_decode` resources), KV over tcp, the ingress on the head's
+    address, and a short heartbeat timeout so a silent host is routed around quickly."""
     config = TandemConfig.from_file(CONFIGS / "local.yaml").model_dump(mode="json", exclude_none=True)
     config["engine"]["num_kv_blocks"] = 512
     config["prefill"].update(resources={"tandem_prefill": 1}, num_cpus=1)
-    config["decode"].update(resources={"tandem_decode": 1}, num_cpus=1)
+    config["decode"].update(resources={"tandem_decode": 1}, num_cpus=1, replicas=2)
+    config["scheduler"].update(heartbeat_timeout_s=5.0, queue_timeout_s=2.0, local_prefill=False)
     config["transfer"].update(zmq_transport="tcp", host="0.0.0.0")
     config["ingress"].update(host=HEAD_IP, port=8000, api_keys={API_KEY: {"tenant": "netns"}})
     path = tmp / "netns-serve.yaml"
@@ -55,13 +66,13 @@ def serve_config(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def hosts():
-    """head + w1 + w2 with Ray running on each; everything removed afterwards, pass or fail."""
+    """head + w1 (prefill) + w2, w3 (decode) with Ray on each; everything removed afterwards, pass or fail."""
     why = _can_run()
     if why:
         pytest.skip(why)
     netns("down")  # what a killed earlier run left
     try:
-        netns("up", "2")
+        netns("up", "3")
         netns("ray-up", timeout_s=300)
         yield
     finally:
