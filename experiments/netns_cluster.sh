@@ -9,6 +9,9 @@
 #   experiments/netns_cluster.sh run HOST CMD...  # run CMD on HOST (head, w1, w2, ...)
 #   experiments/netns_cluster.sh ray-up           # `ray start` on every host (head first), token auth on
 #   experiments/netns_cluster.sh kill HOST        # SIGKILL every process of HOST (the host dies)
+#   experiments/netns_cluster.sh shape HOST PEER [rate 100mbit] [loss 1%]  # HOST -> PEER traffic only
+#   experiments/netns_cluster.sh partition A B    # nothing passes between A and B (iptables, both ways)
+#   experiments/netns_cluster.sh heal HOST...     # remove every shaping and partition of these hosts
 #   experiments/netns_cluster.sh address HOST     # the host's IP address
 #   experiments/netns_cluster.sh down             # remove every host, bridge and process it made
 #
@@ -90,6 +93,40 @@ ray_up() {
     echo "ray: head $head_ip:6379 and $(($(hosts | wc -l) - 1)) worker hosts"
 }
 
+shape() {  # HOST PEER [rate RATE] [loss PERCENT]: HOST's packets to PEER only; the rest is untouched
+    local host=$1 peer=$2 ip; shift 2
+    ip=$(address "$peer")
+    while [ $# -gt 0 ]; do
+        case $1 in
+            rate)  # an HTB class for PEER's traffic (this kernel has no netem: no delay emulation)
+                if ! run "$host" tc qdisc show dev eth0 | grep -q "qdisc htb 1:"; then
+                    run "$host" tc qdisc add dev eth0 root handle 1: htb default 20
+                    run "$host" tc class add dev eth0 parent 1: classid 1:20 htb rate 100gbit quantum 60000
+                fi
+                run "$host" tc class replace dev eth0 parent 1: classid 1:10 htb rate "$2" quantum 60000
+                run "$host" tc filter add dev eth0 parent 1: protocol ip prio 1 u32 match ip dst "$ip/32" flowid 1:10
+                shift 2 ;;
+            loss)  # random loss, as a fraction of packets dropped by iptables
+                run "$host" iptables -A OUTPUT -d "$ip" -m statistic --mode random \
+                    --probability "$(awk "BEGIN { print ${2%\%} / 100 }")" -j DROP
+                shift 2 ;;
+            *) echo "shape: unknown option $1 (rate RATE | loss PERCENT)" >&2; exit 2 ;;
+        esac
+    done
+}
+
+partition() {  # A B: nothing passes between them, in either direction
+    run "$1" iptables -A OUTPUT -d "$(address "$2")" -j DROP
+    run "$1" iptables -A INPUT -s "$(address "$2")" -j DROP
+}
+
+heal() {
+    for host in "$@"; do
+        run "$host" tc qdisc del dev eth0 root 2>/dev/null || true
+        run "$host" iptables -F
+    done
+}
+
 kill_host() {  # a crash: every process dies and the host falls silent (packets to it go nowhere)
     kill -9 "$(anchor "$1")"
     ip link set "tnd-$1" down
@@ -111,7 +148,10 @@ case $cmd in
     run) run "$@" ;;
     ray-up) ray_up ;;
     kill) kill_host "$1" ;;
+    shape) shape "$@" ;;
+    partition) partition "$1" "$2" ;;
+    heal) heal "$@" ;;
     address) address "$1" ;;
     down) down ;;
-    *) sed -n '2,17p' "$0"; exit 2 ;;
+    *) sed -n '2,22p' "$0"; exit 2 ;;
 esac

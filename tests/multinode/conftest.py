@@ -44,7 +44,7 @@ _STATE = "/run/tandem-netns-test"
 def _can_run() -> str | None:
     if os.geteuid() != 0:
         return "needs root (network namespaces)"
-    missing = [tool for tool in ("ip", "unshare", "nsenter", "pgrep") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "tc", "iptables", "unshare", "nsenter", "pgrep") if shutil.which(tool) is None]
     return f"missing {', '.join(missing)}" if missing else None
 
 
@@ -56,7 +56,7 @@ def serve_config(tmp: Path) -> Path:
     config["engine"]["num_kv_blocks"] = 512
     config["prefill"].update(resources={"tandem_prefill": 1}, num_cpus=1)
     config["decode"].update(resources={"tandem_decode": 1}, num_cpus=1, replicas=2)
-    config["scheduler"].update(heartbeat_timeout_s=5.0, queue_timeout_s=2.0, local_prefill=False)
+    config["scheduler"].update(heartbeat_timeout_s=5.0, queue_timeout_s=2.0, local_prefill=False, lease_s=5.0)
     config["transfer"].update(zmq_transport="tcp", host="0.0.0.0")
     config["ingress"].update(host=HEAD_IP, port=8000, api_keys={API_KEY: {"tenant": "netns"}})
     path = tmp / "netns-serve.yaml"
