@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.engine.text.tokenizer import has_tokenizer, load_tokenizer
 from actors.worker.actor import worker_actor
@@ -72,6 +73,9 @@ class Cluster:
             # Detached and restarted by Ray: a restarted scheduler starts empty and rebuilds its view as
             # the workers, finding their reports unanswered, register again with their live requests.
             lifetime="detached", max_restarts=-1,
+            # Beside the ingress (the head), not on a worker host: cut off with one of those, it would
+            # stall every admission. Soft: if this node is gone, its restart goes anywhere.
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
         ).remote(settings)
         workers = {}
         world_size = sum(p.replicas for p in config.pools().values())
