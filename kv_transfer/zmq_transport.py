@@ -26,6 +26,7 @@ that dies with messages in flight loses them; the lease's ack covers that). A re
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -73,7 +74,7 @@ class ZmqKVSender(KVSender):
         try:
             # IMMEDIATE: nothing is queued for a peer that is not connected, so with nobody listening
             # the first frame waits for SNDTIMEO and fails. Once it is in, the rest of the message follows.
-            sock.setsockopt(zmq.SNDTIMEO, max(0, int((deadline - time.monotonic()) * 1000)))
+            sock.setsockopt(zmq.SNDTIMEO, max(0, math.ceil((deadline - time.monotonic()) * 1000)))
             sock.send(header_bytes, zmq.SNDMORE)
             pages = _host_pages(kv_caches, src)
             for i, page in enumerate(pages):

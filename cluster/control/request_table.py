@@ -9,8 +9,14 @@ salt) bound what one tenant may hold.
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
+
 from actors.protocol.ids import AttemptId
 from cluster.control.scheduler_state import Tracked
+
+_ABORTS_KEPT_S = 600.0  # an abort for a request not tracked (yet): long enough for a restart to settle
+_ABORTS_KEPT = 100_000
 
 
 class RequestTable:
@@ -18,6 +24,7 @@ class RequestTable:
         self._requests: dict[str, Tracked] = {}
         self._committed: dict[str, int] = {}  # worker id -> KV blocks promised to requests in flight
         self._by_tenant: dict[str | None, int] = {}  # cache salt -> the same blocks, summed by tenant
+        self._early_aborts: OrderedDict[str, float] = OrderedDict()  # request id -> when its abort came
         self.finished = 0
         self.failed = 0
         self.cancelled = 0  # ended by their client (abort, deadline, disconnect) before the cluster finished
@@ -69,6 +76,23 @@ class RequestTable:
         else:
             self.finished += 1
         return tracked
+
+    def remember_abort(self, request_id: str) -> None:
+        """An abort for a request not tracked here: after a scheduler restart it may come before the
+        worker that still runs the request registers it again, which must then stop it, not adopt it."""
+        now = time.monotonic()
+        self._early_aborts[request_id] = now
+        self._early_aborts.move_to_end(request_id)
+        while self._early_aborts and (len(self._early_aborts) > _ABORTS_KEPT
+                                      or next(iter(self._early_aborts.values())) < now - _ABORTS_KEPT_S):
+            self._early_aborts.popitem(last=False)
+
+    def was_aborted(self, request_id: str) -> bool:
+        """Its client gave up before this table knew it; counted as cancelled (once) when it shows up."""
+        if self._early_aborts.pop(request_id, None) is None:
+            return False
+        self.cancelled += 1
+        return True
 
     def touching(self, worker_id: str) -> list[Tracked]:
         return [t for t in self._requests.values() if worker_id in t.workers or t.decode_id == worker_id]

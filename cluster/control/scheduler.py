@@ -166,8 +166,8 @@ class Scheduler:
             entry.handle.release.remote(attempt)
             return
         tracked = self._table.get(attempt.request_id)
-        if tracked is not None and tracked.attempt != attempt:
-            entry.handle.abort.remote(attempt)  # an attempt that was superseded
+        if (tracked is not None and tracked.attempt != attempt) or self._table.was_aborted(attempt.request_id):
+            entry.handle.abort.remote(attempt)  # an attempt that was superseded, or its client gave up
             return
         if tracked is None:
             dest = item.request.dest
@@ -292,7 +292,10 @@ class Scheduler:
 
     async def abort(self, request_id: str) -> bool:
         tracked = self._table.get(request_id)
-        return tracked is not None and self._reclaim(tracked.attempt, failed=False, cancelled=True)
+        if tracked is None:
+            self._table.remember_abort(request_id)
+            return False
+        return self._reclaim(tracked.attempt, failed=False, cancelled=True)
 
     def _reclaim(self, attempt: AttemptId, failed: bool, skip: str | None = None, cancelled: bool = False) -> bool:
         """Every terminal path ends here; a second call for the same attempt, or a report about an older

@@ -222,8 +222,28 @@ class TandemClient:
     def finish(self, stream: RequestStream) -> None:
         """Stop listening for a request; abort it in the cluster if it may still be generating."""
         if stream.needs_abort:
-            self.scheduler.abort.remote(stream.request_id)
+            self.abort(stream.request_id)
         self.forget(stream.request_id)
+
+    def abort(self, request_id: str, give_up_s: float = 300.0) -> None:
+        """Abort a request in the cluster, without blocking. A scheduler that is restarting cannot take
+        it now, and a lost abort would let the request run to its end: it is sent again every second
+        until the scheduler answers (or `give_up_s`)."""
+        give_up_at = time.monotonic() + give_up_s
+
+        def send() -> None:
+            self.scheduler.abort.remote(request_id).future().add_done_callback(answered)
+
+        def answered(future) -> None:
+            try:
+                future.result()
+            except ray.exceptions.RayError:
+                if time.monotonic() < give_up_at and not self._closed.is_set():
+                    retry = threading.Timer(1.0, send)
+                    retry.daemon = True
+                    retry.start()
+
+        send()
 
     def forget(self, request_id: str) -> None:
         with self._lock:

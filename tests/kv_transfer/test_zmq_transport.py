@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
@@ -222,6 +223,12 @@ def test_send_to_dead_endpoint_times_out(make_receiver, sender, transport):
     recv = make_receiver(make_caches(seed=2), transport)
     endpoint = recv.rx.endpoint
     recv.rx.close()  # nobody listens there any more (and the ipc file is gone)
+    if transport == "tcp":
+        # A freed tcp port may be taken by any process of a busy machine at once: hold one, bound but
+        # not listening, so that it surely refuses.
+        held = socket.socket()
+        held.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{held.getsockname()[1]}"
     src = make_caches(seed=1)
     start = time.monotonic()
     with pytest.raises(TransferError, match=f"no receiver at {endpoint}"):
@@ -229,6 +236,8 @@ def test_send_to_dead_endpoint_times_out(make_receiver, sender, transport):
     elapsed = time.monotonic() - start
     assert 1.0 <= elapsed < 6.0  # never before its deadline, never a hang (how late: a timing, not a test)
     assert sender.open_endpoints == ()  # the failed socket is dropped, the next send starts fresh
+    if transport == "tcp":
+        held.close()
 
 
 def test_wildcard_bind_advertises_a_reachable_host(make_receiver, sender):

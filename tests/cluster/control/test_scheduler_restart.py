@@ -91,6 +91,37 @@ def test_a_cancel_after_the_restart_reaches_the_worker(cluster):
     assert_idle(cluster)
 
 
+def test_a_cancel_sent_while_the_scheduler_is_down_reaches_the_worker(cluster):
+    """The client hangs up while no scheduler runs: the request is stopped, not run to its 2000 tokens.
+    (Ray holds a call to a restarting actor, so here the abort usually lands after the worker has
+    announced the request; the client's resend and the scheduler's memory of early aborts cover the
+    abort that fails or comes first.)"""
+    client = cluster.client()
+    stream = client.stream(list(range(300, 340)), SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True),
+                           timeout_s=120)
+    next(stream)
+    ray.kill(cluster.scheduler, no_restart=False)
+    deadline = time.monotonic() + 120
+
+    def fresh() -> dict | None:  # the restarted incarnation's state (it has admitted nothing), else None
+        state = scheduler_state(cluster)
+        return state if state is not None and state["counters"]["submitted"] == 0 else None
+
+    while scheduler_state(cluster) is not None and fresh() is None:  # until the old incarnation is gone
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    stream.close()
+    while True:
+        state = fresh()
+        if state is not None and state["counters"]["cancelled"] == 1 and state["in_flight"] == 0:
+            break
+        assert state is None or state["counters"]["finished"] == 0, "the cancelled request ran to its end"
+        assert time.monotonic() < deadline, state
+        time.sleep(0.1)
+    cluster.wait_registered(set(cluster.workers), timeout_s=60)
+    assert_idle(cluster)
+
+
 def test_requests_submitted_during_the_restart_finish_or_fail_clearly(cluster):
     """Submitted while the scheduler is down: Ray holds the call until the actor is back (or it fails
     with a clear actor error); nothing hangs past its timeout."""
