@@ -77,6 +77,28 @@ class Admitted:
     decode: str
     cached_tokens: int = 0
     local: bool = False  # prefilled on its decode (or colocated) worker
+    epoch: str = ""  # the scheduler incarnation that admitted it
+
+
+@dataclass(frozen=True)
+class AdmittedBy:
+    """A request in flight at a client, and the scheduler incarnation that admitted its attempt."""
+
+    request_id: str
+    epoch: str
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """The scheduler's answer to a client's audit: its incarnation, whether it has heard from every live
+    worker since it started (`settled`), and of the requests asked about (admitted by an earlier
+    incarnation) the ones it tracks again (`known`, learned from their workers) and the ones no live
+    worker holds (`lost`: they ended, or died with a worker while no scheduler ran)."""
+
+    epoch: str
+    settled: bool
+    known: tuple[str, ...] = ()
+    lost: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,9 @@ class Cluster:
             # the workers, finding their reports unanswered, register again with their live requests.
             lifetime="detached", max_restarts=-1,
             # Beside the ingress (the head), not on a worker host: cut off with one of those, it would
-            # stall every admission. Soft: if this node is gone, its restart goes anywhere.
-            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
+            # stall every admission. Hard: a soft affinity was seen placing it on a worker host (1 in 4
+            # tries on an idle 4-node cluster); if this node dies, the ingress died with it.
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(settings)
         workers = {}
         world_size = sum(p.replicas for p in config.pools().values())

@@ -30,6 +30,8 @@ from actors.engine.kv.block_hash import hash_prompt_blocks
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import (
     Admitted,
+    AdmittedBy,
+    Forgotten,
     GenerateRequest,
     KvDestination,
     KvReservation,
@@ -69,6 +71,7 @@ class Scheduler:
         # Only to tell a client its request failed with a lost worker.
         self._publisher = TokenPublisher(keys=settings.curve_keys)
         self._epoch = uuid.uuid4().hex[:6]  # attempt ids stay unique across scheduler restarts
+        self._born = time.monotonic()
         self._attempts = itertools.count()
         self._watchdog: asyncio.Task | None = None
         self._submitted = self._rejected = self._local_prefills = self._rerouted = 0
@@ -279,7 +282,7 @@ class Scheduler:
         target.view.queued_prefill_tokens += len(request.prompt_token_ids) - (
             placement.prefill.cached_tokens if placement.prefill is not None and not placement.local else 0)
         cached = placement.prefill.cached_tokens if placement.prefill is not None else 0
-        return Admitted(prefill_id, placement.decode_id, cached, placement.local)
+        return Admitted(prefill_id, placement.decode_id, cached, placement.local, self._epoch)
 
     async def _reserve(self, handle, request: WorkerRequest, worker_id: str) -> KvReservation | None:
         try:
@@ -296,6 +299,17 @@ class Scheduler:
             self._table.remember_abort(request_id)
             return False
         return self._reclaim(tracked.attempt, failed=False, cancelled=True)
+
+    async def forgotten(self, admitted: tuple[AdmittedBy, ...]) -> Forgotten:
+        """A client's audit of its requests in flight. Ones an earlier incarnation admitted that no live
+        worker announced since this one started were lost with the old scheduler (queued in it, or on a
+        worker that died while no scheduler could notice): the client migrates them. Answered only once
+        every live worker has had time to register again (twice the heartbeat timeout)."""
+        settled = time.monotonic() - self._born >= 2 * self.s.heartbeat_timeout_s
+        earlier = [a.request_id for a in admitted if a.epoch != self._epoch]
+        known = tuple(rid for rid in earlier if rid in self._table)
+        lost = tuple(rid for rid in earlier if settled and rid not in self._table)
+        return Forgotten(self._epoch, settled, known, lost)
 
     def _reclaim(self, attempt: AttemptId, failed: bool, skip: str | None = None, cancelled: bool = False) -> bool:
         """Every terminal path ends here; a second call for the same attempt, or a report about an older

@@ -24,9 +24,15 @@ import ray
 import zmq
 
 from actors.protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, decode_deltas
-from actors.protocol.messages import Admitted, GenerateRequest, Rejected
+from actors.protocol.messages import Admitted, AdmittedBy, Forgotten, GenerateRequest, Rejected
 from actors.protocol.sampling_params import SamplingParams
-from cluster.frontend.request_stream import MigrationRefused, RequestStream, SampleResult, StreamEvent
+from cluster.frontend.request_stream import (
+    MigrationRefused,
+    RequestStream,
+    SampleResult,
+    SchedulerForgot,
+    StreamEvent,
+)
 from kv_transfer.curve import CurveKeys, secure_server
 from kv_transfer.drops import DropCounter
 from kv_transfer.endpoints import advertised_host
@@ -55,8 +61,10 @@ class Submitted:
 
 
 class TandemClient:
-    def __init__(self, scheduler, tokenizer=None, host: str = "127.0.0.1", keys: CurveKeys | None = None):
-        """`keys`: the cluster's data-plane keys (`Cluster.client` passes them; `connect` fetches them)."""
+    def __init__(self, scheduler, tokenizer=None, host: str = "127.0.0.1", keys: CurveKeys | None = None,
+                 audit_s: float = 2.0):
+        """`keys`: the cluster's data-plane keys (`Cluster.client` passes them; `connect` fetches them).
+        `audit_s`: how often to ask the scheduler whether a restart lost any request in flight."""
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self._socket = zmq.Context.instance().socket(zmq.PULL)
@@ -66,12 +74,17 @@ class TandemClient:
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.sink = f"tcp://{advertised_host(host)}:{port}"  # workers on other nodes connect to it
         self._queues: dict[str, object] = {}
+        # The scheduler incarnation that admitted each request's attempt (None while a migration waits).
+        self._epochs: dict[str, str | None] = {}
+        self._scheduler_epoch: str | None = None  # the latest incarnation heard of
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._killed = threading.Event()
         self.drops = DropCounter("token_sink")
         self._thread = threading.Thread(target=self._receive, name="tandem-client-sink", daemon=True)
         self._thread.start()
+        self._audit_s = audit_s
+        threading.Thread(target=self._audit_loop, name="tandem-client-audit", daemon=True).start()
 
     @classmethod
     def connect(cls, scheduler, tokenizer=None, host: str = "127.0.0.1", timeout_s: float = 30.0) -> TandemClient:
@@ -114,6 +127,37 @@ class TandemClient:
                 q = self._queues.get(delta.attempt.request_id)
             if q is not None:
                 q.put(delta)
+
+    def _audit_loop(self) -> None:
+        while not self._closed.wait(self._audit_s):
+            if not self._epochs or not ray.is_initialized():
+                continue  # nothing in flight to lose
+            try:
+                self.audit()
+            except ray.exceptions.RayError:
+                pass  # the scheduler is restarting: ask again next round
+            except Exception:  # the audit must outlive anything one round does
+                log.exception("request audit failed")
+
+    def audit(self, timeout_s: float = 10.0) -> Forgotten:
+        """Ask the scheduler about requests admitted by an incarnation other than the latest one heard
+        of (none, unless it restarted): the ones it re-learned are its own now, the lost ones migrate."""
+        with self._lock:
+            asked = tuple(AdmittedBy(rid, epoch) for rid, epoch in self._epochs.items()
+                          if epoch is not None and epoch != self._scheduler_epoch)
+        answer: Forgotten = ray.get(self.scheduler.forgotten.remote(asked), timeout=timeout_s)
+        with self._lock:
+            self._scheduler_epoch = answer.epoch
+            for rid in answer.known:
+                if rid in self._epochs:
+                    self._epochs[rid] = answer.epoch
+            lost = [(rid, self._queues[rid]) for rid in answer.lost if self._epochs.get(rid) is not None]
+            for rid, _ in lost:
+                self._epochs[rid] = None  # its stream migrates it (or fails): not lost twice
+        for rid, q in lost:
+            log.warning("request %s was lost with a restarted scheduler: migrating it", rid)
+            q.put(SchedulerForgot(answer.epoch))
+        return answer
 
     def close(self) -> None:
         self._closed.set()
@@ -159,18 +203,28 @@ class TandemClient:
         q = deltas if deltas is not None else queue.Queue()
         with self._lock:
             self._queues[request.request_id] = q
+            self._epochs[request.request_id] = None
         return q
 
     def _admitted(self, request: GenerateRequest, q, answer: Admitted | Rejected) -> Submitted:
         if isinstance(answer, Rejected):
             self.forget(request.request_id)
             raise AdmissionRejected(answer)
+        self._admitted_by(request.request_id, answer.epoch)
         return Submitted(request, q, answer)
+
+    def _admitted_by(self, request_id: str, epoch: str | None) -> None:
+        with self._lock:
+            if request_id in self._epochs:
+                self._epochs[request_id] = epoch
+            if epoch is not None and self._scheduler_epoch is None:
+                self._scheduler_epoch = epoch
 
     def migrate(self, stream: RequestStream, deltas) -> None:
         """Resubmit a request whose worker was lost, continuing after the tokens the client already has.
         Never blocks: a refusal arrives on `deltas` as a `MigrationRefused`, after which the stream fails."""
         request = stream.migration_request()
+        self._admitted_by(request.request_id, None)  # not audited while its admission is pending
 
         def answered(future) -> None:
             try:
@@ -179,6 +233,8 @@ class TandemClient:
                 answer = Rejected(f"{type(exc).__name__}: {exc}", None)
             if isinstance(answer, Rejected):
                 deltas.put(MigrationRefused(answer.reason))
+            else:
+                self._admitted_by(request.request_id, answer.epoch)
 
         self.scheduler.submit.remote(request).future().add_done_callback(answered)
 
@@ -248,6 +304,7 @@ class TandemClient:
     def forget(self, request_id: str) -> None:
         with self._lock:
             self._queues.pop(request_id, None)
+            self._epochs.pop(request_id, None)
 
 
 async def _awaitable(ref):

@@ -95,6 +95,14 @@ class MigrationRefused:
     reason: str
 
 
+@dataclass(frozen=True)
+class SchedulerForgot:
+    """Put on a request's delta queue by the client's audit: a restarted scheduler (`epoch`) does not
+    know the request and no live worker holds it. Like a worker loss: the stream migrates."""
+
+    epoch: str
+
+
 class RequestStream:
     """All samples of one request; `feed` every delta that arrives, in any order."""
 
@@ -110,6 +118,7 @@ class RequestStream:
         self.migrations_left = max_migrations if params.n == 1 else 0
         self.migration_pending = False  # its worker was lost: resubmit with what was emitted so far
         self._dead_attempts: set[AttemptId] = set()  # given up on: their late deltas are stale
+        self._attempts_seen: set[AttemptId] = set()
         self._ended_here = False  # ended by this side (deadline, refused migration): abort it in the cluster
 
     @property
@@ -149,15 +158,28 @@ class RequestStream:
                 events += s.feed(TokenDelta(_CLIENT_SIDE, s.result.index, 0, (), status, 0, 0, message))
         return events
 
+    def _forgotten(self, forgot: SchedulerForgot) -> list[StreamEvent]:
+        if self.finished:
+            return []  # its last delta came in before the audit's answer
+        if self.migrations_left <= 0:
+            return self.fail(f"the scheduler restarted (now {forgot.epoch}) and no worker holds the request")
+        self.migrations_left -= 1
+        self.migration_pending = True
+        self._dead_attempts |= self._attempts_seen  # whatever still arrives from them is stale
+        return []
+
     @property
     def results(self) -> list[SampleResult]:
         return [s.result for s in self.samples]
 
-    def feed(self, delta: TokenDelta | MigrationRefused) -> list[StreamEvent]:
+    def feed(self, delta: TokenDelta | MigrationRefused | SchedulerForgot) -> list[StreamEvent]:
         if isinstance(delta, MigrationRefused):
             return self.fail(f"worker lost and the request could not be migrated: {delta.reason}")
+        if isinstance(delta, SchedulerForgot):
+            return self._forgotten(delta)
         if delta.attempt in self._dead_attempts:
             return []
+        self._attempts_seen.add(delta.attempt)
         self.received_tokens += len(delta.token_ids)
         self.times = self.times.merged(delta.times)
         if delta.status == RequestStatus.FAILED and delta.retryable and self.migrations_left > 0:

@@ -30,9 +30,16 @@ def integrity() -> dict:
                       .strip().splitlines()[-1])
 
 
+def _env() -> dict[str, str]:
+    """Entering a host's mount namespace resets the working directory, so `python -m tests...` there
+    finds this checkout only through PYTHONPATH (CI has no PYTHONPATH of its own)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "TANDEM_NETNS_STATE": _STATE, "RAY_AUTH_MODE": "token", "PYTHONPATH": path}
+
+
 def netns(*args: str, timeout_s: float = 120) -> str:
     done = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout_s, cwd=REPO,
-                          env={**os.environ, "TANDEM_NETNS_STATE": _STATE, "RAY_AUTH_MODE": "token"})
+                          env=_env())
     if done.returncode:
         raise RuntimeError(f"netns_cluster.sh {' '.join(args)} failed ({done.returncode}): {done.stderr[-2000:]}")
     return done.stdout
@@ -84,10 +91,9 @@ def served(hosts, tmp_path_factory, default_model_dir):
     """`tandem serve` on the head; yields its base URL (reached from this root namespace over the bridge)."""
     config = serve_config(tmp_path_factory.mktemp("netns"))
     log = config.with_suffix(".log")
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "TANDEM_NETNS_STATE": _STATE}
     with log.open("w") as out:
         proc = subprocess.Popen([str(SCRIPT), "run", "head", "tandem", "serve", "--address", "auto",
-                                 "--config", str(config)], stdout=out, stderr=subprocess.STDOUT, env=env)
+                                 "--config", str(config)], stdout=out, stderr=subprocess.STDOUT, env=_env())
     url = f"http://{HEAD_IP}:8000"
     try:
         deadline = time.monotonic() + 300

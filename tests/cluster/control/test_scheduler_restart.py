@@ -44,9 +44,10 @@ def scheduler_state(cluster: Cluster) -> dict | None:
         return None
 
 
-def kill_scheduler_and_wait(cluster: Cluster) -> float:
+def kill_scheduler_and_wait(cluster: Cluster, kill: bool = True) -> float:
     """Seconds from the kill until the restarted scheduler knows every worker again."""
-    ray.kill(cluster.scheduler, no_restart=False)  # Ray restarts it, empty
+    if kill:
+        ray.kill(cluster.scheduler, no_restart=False)  # Ray restarts it, empty
     start = time.monotonic()
     while True:
         state = scheduler_state(cluster)
@@ -72,6 +73,27 @@ def test_running_streams_finish_across_a_scheduler_restart(cluster):
     # Rebuilt from re-registration: new requests are admitted and served.
     (after,) = client.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     assert after.token_ids == expected[0][:8]
+    assert_idle(cluster)
+
+
+def test_streams_lost_with_the_scheduler_and_their_worker_are_migrated(cluster):
+    """The scheduler and the decode worker die in the same moment: no scheduler sees the worker go, and
+    the restarted one never hears of its requests (the worker comes back empty). The client's audit
+    finds them once the new scheduler has settled, and they migrate: the fault-free output, no hang."""
+    params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+    prompts = [list(range(500 + i, 530 + i)) for i in range(2)]
+    expected = [r.outputs[0].token_ids for r in Engine(load("local.yaml").engine_config()).generate(prompts, params)]
+    client = cluster.client()
+    streams = [client.stream(p, params, timeout_s=60) for p in prompts]
+    events = [[next(s)] for s in streams]
+    ray.kill(cluster.scheduler, no_restart=False)  # first: the old scheduler must not see the worker die
+    ray.kill(cluster.workers["decode-0"], no_restart=False)
+    kill_scheduler_and_wait(cluster, kill=False)
+    for s, evs in zip(streams, events):
+        evs.extend(s)
+    for evs, want in zip(events, expected):
+        assert evs[-1].finish_reason == "length", evs[-1]
+        assert [t for ev in evs for t in ev.token_ids] == want
     assert_idle(cluster)
 
 
