@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.bench_tenants import add_arguments as add_bench_tenants
 
     add_bench_tenants(bench_sub.add_parser("tenants", help="one tenant floods: the other's latency and KV, with and without shares"))
+    from experiments.bench_chaos import add_arguments as add_bench_chaos
+
+    add_bench_chaos(bench_sub.add_parser("chaos", help="SIGKILL a random worker every few seconds under HTTP streams: exact / error / hung"))
     from experiments.loadgen.cli import add_arguments as add_bench_serve
 
     add_bench_serve(bench_sub.add_parser("serve", help="open-loop load against an OpenAI-compatible server: latency, SLO goodput"))

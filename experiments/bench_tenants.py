@@ -29,9 +29,16 @@ from experiments.bench_report import add_out_argument, report_main
 _CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 
 
+def _slowdown(value: str) -> float | str | None:
+    return value if value == "config" else None if value == "none" else float(value)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=str(_CONFIG), help="cluster layout (default: configs/local.yaml)")
     p.add_argument("--probes", type=int, default=10, help="tenant B requests per phase")
+    p.add_argument("--tenant-slowdown", type=_slowdown, default="config",
+                   help="engine.tenant_slowdown for this run (a number above 1, or none: steps never cut); "
+                        "default: the config's")
     p.add_argument("--queue-timeout-s", type=float, default=10.0,
                    help="the cluster's admission deadline (scheduler.queue_timeout_s): how long a request waits for room")
     p.add_argument("--probe-max-tokens", type=int, default=16)
@@ -171,12 +178,16 @@ def _run_policy(cluster: Cluster, name: str, args) -> dict:
 def bench(args: argparse.Namespace) -> dict:
     config = TandemConfig.from_file(args.config)
     scheduler = config.scheduler.model_copy(update={"queue_timeout_s": args.queue_timeout_s})
-    cluster = Cluster.start(config.model_copy(update={"scheduler": scheduler}))
+    engine = config.engine
+    if args.tenant_slowdown != "config":
+        engine = engine.model_copy(update={"tenant_slowdown": args.tenant_slowdown})
+    cluster = Cluster.start(config.model_copy(update={"scheduler": scheduler, "engine": engine}))
     try:
         policies = {name: _run_policy(cluster, name, args) for name in ("no_shares", "shares")}
         state = cluster.check_integrity()
     finally:
         cluster.shutdown()
     return {"policies": policies, "scheduler_in_flight_after": state["scheduler"]["in_flight"],
+            "tenant_slowdown": engine.tenant_slowdown,
             "flood": {"threads": args.flooders, "prompts": args.flood_prompts, "n": args.flood_n,
                       "max_tokens": args.flood_max_tokens}}

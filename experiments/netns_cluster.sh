@@ -8,6 +8,7 @@
 #   experiments/netns_cluster.sh up [WORKERS]     # head + WORKERS worker hosts (default 2)
 #   experiments/netns_cluster.sh run HOST CMD...  # run CMD on HOST (head, w1, w2, ...)
 #   experiments/netns_cluster.sh ray-up           # `ray start` on every host (head first), token auth on
+#   experiments/netns_cluster.sh sshd HOST KEYS [NAME=VALUE...]  # sshd on HOST (keys only), NAME=VALUE in its sessions
 #   experiments/netns_cluster.sh kill HOST        # SIGKILL every process of HOST (the host dies)
 #   experiments/netns_cluster.sh shape HOST PEER [rate 100mbit] [loss 1%]  # HOST -> PEER traffic only
 #   experiments/netns_cluster.sh partition A B    # nothing passes between A and B (iptables, both ways)
@@ -93,6 +94,36 @@ ray_up() {
     echo "ray: head $head_ip:6379 and $(($(hosts | wc -l) - 1)) worker hosts"
 }
 
+sshd_up() {  # HOST AUTHORIZED_KEYS [NAME=VALUE...]: sshd on HOST's address; its sessions run on HOST
+    # with a home of their own (what `ray up` writes there, ~/.bashrc included, stays on the host), in
+    # which only this box's Python and tools (~/.pyenv, ~/.cargo) and shell profiles are the real ones.
+    local host=$1 keys=$2 dir home; shift 2
+    dir=$STATE/$host/sshd
+    home=$STATE/$host/home
+    mkdir -p "$dir" /run/sshd "$home"
+    for f in .bashrc .profile; do [ -f "$HOME/$f" ] && cp "$HOME/$f" "$home/"; done
+    for d in .pyenv .cargo; do  # what the shell profiles put on PATH
+        [ -d "$HOME/$d" ] || continue
+        mkdir -p "$home/$d"
+        run "$host" mount --bind "$HOME/$d" "$home/$d"
+    done
+    run "$host" mount --rbind "$home" "$HOME"
+    [ -f "$dir/host_key" ] || ssh-keygen -q -t ed25519 -N '' -f "$dir/host_key"
+    {
+        echo "ListenAddress $(address "$host")"
+        echo "HostKey $dir/host_key"
+        echo "AuthorizedKeysFile $keys"
+        echo "PermitRootLogin prohibit-password"
+        echo "PasswordAuthentication no"
+        echo "KbdInteractiveAuthentication no"
+        echo "UsePAM no"
+        echo "StrictModes no"
+        echo "PidFile $dir/sshd.pid"
+        if [ $# -gt 0 ]; then echo "SetEnv $*"; fi
+    } >"$dir/sshd_config"
+    run "$host" "$(command -v sshd)" -f "$dir/sshd_config" -E "$dir/sshd.log"
+}
+
 shape() {  # HOST PEER [rate RATE] [loss PERCENT]: HOST's packets to PEER only; the rest is untouched
     local host=$1 peer=$2 ip; shift 2
     ip=$(address "$peer")
@@ -147,6 +178,7 @@ case $cmd in
     up) up "$@" ;;
     run) run "$@" ;;
     ray-up) ray_up ;;
+    sshd) sshd_up "$@" ;;
     kill) kill_host "$1" ;;
     shape) shape "$@" ;;
     partition) partition "$1" "$2" ;;

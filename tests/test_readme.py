@@ -52,6 +52,8 @@ EXCLUDED = {
         "and a Hugging Face token",
     "ray exec configs/cluster-aws.yaml 'tail -f ~/tandem-serve.log'": "runs on the head of a `ray up` cluster",
     "ray attach configs/cluster-aws.yaml -p 8000": "forwards a port of a `ray up` cluster's head",
+    "ray up -y configs/cluster-local.yaml":
+        "needs the machines it names; tests/multinode/test_ray_up.py runs it on namespaced hosts",
     "helm repo add kuberay https://ray-project.github.io/kuberay-helm/": "installs into a Kubernetes cluster "
         "(the chart itself is checked by tests/deploy/)",
     "bash tests/gpu/run_gpu_checks.sh": "needs a CUDA GPU: without one the script stops (exit 2) before any check",

@@ -5,16 +5,24 @@ first (a decode is one token; an unfinished prefill continues its chunk), then w
 admitted while the budget, `max_num_seqs` and free KV blocks allow. When a running sequence cannot
 get a block, the newest running sequence is preempted: its blocks are freed and it waits at the head
 of the queue to be recomputed (prefix-cache hits make that cheap).
+
+Tenants (a sequence's `cache_salt`): while sequences of several tenants wait or run (and prefills can
+be chunked), a step is capped at the tokens that keep it within `tenant_slowdown` x the measured cost of
+a one-token step (`StepCost`), and filled taking one sequence of each tenant in turn, the tenant with
+the fewest running first; the ones that ran go to the back of the line, so every sequence of a big
+tenant still gets its turns. One tenant's flood then slows another's tokens by at most that factor,
+wherever batching makes steps slower at all (on a CPU; rarely on a GPU).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from actors.engine.kv.cache_manager import KVCacheManager
 from actors.engine.sequence import Sequence
+from actors.engine.step_cost import StepCost
 from actors.protocol.request_status import RequestStatus
 
 
@@ -36,6 +44,7 @@ class Batcher:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool,
+        tenant_slowdown: float | None = None,
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -44,6 +53,9 @@ class Batcher:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.tenant_slowdown = tenant_slowdown
+        self.cost = StepCost()  # the engine reports every step's tokens and seconds
+        self.capped_steps = 0  # steps cut below the token budget because several tenants shared them
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         (self.waiting.appendleft if front else self.waiting.append)(seq)
@@ -66,51 +78,107 @@ class Batcher:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [], [])
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self._allocate_or_preempt(seq, n, batch):
-                break  # seq itself was preempted; everything after it already was
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
-            i += 1
-
-        # Admit new work only when nothing had to be preempted this step: room is tight.
-        while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_computed_tokens == 0 and not self.kv.has(seq.seq_id):
-                cached = self.kv.get_computed_blocks(seq.seq_id, seq.all_token_ids, seq.cache_salt)
-                seq.num_computed_tokens = cached
-                if seq.num_cached_tokens is None:
-                    seq.num_cached_tokens = cached
-            n = seq.num_uncomputed_tokens
-            if n > budget:
-                if not self.enable_chunked_prefill:
-                    break
-                n = budget
-            if self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + n) is None:
-                self.kv.free(seq.seq_id)  # drop the prefix hits it held; retried next step
-                seq.num_computed_tokens = 0
+        # Only with chunked prefill: a prompt bigger than the cut could never be scheduled otherwise.
+        if self.tenant_slowdown is not None and self.enable_chunked_prefill and self._tenants() > 1:
+            return self._schedule_shared(batch)
+        for seq in list(self.running):
+            if budget <= 0:
                 break
-            self.waiting.popleft()
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.time()
-            # An adopted sequence arrives with its prompt's KV already in place.
-            prompt_done = seq.num_computed_tokens >= len(seq.prompt_token_ids)
-            seq.status = RequestStatus.DECODING if prompt_done else RequestStatus.PREFILLING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            n = self._run(seq, budget, batch)
+            if n is None:
+                break  # seq itself was preempted; everything after it already was
+            budget -= n
+        # Admit new work only when nothing had to be preempted this step: room is tight.
+        for seq in list(self.waiting):
+            n = self._admit(seq, budget, batch) if budget > 0 else None
+            if n is None:
+                break
             budget -= n
         return batch
+
+    def _schedule_shared(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """A step several tenants share: cut to what the measured step cost allows, one sequence of each
+        tenant in turn, running or waiting alike (a tenant whose sequences all wait is not shut out by
+        another's running ones); the ones that ran go to the back of the line."""
+        budget = self.cost.max_tokens(self.tenant_slowdown, self.max_num_batched_tokens)
+        self.capped_steps += budget < self.max_num_batched_tokens
+        running = {s.seq_id for s in self.running}
+        admitting = True
+        for seq in self._in_turn(self.running + list(self.waiting)):
+            if budget <= 0:
+                break
+            if seq.seq_id in running:
+                n = self._run(seq, budget, batch)
+            else:
+                n = self._admit(seq, budget, batch) if admitting else None
+                admitting = n is not None
+            budget -= n or 0
+        ran = {s.seq_id for s in batch.seqs}
+        self.running.sort(key=lambda s: s.seq_id in ran)
+        return batch
+
+    def _run(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int | None:
+        """Schedule a running sequence's next tokens; None if it had to be preempted for lack of KV."""
+        if seq.status is RequestStatus.PREEMPTED:
+            return 0  # it made room for one scheduled before it in this step
+        n = min(seq.num_uncomputed_tokens, budget)
+        if not self._allocate_or_preempt(seq, n, batch):
+            return None
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        return n
+
+    def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int | None:
+        """Move a waiting sequence into the running batch with up to `budget` tokens; None when it cannot
+        be now (the batch is full, something was preempted this step, no KV room, an unchunked prompt)."""
+        if batch.preempted or len(self.running) >= self.max_num_seqs:
+            return None
+        if seq.num_computed_tokens == 0 and not self.kv.has(seq.seq_id):
+            cached = self.kv.get_computed_blocks(seq.seq_id, seq.all_token_ids, seq.cache_salt)
+            seq.num_computed_tokens = cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = cached
+        n = seq.num_uncomputed_tokens
+        if n > budget:
+            if not self.enable_chunked_prefill:
+                return None
+            n = budget
+        if self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + n) is None:
+            self.kv.free(seq.seq_id)  # drop the prefix hits it held; retried next step
+            seq.num_computed_tokens = 0
+            return None
+        self.waiting.remove(seq)
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.time()
+        # An adopted sequence arrives with its prompt's KV already in place.
+        prompt_done = seq.num_computed_tokens >= len(seq.prompt_token_ids)
+        seq.status = RequestStatus.DECODING if prompt_done else RequestStatus.PREFILLING
+        self.running.append(seq)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        return n
+
+    def _tenants(self) -> int:
+        return len({s.cache_salt for s in self.running} | {s.cache_salt for s in self.waiting})
+
+    def _in_turn(self, seqs) -> list[Sequence]:
+        """One sequence of each tenant in turn, each tenant's in their queue order; the tenant with the
+        fewest sequences running goes first."""
+        by_tenant: dict[str | None, list[Sequence]] = {}
+        for seq in seqs:
+            by_tenant.setdefault(seq.cache_salt, []).append(seq)
+        if not by_tenant:
+            return []
+        running = Counter(s.cache_salt for s in self.running)
+        queues = sorted(by_tenant.values(), key=lambda q: running[q[0].cache_salt])
+        return [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
 
     def _allocate_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Make room for n more tokens of seq, preempting the newest running sequences if needed."""
         while self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + n) is None:
-            victim = self.running.pop()
+            scheduled = {s.seq_id for s in batch.seqs}
+            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), seq)
+            self.running.remove(victim)
             self._preempt(victim)
             batch.preempted.append(victim)
             if victim is seq:

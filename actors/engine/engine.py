@@ -12,12 +12,13 @@ hand-offs and reservations included); stop conditions (`postprocess.py`) and req
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 from typing import Sequence as Seq
 
 import torch
 
-from actors.engine.batcher import Batcher
+from actors.engine.batcher import Batcher, ScheduledBatch
 from actors.engine.config import EngineConfig
 from actors.engine.kv.block_pool import OutOfBlocksError
 from actors.engine.kv.cache_manager import KVCacheManager
@@ -57,7 +58,8 @@ class Engine:
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
             model_id=config.model_id or model_dir.name,
         )
-        self.batcher = Batcher(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+        self.batcher = Batcher(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+                               config.tenant_slowdown)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
         self._requests: dict[str, list[Sequence]] = {}
         self._handoffs: dict[str, Sequence] = {}  # prefill role: KV held for a decode worker
@@ -152,6 +154,12 @@ class Engine:
         self.last_step_tokens = batch.total_tokens
         if not batch.seqs:
             return []
+        started = time.perf_counter()
+        outputs = self._run(batch)
+        self.batcher.cost.observe(batch.total_tokens, time.perf_counter() - started)
+        return outputs
+
+    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         token_ids: list[int] = []
         query_lens, computed_lens, tables, sample_rows = [], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):

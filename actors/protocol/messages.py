@@ -35,6 +35,7 @@ class GenerateRequest:
     kv_share: float | None = None  # most of its pool's KV the tenant (cache_salt) may hold at once; None: all
     deadline: float | None = None  # wall-clock time (time.time()) its client gives up: a moved request waits till then
     output_prefix: tuple[int, ...] = ()  # tokens the client already has: a migrated request continues after them
+    retried: bool = False  # sent again: the scheduler died while admitting it (it must still run only once)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
@@ -42,7 +43,7 @@ class GenerateRequest:
 
     def continued(self, output_prefix) -> GenerateRequest:
         """The same request, to be continued after `output_prefix` (a migration)."""
-        return replace(self, output_prefix=tuple(output_prefix))
+        return replace(self, output_prefix=tuple(output_prefix), retried=False)
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,7 @@ class WorkerReport:
     finished: tuple[FinishedAttempt, ...] = ()
     kv_events: tuple = ()  # KVEvent values (actors.protocol.kv_events), in order
     first_token_waits: tuple[FirstTokenWait, ...] = ()
+    received: tuple[AttemptId, ...] = ()  # attempts submitted to this worker since its last report
 
 
 class LivePhase(enum.Enum):

@@ -62,7 +62,8 @@ from kv_transfer.page_format import PageFormatError
 
 log = logging.getLogger("tandem.worker")
 _CALL_TIMEOUT_S = 30.0
-FAULTS = ("drop_kv_sends", "ignore_kv_arrivals", "hold_kv_writes", "slow_reserve", "kill_kv_receiver")
+FAULTS = ("drop_kv_sends", "ignore_kv_arrivals", "hold_kv_writes", "slow_reserve", "kill_kv_receiver",
+          "drop_next_submit")
 _EXIT_RECEIVER_DEAD = 70  # the process exit status when the KV receiving thread died: Ray restarts us
 
 
@@ -75,6 +76,7 @@ class Worker:
         self._inbox: queue.Queue = queue.Queue()
         self._inbox_lock = threading.Lock()
         self._inbox_prompt_tokens = 0
+        self._received: list[AttemptId] = []  # submitted since the last report (under the inbox lock)
         self._publisher = TokenPublisher(keys=spec.curve_keys)
         self._running: dict[str, Running] = {}
         self._handoffs = HandoffTable(self._engine, spec.lease_s)
@@ -117,13 +119,17 @@ class Worker:
         (decode: pages land but are never adopted or acked), `hold_kv_writes` (decode: admitted pages
         wait until the faults are cleared, at most `delay_s`, before being written), `slow_reserve`
         (decode: a reservation takes `delay_s` longer), `kill_kv_receiver` (decode: the receiving
-        thread stops, as if it had crashed: the worker exits and Ray restarts it); None clears every fault."""
+        thread stops, as if it had crashed: the worker exits and Ray restarts it), `drop_next_submit`
+        (the next attempt sent here vanishes unseen); None clears every fault."""
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
         self._put(self._do_fault, (fault, delay_s))
 
     def submit(self, request: WorkerRequest) -> None:
+        if self._faults.pop("drop_next_submit", None) is not None:
+            return  # chaos: this attempt never arrives, as if its delivery were lost
         with self._inbox_lock:
+            self._received.append(request.attempt)  # confirmed to the scheduler by the next report
             # Prompts waiting in the inbox behind a long step are queued prefill work too: without them
             # the scheduler's TTFT prediction misses exactly the backlog that overload builds.
             self._inbox_prompt_tokens += len(request.request.prompt_token_ids)
@@ -379,10 +385,12 @@ class Worker:
     def _report(self) -> None:
         finished, self._finished = self._finished, []
         events = tuple(self._engine.take_kv_events())
+        with self._inbox_lock:
+            received, self._received = tuple(self._received), []
         if self._link is None:
             return
         self._link.report(WorkerReport(self.spec.worker_id, self._stats(), tuple(finished), events,
-                                       self._meter.take_first_token_waits()))
+                                       self._meter.take_first_token_waits(), received))
 
     def _live(self) -> list[LiveRequest]:
         """Every request this worker holds state for, so a restarted scheduler can rebuild its view."""

@@ -34,6 +34,10 @@ class EngineSection(_Strict):
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prompt prefixes")
     enable_chunked_prefill: bool = Field(True, description="split long prompts into chunks that share steps with decodes")
     seed: int = Field(0, description="seed of the generator shared by unseeded requests")
+    tenant_slowdown: float | None = Field(
+        2.0, gt=1, description="while several tenants' sequences share a worker, each step is cut to the tokens "
+        "that keep it within this factor of a one-token step's measured time (one tenant's flood then slows "
+        "another's tokens at most that much); null: steps take the whole token budget")
 
 
 class PoolSection(_Strict):
@@ -234,4 +238,5 @@ class TandemConfig(_Strict):
             enable_prefix_caching=e.enable_prefix_caching,
             enable_chunked_prefill=e.enable_chunked_prefill,
             seed=e.seed,
+            tenant_slowdown=e.tenant_slowdown,
         )

@@ -43,6 +43,10 @@ class RequestTable:
         tracked = self._requests.get(attempt.request_id)
         return tracked if tracked is not None and tracked.attempt == attempt else None
 
+    def unconfirmed(self, older_than: float) -> list[Tracked]:
+        """Attempts sent to a worker before `older_than` (monotonic) that it has not confirmed yet."""
+        return [t for t in self._requests.values() if t.sent_at is not None and t.sent_at < older_than]
+
     def commit(self, tracked: Tracked) -> Tracked | None:
         """Track an attempt and commit its KV. Returns the older attempt it replaces, already reclaimed
         (the caller aborts it on its workers): its KV is released, never overwritten."""

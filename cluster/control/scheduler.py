@@ -72,8 +72,11 @@ class Scheduler:
         self._publisher = TokenPublisher(keys=settings.curve_keys)
         self._epoch = uuid.uuid4().hex[:6]  # attempt ids stay unique across scheduler restarts
         self._born = time.monotonic()
+        self._admitting: set[str] = set()  # request ids whose submit is being decided now
         self._attempts = itertools.count()
         self._watchdog: asyncio.Task | None = None
+        self._confirmations: asyncio.Task | None = None
+        self._lost_submits = 0  # attempts sent to a live worker that never confirmed them
         self._submitted = self._rejected = self._local_prefills = self._rerouted = 0
 
     # ---- workers ----
@@ -97,7 +100,9 @@ class Scheduler:
             for item in live:
                 self._adopt_live(entry, item)
         if self._watchdog is None:
-            self._watchdog = asyncio.get_running_loop().create_task(self._registry.watch_heartbeats())
+            loop = asyncio.get_running_loop()
+            self._watchdog = loop.create_task(self._registry.watch_heartbeats())
+            self._confirmations = loop.create_task(self._watch_unconfirmed())
         return True
 
     async def report(self, report: WorkerReport) -> bool:
@@ -106,6 +111,10 @@ class Scheduler:
             return False
         self._index.apply(report.worker_id, report.kv_events)
         self._guard.observe(report.worker_id, report.first_token_waits)
+        for attempt in report.received:
+            tracked = self._table.current(attempt)
+            if tracked is not None:
+                tracked.sent_at = None
         for done in report.finished:
             self._reclaim(done.attempt, failed=done.status == RequestStatus.FAILED)
         return True
@@ -149,6 +158,25 @@ class Scheduler:
             else:
                 self._tell_client(tracked, f"worker {worker_id} was lost ({why}) while serving the request")
 
+    async def _watch_unconfirmed(self) -> None:
+        """An attempt sent to a worker that has reported for a heartbeat timeout since without naming it
+        never arrived (seen once in ~20 stressed runs: a submit to a worker Ray had just restarted, the
+        worker alive and reporting, the request waiting forever). Its prompt was not computed, so nothing
+        of this attempt reached the client: it is placed again."""
+        while True:
+            await asyncio.sleep(min(0.5, self.s.heartbeat_timeout_s / 4))
+            now = time.monotonic()
+            for tracked in self._table.unconfirmed(older_than=now - self.s.heartbeat_timeout_s):
+                target = tracked.prefill.worker_id if tracked.prefill is not None else tracked.decode_id
+                entry = self._registry.get(target)
+                if entry is None or entry.last_seen - tracked.sent_at < self.s.heartbeat_timeout_s:
+                    continue  # not heard from since: the heartbeat watchdog decides about that worker
+                log.warning("attempt %s never reached worker %s: placing it again", tracked.attempt, target)
+                self._lost_submits += 1
+                self._reclaim(tracked.attempt, failed=True)
+                self._rerouted += 1
+                asyncio.get_running_loop().create_task(self._resubmit(tracked))
+
     async def _resubmit(self, lost: Tracked) -> None:
         answer = await self._submit(lost.request, patient=True)
         if isinstance(answer, Rejected):
@@ -191,12 +219,40 @@ class Scheduler:
 
     async def submit(self, request: GenerateRequest) -> Admitted | Rejected:
         """Admit and route one request (or the next attempt of a migrated one)."""
+        if request.retried and not request.output_prefix:
+            again = await self._admitted_before(request)
+            if again is not None:
+                return again
         return await self._submit(request, patient=bool(request.output_prefix))
+
+    async def _admitted_before(self, request: GenerateRequest) -> Admitted | None:
+        """A submit sent again because the scheduler that had it died: an earlier incarnation may have
+        admitted it already, and then its worker announces it once this one has settled. Until then the
+        request waits; if it is known by then, its admission is answered again instead of run twice."""
+        rid = request.request_id
+        while (not self._settled() and rid not in self._table) or rid in self._admitting:
+            await asyncio.sleep(0.05)  # (the first send may still be admitting, if only its answer was lost)
+        tracked = self._table.get(request.request_id)  # re-read after the awaits
+        if tracked is None or tracked.request.sink != request.sink:
+            return None
+        prefill = tracked.prefill.worker_id if tracked.prefill is not None else tracked.decode_id
+        return Admitted(prefill, tracked.decode_id, 0, tracked.prefill is None, self._epoch)
+
+    def _settled(self) -> bool:
+        """Every live worker has had time to register again since this incarnation started."""
+        return time.monotonic() - self._born >= 2 * self.s.heartbeat_timeout_s
 
     async def _submit(self, request: GenerateRequest, patient: bool) -> Admitted | Rejected:
         """`patient`: the request lost its worker (a migration, a re-routed prefill): it waits for a
         worker until its own deadline, since one that Ray restarts is back in seconds."""
         self._submitted += 1
+        self._admitting.add(request.request_id)
+        try:
+            return await self._submit_once(request, patient)
+        finally:
+            self._admitting.discard(request.request_id)
+
+    async def _submit_once(self, request: GenerateRequest, patient: bool) -> Admitted | Rejected:
         tracked = self._table.get(request.request_id)
         if tracked is not None and request.output_prefix:
             self._reclaim(tracked.attempt, failed=True)  # a migration: the old attempt's worker is gone
@@ -272,7 +328,8 @@ class Scheduler:
         prefill_id = placement.prefill_id
         workers = {placement.decode_id, prefill_id}
         superseded = self._table.commit(Tracked(request, attempt, workers, placement.decode_id, blocks,
-                                                None if placement.local else placement.prefill))
+                                                None if placement.local else placement.prefill,
+                                                sent_at=time.monotonic()))
         if superseded is not None:
             self._abort_on_workers(superseded)
         if placement.prefill is not None and placement.prefill.worker_id == prefill_id:
@@ -305,7 +362,7 @@ class Scheduler:
         worker announced since this one started were lost with the old scheduler (queued in it, or on a
         worker that died while no scheduler could notice): the client migrates them. Answered only once
         every live worker has had time to register again (twice the heartbeat timeout)."""
-        settled = time.monotonic() - self._born >= 2 * self.s.heartbeat_timeout_s
+        settled = self._settled()
         earlier = [a.request_id for a in admitted if a.epoch != self._epoch]
         known = tuple(rid for rid in earlier if rid in self._table)
         lost = tuple(rid for rid in earlier if settled and rid not in self._table)
@@ -348,7 +405,8 @@ class Scheduler:
         entries = self._registry.entries()
         counters = SchedulerCounters(
             self._submitted, self._rejected, self._table.finished, self._table.failed, self._table.cancelled,
-            self._local_prefills, self._rerouted, self._placer.shed, self._registry.workers_lost)
+            self._local_prefills, self._rerouted, self._placer.shed, self._registry.workers_lost,
+            self._lost_submits)
         return SchedulerState(
             {wid: dataclasses.replace(e.view) for wid, e in entries.items()},
             {wid: e.stats for wid, e in entries.items() if e.stats is not None},

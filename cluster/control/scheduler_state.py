@@ -49,6 +49,9 @@ class Tracked:
     blocks: int  # KV blocks committed on the decode (or colocated) worker
     prefill: PrefillPlan | None = None  # None: prefilled on its decode worker
     handed_off: bool = False
+    # When the attempt was sent to the worker that computes its prompt, until that worker's report
+    # confirms it arrived (None: confirmed, or rebuilt from a worker that holds it).
+    sent_at: float | None = None
 
     @property
     def request_id(self) -> str:
@@ -66,6 +69,7 @@ class SchedulerCounters:
     rerouted: int
     shed: int
     workers_lost: int
+    lost_submits: int = 0  # attempts a live worker never confirmed: placed again
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import ray
@@ -38,6 +38,8 @@ from kv_transfer.drops import DropCounter
 from kv_transfer.endpoints import advertised_host
 
 log = logging.getLogger("tandem.client")
+# A submit whose scheduler died under it is sent again (marked `retried`: admitted at most once) after this.
+_RESEND_S = 0.5
 
 
 class AdmissionRejected(RuntimeError):
@@ -182,8 +184,17 @@ class TandemClient:
         requests, read by one thread), else to a queue of its own that `events` reads."""
         request = self.request(prompt, params, cache_salt, request_id)
         q = self._listen(request, deltas)
+        give_up_at = time.monotonic() + timeout_s
         try:
-            answer = ray.get(self.scheduler.submit.remote(request), timeout=timeout_s)
+            while True:
+                try:
+                    answer = ray.get(self.scheduler.submit.remote(request), timeout=give_up_at - time.monotonic())
+                    break
+                except ray.exceptions.RayActorError:
+                    if time.monotonic() + _RESEND_S >= give_up_at:
+                        raise
+                    time.sleep(_RESEND_S)  # the scheduler died with it: send it to the restarted one
+                    request = replace(request, retried=True)
         except BaseException:
             self.forget(request.request_id)
             raise
@@ -192,8 +203,18 @@ class TandemClient:
     async def asubmit(self, request: GenerateRequest, deltas, timeout_s: float = 60.0) -> Submitted:
         """`submit` for an event loop; `deltas` needs only a thread-safe `put`."""
         q = self._listen(request, deltas)
+        give_up_at = time.monotonic() + timeout_s
         try:
-            answer = await asyncio.wait_for(_awaitable(self.scheduler.submit.remote(request)), timeout_s)
+            while True:
+                try:
+                    answer = await asyncio.wait_for(_awaitable(self.scheduler.submit.remote(request)),
+                                                    give_up_at - time.monotonic())
+                    break
+                except ray.exceptions.RayActorError:
+                    if time.monotonic() + _RESEND_S >= give_up_at:
+                        raise
+                    await asyncio.sleep(_RESEND_S)
+                    request = replace(request, retried=True)
         except BaseException:
             self.forget(request.request_id)
             raise

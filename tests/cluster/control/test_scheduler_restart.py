@@ -7,6 +7,7 @@ admitted again; nothing leaks.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -95,6 +96,38 @@ def test_streams_lost_with_the_scheduler_and_their_worker_are_migrated(cluster):
         assert evs[-1].finish_reason == "length", evs[-1]
         assert [t for ev in evs for t in ev.token_ids] == want
     assert_idle(cluster)
+
+
+def test_a_submit_the_scheduler_died_under_is_sent_again_and_runs_once(cluster):
+    """The scheduler dies while a submit waits for admission (its decode worker drained): the client
+    sends it again, marked as a retry, and the restarted scheduler admits it once it has heard from
+    every worker; the request runs once, with the fault-free output."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompt = list(range(700, 740))
+    (expected,) = [r.outputs[0].token_ids for r in Engine(load("local.yaml").engine_config()).generate([prompt], params)]
+    client = cluster.client()
+    ray.get(cluster.scheduler.drain.remote("decode-0"), timeout=30)  # admission now waits (queue_timeout_s)
+    outcome: dict = {}
+
+    def submit() -> None:
+        try:
+            (r,) = client.generate([prompt], params, timeout_s=120)[0]
+            outcome["tokens"], outcome["finish_reason"] = r.token_ids, r.finish_reason
+        except Exception as exc:
+            outcome["error"] = repr(exc)
+
+    thread = threading.Thread(target=submit, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while scheduler_state(cluster)["counters"]["submitted"] == 0:  # it waits inside the scheduler
+        assert time.monotonic() < deadline, "the submit never reached the scheduler"
+        time.sleep(0.02)
+    ray.kill(cluster.scheduler, no_restart=False)  # the restarted scheduler does not know the drain
+    thread.join(timeout=120)
+    assert outcome.get("tokens") == expected and outcome["finish_reason"] == "length", outcome
+    assert_idle(cluster)  # the worker's finish report has reached the scheduler too
+    counters = scheduler_state(cluster)["counters"]
+    assert counters["submitted"] == 1 and counters["finished"] == 1, counters
 
 
 def test_a_cancel_after_the_restart_reaches_the_worker(cluster):

@@ -60,3 +60,20 @@ def test_lost_decode_worker_mid_stream_is_migrated(cluster):
     counters = ray.get(cluster.scheduler.state.remote(), timeout=10).counters
     assert counters.workers_lost + counters.finished >= 1
     wait_until_idle(cluster)
+
+
+def test_an_attempt_that_never_reaches_its_worker_is_placed_again(cluster):
+    """The prefill worker is alive and reporting but one submit never arrives (seen after a worker
+    restart under load: the stream waited until its client gave up). Its reports never name the
+    attempt, so after a heartbeat timeout the scheduler places it again: the engine's output, no hang."""
+    prompt = list(range(900, 940))
+    (expected,) = Engine(load("local.yaml").engine_config()).generate([prompt], GREEDY)
+    worker = cluster.workers["prefill-0"]
+    ray.get(worker.inject_fault.remote("drop_next_submit"), timeout=30)
+    ray.get(worker.check_integrity.remote(), timeout=30)  # the fault is in place (same inbox, in order)
+    before = ray.get(cluster.scheduler.state.remote(), timeout=10).counters
+    (result,) = cluster.client().generate([prompt], GREEDY, timeout_s=60)[0]
+    assert result.token_ids == expected.outputs[0].token_ids and result.finish_reason == "length"
+    after = ray.get(cluster.scheduler.state.remote(), timeout=10).counters
+    assert after.lost_submits == before.lost_submits + 1, after
+    wait_until_idle(cluster, timeout_s=30)
