@@ -88,20 +88,26 @@ class _Killer:
 
     def _loop(self) -> None:
         while not self._stop.wait(self._every_s):
-            ids = list(self._cluster.workers)
+            alive = _worker_pids(self._cluster)  # from Ray's actor table: asking a busy worker would wait
+            ids = sorted(alive)
             self._rng.shuffle(ids)
             for wid in ids:
                 try:
-                    pid = ray.get(self._cluster.workers[wid].__ray_call__.remote(lambda worker: os.getpid()),
-                                  timeout=1.0)
-                except (ray.exceptions.RayError, TimeoutError):
-                    continue  # restarting: try another
-                try:
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(alive[wid], signal.SIGKILL)
                 except ProcessLookupError:
                     continue
                 self.kills.append(wid)
                 break
+
+
+def _worker_pids(cluster: Cluster) -> dict[str, int]:
+    """Worker id -> process id of every worker Ray shows alive (Ray's GCS actor table; no public API
+    gives a process id without calling the actor)."""
+    from ray._private import state
+
+    names = {f"tandem-{wid}": wid for wid in cluster.workers}
+    return {names[a["Name"]]: a["Pid"] for a in state.actors().values()
+            if a.get("Name") in names and a.get("State") == "ALIVE" and a.get("Pid")}
 
 
 def _stream(client: openai.OpenAI, model: str, prompt: list[int], max_tokens: int) -> dict:

@@ -34,6 +34,7 @@ import ray
 import torch
 
 from actors.engine.engine import Engine
+from actors.engine.model.default_model import ensure_on_this_node
 from actors.protocol.codec import ProtocolError, decode_note, encode
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import (
@@ -72,6 +73,7 @@ class Worker:
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.scheduler = scheduler
+        ensure_on_this_node(spec.engine.model)
         self._engine = Engine(spec.engine)
         self._inbox: queue.Queue = queue.Queue()
         self._inbox_lock = threading.Lock()

@@ -59,10 +59,21 @@ def ensure_default_model() -> Path:
     return build_cached(f"tiny-llama-{_VERSION}", _write_checkpoint)
 
 
+def ensure_on_this_node(model_dir: str) -> None:
+    """The driver resolved the default model to a path in its node's cache; a worker on another node
+    builds the same seeded checkpoint at that path (any other directory must be there already)."""
+    path = Path(model_dir)
+    if path.name == f"tiny-llama-{_VERSION}" and path.parent.name == "models":
+        _build_into(path, _write_checkpoint)
+
+
 def build_cached(name: str, write: Callable[[Path], None]) -> Path:
     """A checkpoint built on first use under the cache: `write` fills a staging directory that is then
     renamed into place, so a concurrent builder either wins or finds it done."""
-    target = cache_root() / "models" / name
+    return _build_into(cache_root() / "models" / name, write)
+
+
+def _build_into(target: Path, write: Callable[[Path], None]) -> Path:
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
