@@ -20,7 +20,9 @@ import yaml
 from cluster.control.config import PoolSection, TandemConfig
 
 REPO = Path(__file__).resolve().parents[2]
-LAUNCHER_CONFIGS = sorted((REPO / "configs").glob("cluster-*.yaml"))
+# The cloud launchers (GPU node types per pool). configs/cluster-local.yaml (machines you already have,
+# Ray's local provider) has no node types to check here: tests/multinode/test_ray_up.py runs it.
+LAUNCHER_CONFIGS = sorted(p for p in (REPO / "configs").glob("cluster-*.yaml") if p.name != "cluster-local.yaml")
 RAY_SCHEMA = Path(ray.__file__).parent / "autoscaler" / "ray-schema.json"
 
 
