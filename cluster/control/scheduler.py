@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import time
-import uuid
 
 import ray
 
@@ -45,6 +43,7 @@ from actors.protocol.messages import (
 )
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.token_stream import TokenPublisher
+from cluster.control.incarnation import Incarnation
 from cluster.control.placement import Placement, Placer
 from cluster.control.prefix_index import PrefixIndex
 from cluster.control.registry import WorkerRegistry
@@ -70,10 +69,8 @@ class Scheduler:
         self._shares = TenantShares(self._table, self._registry, settings.max_queued)
         # Only to tell a client its request failed with a lost worker.
         self._publisher = TokenPublisher(keys=settings.curve_keys)
-        self._epoch = uuid.uuid4().hex[:6]  # attempt ids stay unique across scheduler restarts
-        self._born = time.monotonic()
+        self._incarnation = Incarnation(settings.heartbeat_timeout_s)
         self._admitting: set[str] = set()  # request ids whose submit is being decided now
-        self._attempts = itertools.count()
         self._watchdog: asyncio.Task | None = None
         self._confirmations: asyncio.Task | None = None
         self._lost_submits = 0  # attempts sent to a live worker that never confirmed them
@@ -230,17 +227,13 @@ class Scheduler:
         admitted it already, and then its worker announces it once this one has settled. Until then the
         request waits; if it is known by then, its admission is answered again instead of run twice."""
         rid = request.request_id
-        while (not self._settled() and rid not in self._table) or rid in self._admitting:
+        while (not self._incarnation.settled() and rid not in self._table) or rid in self._admitting:
             await asyncio.sleep(0.05)  # (the first send may still be admitting, if only its answer was lost)
         tracked = self._table.get(request.request_id)  # re-read after the awaits
         if tracked is None or tracked.request.sink != request.sink:
             return None
         prefill = tracked.prefill.worker_id if tracked.prefill is not None else tracked.decode_id
-        return Admitted(prefill, tracked.decode_id, 0, tracked.prefill is None, self._epoch)
-
-    def _settled(self) -> bool:
-        """Every live worker has had time to register again since this incarnation started."""
-        return time.monotonic() - self._born >= 2 * self.s.heartbeat_timeout_s
+        return Admitted(prefill, tracked.decode_id, 0, tracked.prefill is None, self._incarnation.epoch)
 
     async def _submit(self, request: GenerateRequest, patient: bool) -> Admitted | Rejected:
         """`patient`: the request lost its worker (a migration, a re-routed prefill): it waits for a
@@ -310,7 +303,7 @@ class Scheduler:
 
     async def _carry_out(self, request: GenerateRequest, placement: Placement, blocks: int) -> Admitted | None:
         """Commit and send out a placement; None when it no longer holds (try placing again)."""
-        attempt = AttemptId(request.request_id, f"{self._epoch}{next(self._attempts)}")
+        attempt = self._incarnation.next_attempt(request.request_id)
         dest = None
         if not placement.local:
             decode = self._registry.get(placement.decode_id)
@@ -339,7 +332,7 @@ class Scheduler:
         target.view.queued_prefill_tokens += len(request.prompt_token_ids) - (
             placement.prefill.cached_tokens if placement.prefill is not None and not placement.local else 0)
         cached = placement.prefill.cached_tokens if placement.prefill is not None else 0
-        return Admitted(prefill_id, placement.decode_id, cached, placement.local, self._epoch)
+        return Admitted(prefill_id, placement.decode_id, cached, placement.local, self._incarnation.epoch)
 
     async def _reserve(self, handle, request: WorkerRequest, worker_id: str) -> KvReservation | None:
         try:
@@ -362,11 +355,7 @@ class Scheduler:
         worker announced since this one started were lost with the old scheduler (queued in it, or on a
         worker that died while no scheduler could notice): the client migrates them. Answered only once
         every live worker has had time to register again (twice the heartbeat timeout)."""
-        settled = self._settled()
-        earlier = [a.request_id for a in admitted if a.epoch != self._epoch]
-        known = tuple(rid for rid in earlier if rid in self._table)
-        lost = tuple(rid for rid in earlier if settled and rid not in self._table)
-        return Forgotten(self._epoch, settled, known, lost)
+        return self._incarnation.forgotten(admitted, self._table)
 
     def _reclaim(self, attempt: AttemptId, failed: bool, skip: str | None = None, cancelled: bool = False) -> bool:
         """Every terminal path ends here; a second call for the same attempt, or a report about an older
