@@ -15,9 +15,9 @@ Roles:
 State: `_running` (attempts in the engine, by engine id) and the handoff table (reservations and
 holds) are this worker's; the engine owns its blocks and queues behind its methods.
 
-Why one file of ~370 lines: every engine-thread command (submit, adopt, abort, hand-off, expiry,
+Why one file of ~390 lines: every engine-thread command (submit, adopt, abort, hand-off, expiry,
 failure, report) is a short method on the one thread that may touch the engine; splitting them would
-put that rule in several places.
+put that rule in several places. What a report says is built by the meter (meter.py).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from actors.protocol.request_status import RequestStatus
 from actors.protocol.token_stream import TokenPublisher
 from actors.worker.handoff_table import HandoffTable, LeaseKind
 from actors.worker.kv_handoff import HandoffReceiver, HandoffSender
-from actors.worker.meter import WorkerMeter, rss_bytes
+from actors.worker.meter import WorkerMeter
 from actors.worker.running import Running, engine_id
 from actors.worker.scheduler_link import SchedulerLink
 from actors.worker.spec import WorkerSpec
@@ -371,18 +371,10 @@ class Worker:
     # ---- reporting ----
 
     def _stats(self) -> WorkerStats:
-        load, meter, table = self._engine.load(), self._meter, self._handoffs
-        return WorkerStats(
-            self.spec.worker_id, self.spec.role, load.free_blocks, load.num_blocks, load.used_blocks,
-            load.running, load.waiting, load.queued_prefill_tokens + self._inbox_prompt_tokens, load.preemptions,
-            reserved=table.count(LeaseKind.RESERVED), held=table.count(LeaseKind.HELD), writing=table.writing(),
-            live_requests=len(self._running), tokens_dropped=self._publisher.dropped,
-            leases_expired=table.expired, lease_overrun_s=table.overrun_s,
-            transfers_sent=meter.transfers_sent, transfers_failed=meter.transfers_failed,
-            late_pages_dropped=table.late_pages_dropped, adopted=meter.adopted, kv_bytes_sent=meter.kv_bytes_sent,
-            rss_bytes=rss_bytes(), step_s=meter.step_s, prefill_s_per_token=meter.prefill_s_per_token,
-            dropped_messages=tuple(sorted(self._receiver.dropped().items())) if self._receiver else (),
-        )
+        receiver_dropped = self._receiver.dropped() if self._receiver else {}
+        return self._meter.stats(self.spec.worker_id, self.spec.role, self._engine.load(), self._handoffs,
+                                 len(self._running), self._inbox_prompt_tokens, self._publisher.dropped,
+                                 receiver_dropped)
 
     def _report(self) -> None:
         finished, self._finished = self._finished, []

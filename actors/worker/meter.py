@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from actors.protocol.messages import FirstTokenWait
+from actors.protocol.messages import FirstTokenWait, WorkerStats
+from actors.worker.handoff_table import HandoffTable, LeaseKind
 
 
 @dataclass
@@ -33,6 +34,22 @@ class WorkerMeter:
     def take_first_token_waits(self) -> tuple[FirstTokenWait, ...]:
         waits, self.first_token_waits = self.first_token_waits, []
         return tuple(waits)
+
+
+    def stats(self, worker_id: str, role: str, load, table: HandoffTable, live_requests: int,
+              inbox_prompt_tokens: int, tokens_dropped: int, receiver_dropped: dict[str, int]) -> WorkerStats:
+        """What the worker reports: its engine's `load`, its handoff table's leases, and these counters."""
+        return WorkerStats(
+            worker_id, role, load.free_blocks, load.num_blocks, load.used_blocks,
+            load.running, load.waiting, load.queued_prefill_tokens + inbox_prompt_tokens, load.preemptions,
+            reserved=table.count(LeaseKind.RESERVED), held=table.count(LeaseKind.HELD), writing=table.writing(),
+            live_requests=live_requests, tokens_dropped=tokens_dropped,
+            leases_expired=table.expired, lease_overrun_s=table.overrun_s,
+            transfers_sent=self.transfers_sent, transfers_failed=self.transfers_failed,
+            late_pages_dropped=table.late_pages_dropped, adopted=self.adopted, kv_bytes_sent=self.kv_bytes_sent,
+            rss_bytes=rss_bytes(), step_s=self.step_s, prefill_s_per_token=self.prefill_s_per_token,
+            dropped_messages=tuple(sorted(receiver_dropped.items())),
+        )
 
 
 def rss_bytes() -> int:

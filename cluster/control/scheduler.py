@@ -5,6 +5,8 @@
 - `Placer`: admission, routing, load shedding, decided with no await inside (placement.py)
 - `PrefixIndex`: which worker caches which prefix blocks (prefix_index.py)
 - `TenantShares`: no tenant holds more than its share of the KV or of the admission queue (tenant_shares.py)
+- `Incarnation`: epoch, attempt ids, what a restart forgot (incarnation.py); `Outbox`: calls to workers and
+  clients (outbox.py); `adopt_live`: rebuilding requests a worker announces (adoption.py)
 
 An async actor: every method runs on one event loop, so its state needs no locks, but an `await` lets
 anything happen: after one, a placement is checked again (`still_valid`) before it is committed.
@@ -33,22 +35,20 @@ from actors.protocol.messages import (
     GenerateRequest,
     KvDestination,
     KvReservation,
-    LivePhase,
     LiveRequest,
     Rejected,
-    TokenDelta,
     WorkerInfo,
     WorkerReport,
     WorkerRequest,
 )
 from actors.protocol.request_status import RequestStatus
-from actors.protocol.token_stream import TokenPublisher
+from cluster.control.adoption import adopt_live
 from cluster.control.incarnation import Incarnation
+from cluster.control.outbox import Outbox
 from cluster.control.placement import Placement, Placer
 from cluster.control.prefix_index import PrefixIndex
 from cluster.control.registry import WorkerRegistry
 from cluster.control.request_table import RequestTable
-from cluster.control.routing import PrefillPlan
 from cluster.control.scheduler_state import SchedulerCounters, SchedulerSettings, SchedulerState, Tracked
 from cluster.control.tenant_shares import TenantShares
 from cluster.control.ttft_guard import TtftGuard
@@ -67,8 +67,7 @@ class Scheduler:
         self._guard = TtftGuard(settings.max_predicted_ttft_s)
         self._placer = Placer(settings, self._registry, self._table, self._index, self._guard)
         self._shares = TenantShares(self._table, self._registry, settings.max_queued)
-        # Only to tell a client its request failed with a lost worker.
-        self._publisher = TokenPublisher(keys=settings.curve_keys)
+        self._out = Outbox(self._registry, settings.curve_keys)
         self._incarnation = Incarnation(settings.heartbeat_timeout_s)
         self._admitting: set[str] = set()  # request ids whose submit is being decided now
         self._watchdog: asyncio.Task | None = None
@@ -92,10 +91,10 @@ class Scheduler:
         if self._registry.was_declared_lost(info):
             # Declared dead during a stall: its requests were re-routed or failed since; stop its copies.
             for item in live:
-                handle.abort.remote(item.request.attempt)
+                self._out.abort_on(info.worker_id, item.request.attempt)
         else:
             for item in live:
-                self._adopt_live(entry, item)
+                adopt_live(self._table, self._placer, self._out, entry, item)
         if self._watchdog is None:
             loop = asyncio.get_running_loop()
             self._watchdog = loop.create_task(self._registry.watch_heartbeats())
@@ -121,12 +120,10 @@ class Scheduler:
         if tracked is None or tracked.prefill is None:
             # Not tracked (this scheduler restarted since, or the attempt ended): the prefill worker
             # still holds the pages.
-            entry = self._registry.get(prefill_worker)
-            if entry is not None and entry.view.role == "prefill":
-                entry.handle.release.remote(attempt)
+            self._out.release_on(prefill_worker, attempt, role="prefill")
             return
         tracked.handed_off = True
-        self._release_prefill(tracked)
+        self._out.release_prefill(tracked)
 
     async def drain(self, worker_id: str) -> None:
         """Route nothing new to the worker; what it serves now finishes there."""
@@ -153,7 +150,7 @@ class Scheduler:
                 self._rerouted += 1
                 asyncio.get_running_loop().create_task(self._resubmit(tracked))
             else:
-                self._tell_client(tracked, f"worker {worker_id} was lost ({why}) while serving the request")
+                self._out.tell_client(tracked, f"worker {worker_id} was lost ({why}) while serving the request")
 
     async def _watch_unconfirmed(self) -> None:
         """An attempt sent to a worker that has reported for a heartbeat timeout since without naming it
@@ -177,40 +174,7 @@ class Scheduler:
     async def _resubmit(self, lost: Tracked) -> None:
         answer = await self._submit(lost.request, patient=True)
         if isinstance(answer, Rejected):
-            self._tell_client(lost, f"could not re-route after a worker loss: {answer.reason}", retryable=False)
-
-    def _tell_client(self, tracked: Tracked, message: str, retryable: bool = True) -> None:
-        delta = TokenDelta(tracked.attempt, 0, 0, (), RequestStatus.FAILED, len(tracked.request.prompt_token_ids), 0,
-                           message, retryable=retryable)
-        self._publisher.publish(tracked.request.sink, [delta])
-
-    def _adopt_live(self, entry, item: LiveRequest) -> None:
-        """Rebuild the tracking of a request a worker still serves (after this scheduler restarted).
-        Idempotent: a worker may announce the same request more than once."""
-        wid, attempt, role = entry.info.worker_id, item.request.attempt, entry.view.role
-        if item.phase is LivePhase.HELD:
-            # Its pages were sent in full; the decode side announces the request itself. Tracking the
-            # hold would outlive a request that finished while no scheduler could hear of it.
-            entry.handle.release.remote(attempt)
-            return
-        tracked = self._table.get(attempt.request_id)
-        if (tracked is not None and tracked.attempt != attempt) or self._table.was_aborted(attempt.request_id):
-            entry.handle.abort.remote(attempt)  # an attempt that was superseded, or its client gave up
-            return
-        if tracked is None:
-            dest = item.request.dest
-            decode_id = dest.decode_worker if role == "prefill" else wid
-            tracked = Tracked(item.request.request, attempt, set(), decode_id,
-                              self._placer.blocks_needed(item.request.request))
-            self._table.commit(tracked)
-        tracked.workers.add(wid)
-        if role == "prefill":
-            tracked.prefill = PrefillPlan(wid, False, 0, 0.0)
-        elif item.phase is LivePhase.RUNNING and tracked.prefill is not None and tracked.prefill.worker_id != wid:
-            tracked.handed_off = True
-        if tracked.handed_off and tracked.prefill is not None and tracked.prefill.worker_id in tracked.workers:
-            # The decode side adopted the pages while no scheduler could pass on its ack.
-            self._release_prefill(tracked)
+            self._out.tell_client(lost, f"could not re-route after a worker loss: {answer.reason}", retryable=False)
 
     # ---- requests ----
 
@@ -313,7 +277,7 @@ class Scheduler:
             if (reservation is None or not self._placer.still_valid(placement)
                     or not self._shares.fits(request, blocks, self._placer.pool)):
                 if reservation is not None:
-                    decode.handle.abort.remote(attempt)
+                    decode.handle.abort.remote(attempt)  # the handle reserved on, even if since replaced
                 return None
             dest = KvDestination(placement.decode_id, decode.info.kv_endpoint, reservation)
         if placement.local and self.s.mode != "colocated":
@@ -368,17 +332,7 @@ class Scheduler:
 
     def _abort_on_workers(self, tracked: Tracked, skip: str | None = None) -> None:
         self._guard.forget(tracked.attempt)
-        for wid in tracked.workers - {skip}:
-            entry = self._registry.get(wid)
-            if entry is not None:
-                entry.handle.abort.remote(tracked.attempt)  # idempotent on the worker
-
-    def _release_prefill(self, tracked: Tracked) -> None:
-        prefill_id = tracked.prefill.worker_id
-        entry = self._registry.get(prefill_id)
-        if entry is not None:
-            entry.handle.release.remote(tracked.attempt)
-        tracked.workers.discard(prefill_id)
+        self._out.abort(tracked, skip)
 
     def _reject(self, reason: str, retry_after_s: float | None, unavailable: bool = False) -> Rejected:
         self._rejected += 1

@@ -1,0 +1,46 @@
+"""What the scheduler tells workers and clients. Every call is fire-and-forget and idempotent where it
+lands (a worker ignores an abort or release for an attempt it does not hold), so a lost or repeated
+call costs nothing but the lease that would have ended it anyway."""
+
+from __future__ import annotations
+
+from actors.protocol.ids import AttemptId
+from actors.protocol.messages import TokenDelta
+from actors.protocol.request_status import RequestStatus
+from actors.protocol.token_stream import TokenPublisher
+from cluster.control.registry import WorkerRegistry
+from cluster.control.scheduler_state import Tracked
+from kv_transfer.curve import CurveKeys
+
+
+class Outbox:
+    def __init__(self, registry: WorkerRegistry, curve_keys: CurveKeys | None):
+        self._registry = registry
+        # Only to tell a client its request failed with a lost worker.
+        self._publisher = TokenPublisher(keys=curve_keys)
+
+    def abort(self, tracked: Tracked, skip: str | None = None) -> None:
+        """Stop the attempt on every worker that may hold state for it."""
+        for wid in tracked.workers - {skip}:
+            self.abort_on(wid, tracked.attempt)
+
+    def abort_on(self, worker_id: str, attempt: AttemptId) -> None:
+        entry = self._registry.get(worker_id)
+        if entry is not None:
+            entry.handle.abort.remote(attempt)
+
+    def release_prefill(self, tracked: Tracked) -> None:
+        """The decode side adopted the pages: the prefill worker frees its held copy."""
+        prefill_id = tracked.prefill.worker_id
+        self.release_on(prefill_id, attempt=tracked.attempt)
+        tracked.workers.discard(prefill_id)
+
+    def release_on(self, worker_id: str, attempt: AttemptId, role: str | None = None) -> None:
+        entry = self._registry.get(worker_id)
+        if entry is not None and (role is None or entry.view.role == role):
+            entry.handle.release.remote(attempt)
+
+    def tell_client(self, tracked: Tracked, message: str, retryable: bool = True) -> None:
+        delta = TokenDelta(tracked.attempt, 0, 0, (), RequestStatus.FAILED, len(tracked.request.prompt_token_ids), 0,
+                           message, retryable=retryable)
+        self._publisher.publish(tracked.request.sink, [delta])
