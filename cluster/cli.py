@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.bench_chaos import add_arguments as add_bench_chaos
 
     add_bench_chaos(bench_sub.add_parser("chaos", help="SIGKILL a random worker every few seconds under HTTP streams: exact / error / hung"))
+    from experiments.bench_link import add_arguments as add_bench_link
+
+    add_bench_link(bench_sub.add_parser("link", help="TTFT vs the prefill -> decode link's rate on the namespaced cluster (root)"))
     from experiments.loadgen.cli import add_arguments as add_bench_serve
 
     add_bench_serve(bench_sub.add_parser("serve", help="open-loop load against an OpenAI-compatible server: latency, SLO goodput"))

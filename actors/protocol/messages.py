@@ -171,6 +171,16 @@ class FirstTokenWait:
 
 
 @dataclass(frozen=True)
+class TransferSample:
+    """One KV handoff as its decode worker saw it: `seconds` from the prefill worker starting the send to
+    the last page written here (wall clocks of two hosts: as good as their synchronisation)."""
+
+    prefill_worker: str
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class WorkerReport:
     worker_id: str
     stats: WorkerStats
@@ -178,6 +188,7 @@ class WorkerReport:
     kv_events: tuple = ()  # KVEvent values (actors.protocol.kv_events), in order
     first_token_waits: tuple[FirstTokenWait, ...] = ()
     received: tuple[AttemptId, ...] = ()  # attempts submitted to this worker since its last report
+    transfers: tuple[TransferSample, ...] = ()  # decode: handoffs that landed since the last report
 
 
 class LivePhase(enum.Enum):
@@ -204,6 +215,8 @@ class StageTimes:
     received: float | None = None
     scheduled: float | None = None
     first_token: float | None = None
+    sent: float | None = None  # prefill: the KV send began
+    landed: float | None = None  # decode: the last page was written (the receiving thread's clock)
     adopted: float | None = None
     finished: float | None = None
 

@@ -249,7 +249,7 @@ class Worker:
             return
         self._running[key] = Running(request, StageTimes(received=received_at))  # inbox wait included
 
-    def _do_landed(self, header, error: Exception | None) -> None:
+    def _do_landed(self, header, error: Exception | None, landed_at: float) -> None:
         if isinstance(error, PageFormatError):  # refused before a byte was written
             lease = self._handoffs.refused(header.lease_id)
             if lease is not None:
@@ -271,8 +271,11 @@ class Worker:
             self._engine.release_reservation(lease.engine_id)
             self._fail(request, f"KV handoff refused: {exc}", retryable=True)
             return
-        self._running[lease.engine_id] = Running(request, note.times.merged(StageTimes(adopted=time.time())))
+        self._running[lease.engine_id] = Running(
+            request, note.times.merged(StageTimes(landed=landed_at, adopted=time.time())))
         self._meter.adopted += 1
+        nbytes = len(header.dest_block_ids) * self._engine.bytes_per_block
+        self._meter.landed(note.prefill_worker, nbytes, note.times.sent, landed_at)
         if self.scheduler is not None:
             self.scheduler.handoff_done.remote(request.attempt, note.prefill_worker)
 
@@ -322,7 +325,8 @@ class Worker:
     def _hand_off(self, key: str, run: Running, out) -> None:
         request, dest = run.request, run.request.dest
         del self._running[key]
-        note = HandoffNote(out.new_token_ids[0], out.num_cached_tokens, self.spec.worker_id, run.times)
+        note = HandoffNote(out.new_token_ids[0], out.num_cached_tokens, self.spec.worker_id,
+                           run.times.merged(StageTimes(sent=time.time())))
         try:
             if "drop_kv_sends" not in self._faults:
                 self._sender.send(dest.endpoint, dest.reservation.lease_id, self._engine.handoff_blocks(key),
@@ -366,25 +370,23 @@ class Worker:
 
     def _on_pages(self, header, error: Exception | None) -> None:
         if header is not None:  # bytes that were not a header wrote nothing and name no lease
-            self._put(self._do_landed, (header, error))
+            self._put(self._do_landed, (header, error, time.time()))  # stamped here: not behind a step
 
     # ---- reporting ----
 
     def _stats(self) -> WorkerStats:
-        receiver_dropped = self._receiver.dropped() if self._receiver else {}
-        return self._meter.stats(self.spec.worker_id, self.spec.role, self._engine.load(), self._handoffs,
-                                 len(self._running), self._inbox_prompt_tokens, self._publisher.dropped,
-                                 receiver_dropped)
+        return self._meter.stats(self.spec, self._engine.load(), self._handoffs, len(self._running),
+                                 self._inbox_prompt_tokens, self._publisher.dropped, self._receiver)
 
     def _report(self) -> None:
         finished, self._finished = self._finished, []
-        events = tuple(self._engine.take_kv_events())
+        events, meter = tuple(self._engine.take_kv_events()), self._meter
         with self._inbox_lock:
             received, self._received = tuple(self._received), []
-        if self._link is None:
-            return
-        self._link.report(WorkerReport(self.spec.worker_id, self._stats(), tuple(finished), events,
-                                       self._meter.take_first_token_waits(), received))
+        report = WorkerReport(self.spec.worker_id, self._stats(), tuple(finished), events,
+                              meter.take_first_token_waits(), received, meter.take_transfers())
+        if self._link is not None:
+            self._link.report(report)
 
     def _live(self) -> list[LiveRequest]:
         """Every request this worker holds state for, so a restarted scheduler can rebuild its view."""

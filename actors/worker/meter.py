@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from actors.protocol.messages import FirstTokenWait, WorkerStats
+from actors.protocol.messages import FirstTokenWait, TransferSample, WorkerStats
 from actors.worker.handoff_table import HandoffTable, LeaseKind
+from actors.worker.spec import WorkerSpec
 
 
 @dataclass
@@ -23,6 +24,7 @@ class WorkerMeter:
     step_s: float | None = None  # smoothed; a new prompt first waits for the step in progress
     prefill_s_per_token: float | None = None  # smoothed, from prefill-dominated steps
     first_token_waits: list[FirstTokenWait] = field(default_factory=list)  # not yet reported
+    transfers: list[TransferSample] = field(default_factory=list)  # not yet reported
 
     def step(self, seconds: float, tokens: int) -> None:
         self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
@@ -35,12 +37,21 @@ class WorkerMeter:
         waits, self.first_token_waits = self.first_token_waits, []
         return tuple(waits)
 
+    def landed(self, prefill_worker: str, nbytes: int, sent: float | None, landed: float) -> None:
+        if sent is not None:
+            self.transfers.append(TransferSample(prefill_worker, nbytes, max(landed - sent, 0.0)))
 
-    def stats(self, worker_id: str, role: str, load, table: HandoffTable, live_requests: int,
-              inbox_prompt_tokens: int, tokens_dropped: int, receiver_dropped: dict[str, int]) -> WorkerStats:
+    def take_transfers(self) -> tuple[TransferSample, ...]:
+        samples, self.transfers = self.transfers, []
+        return tuple(samples)
+
+
+    def stats(self, spec: WorkerSpec, load, table: HandoffTable, live_requests: int, inbox_prompt_tokens: int,
+              tokens_dropped: int, receiver) -> WorkerStats:
         """What the worker reports: its engine's `load`, its handoff table's leases, and these counters."""
+        receiver_dropped = receiver.dropped() if receiver is not None else {}
         return WorkerStats(
-            worker_id, role, load.free_blocks, load.num_blocks, load.used_blocks,
+            spec.worker_id, spec.role, load.free_blocks, load.num_blocks, load.used_blocks,
             load.running, load.waiting, load.queued_prefill_tokens + inbox_prompt_tokens, load.preemptions,
             reserved=table.count(LeaseKind.RESERVED), held=table.count(LeaseKind.HELD), writing=table.writing(),
             live_requests=live_requests, tokens_dropped=tokens_dropped,

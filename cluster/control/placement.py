@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from actors.protocol.messages import GenerateRequest, Rejected
+from cluster.control.link_costs import LinkCosts
 from cluster.control.prefix_index import PrefixIndex
 from cluster.control.registry import WorkerRegistry
 from cluster.control.request_table import RequestTable
@@ -37,9 +38,9 @@ class Placement:
 
 class Placer:
     def __init__(self, settings: SchedulerSettings, registry: WorkerRegistry, table: RequestTable,
-                 index: PrefixIndex, guard: TtftGuard):
+                 index: PrefixIndex, guard: TtftGuard, links: LinkCosts):
         self.s = settings
-        self._registry, self._table, self._index, self._guard = registry, table, index, guard
+        self._registry, self._table, self._index, self._guard, self._links = registry, table, index, guard, links
         self._turn = itertools.count()
         self.shed = 0
 
@@ -73,8 +74,11 @@ class Placer:
         prefill_pool = self._registry.views("prefill")
         cached = self._cached(prefill_pool + [decode], hashes)
         if prefill_pool:
-            kv_bytes_per_token = self._registry.get(decode.worker_id).info.kv_bytes_per_token
-            transfer_s = prompt_len * kv_bytes_per_token / self.s.transfer_bytes_per_s
+            # Whole blocks travel, cached or not: the decode worker has none of them.
+            info = self._registry.get(decode.worker_id).info
+            nbytes = -(-prompt_len // info.block_size) * info.block_size * info.kv_bytes_per_token
+            transfer_s = {p.worker_id: self._links.seconds(p.worker_id, decode.worker_id, nbytes)
+                          for p in prefill_pool}
             local_ok = self.s.local_prefill
             plan = plan_prefill(self.s.routing, prefill_pool, cached, prompt_len, transfer_s,
                                 self.typical_cost(prefill_pool), next(self._turn),

@@ -2,11 +2,13 @@
 
 Pure functions over snapshots of worker state, so the policy is tested without a cluster. The
 cache-aware policy minimises predicted time to first token: queue wait + uncached prompt tokens x
-measured per-token prefill cost + KV bytes / measured transfer bandwidth.
+measured per-token prefill cost + the KV handoff's cost on the link to the decode worker (measured,
+cluster/control/link_costs.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -42,13 +44,17 @@ def plan_prefill(
     prefill_workers: list[WorkerView],
     cached_tokens: dict[str, int],
     prompt_len: int,
-    transfer_s: float,
+    transfer_s: float | Mapping[str, float],
     default_cost: float,
     turn: int,
     local: WorkerView | None = None,
     local_penalty: float = 1.0,
 ) -> PrefillPlan:
-    """Pick the prefill worker; `local`, if given, is the chosen decode worker as a candidate too."""
+    """Pick the prefill worker; `local`, if given, is the chosen decode worker as a candidate too.
+    `transfer_s`: the handoff's cost from each prefill worker (by id), or one for all."""
+    def handoff_s(view: WorkerView) -> float:
+        return transfer_s if isinstance(transfer_s, (int, float)) else transfer_s[view.worker_id]
+
     if not prefill_workers:
         raise ValueError("no prefill worker is registered")
     ordered = sorted(prefill_workers, key=lambda v: v.worker_id)
@@ -57,12 +63,13 @@ def plan_prefill(
     elif policy == "least_loaded":
         chosen = min(ordered, key=lambda v: (v.queued_prefill_tokens, v.running + v.waiting))
     elif policy == "cache_aware":
-        chosen = min(ordered, key=lambda v: predicted_ttft(v, prompt_len, cached_tokens.get(v.worker_id, 0), default_cost, transfer_s))
+        chosen = min(ordered, key=lambda v: predicted_ttft(v, prompt_len, cached_tokens.get(v.worker_id, 0),
+                                                           default_cost, handoff_s(v)))
     else:
         raise ValueError(f"unknown routing policy {policy!r}")
     cached = cached_tokens.get(chosen.worker_id, 0)
     remote = PrefillPlan(chosen.worker_id, False, cached,
-                         predicted_ttft(chosen, prompt_len, cached, default_cost, transfer_s))
+                         predicted_ttft(chosen, prompt_len, cached, default_cost, handoff_s(chosen)))
     if local is None:
         return remote
     local_cached = cached_tokens.get(local.worker_id, 0)

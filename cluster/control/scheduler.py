@@ -4,6 +4,7 @@
 - `RequestTable`: requests in flight, the KV each committed, reclaim (request_table.py)
 - `Placer`: admission, routing, load shedding, decided with no await inside (placement.py)
 - `PrefixIndex`: which worker caches which prefix blocks (prefix_index.py)
+- `LinkCosts`: what a KV handoff costs on each prefill -> decode link, as measured (link_costs.py)
 - `TenantShares`: no tenant holds more than its share of the KV or of the admission queue (tenant_shares.py)
 - `Incarnation`: epoch, attempt ids, what a restart forgot (incarnation.py); `Outbox`: calls to workers and
   clients (outbox.py); `adopt_live`: rebuilding requests a worker announces (adoption.py)
@@ -44,6 +45,7 @@ from actors.protocol.messages import (
 from actors.protocol.request_status import RequestStatus
 from cluster.control.adoption import adopt_live
 from cluster.control.incarnation import Incarnation
+from cluster.control.link_costs import LinkCosts
 from cluster.control.outbox import Outbox
 from cluster.control.placement import Placement, Placer
 from cluster.control.prefix_index import PrefixIndex
@@ -65,7 +67,8 @@ class Scheduler:
         self._table = RequestTable()
         self._index = PrefixIndex()
         self._guard = TtftGuard(settings.max_predicted_ttft_s)
-        self._placer = Placer(settings, self._registry, self._table, self._index, self._guard)
+        self._links = LinkCosts(settings.transfer_bytes_per_s)
+        self._placer = Placer(settings, self._registry, self._table, self._index, self._guard, self._links)
         self._shares = TenantShares(self._table, self._registry, settings.max_queued)
         self._out = Outbox(self._registry, settings.curve_keys)
         self._incarnation = Incarnation(settings.heartbeat_timeout_s)
@@ -107,6 +110,7 @@ class Scheduler:
             return False
         self._index.apply(report.worker_id, report.kv_events)
         self._guard.observe(report.worker_id, report.first_token_waits)
+        self._links.observe(report.worker_id, report.transfers)
         for attempt in report.received:
             tracked = self._table.current(attempt)
             if tracked is not None:
@@ -135,12 +139,14 @@ class Scheduler:
             return False
         self._registry.remove(worker_id)
         self._index.forget(worker_id)
+        self._links.forget(worker_id)
         return True
 
     def _worker_gone(self, worker_id: str, why: str) -> None:
         """Every request that touches a lost worker: re-route it if nothing was emitted yet, else fail it
         as retryable (its client migrates it)."""
         self._index.forget(worker_id)
+        self._links.forget(worker_id)
         for tracked in self._table.touching(worker_id):
             prefill_only = (tracked.prefill is not None and tracked.prefill.worker_id == worker_id
                             and not tracked.handed_off)
@@ -355,10 +361,11 @@ class Scheduler:
             {wid: e.stats for wid, e in entries.items() if e.stats is not None},
             {wid: e.info.incarnation for wid, e in entries.items()},
             self._registry.draining(), len(self._table), self._table.committed_blocks(), counters,
-            self._table.tenant_blocks())
+            self._table.tenant_blocks(), self._links.estimates())
 
     async def check_integrity(self) -> SchedulerState:
         self._index.check_integrity()
         self._shares.check_integrity()
+        self._links.check_integrity()
         self._table.check_integrity(self._registry.ids())
         return await self.state()

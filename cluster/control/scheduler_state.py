@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import GenerateRequest, WorkerInfo, WorkerStats
+from cluster.control.link_costs import LinkEstimate
 from kv_transfer.curve import CurveKeys
 from cluster.control.routing import PrefillPlan, WorkerView
 
@@ -84,6 +85,7 @@ class SchedulerState:
     committed_blocks: dict[str, int]
     counters: SchedulerCounters
     tenant_blocks: dict[str, int] = field(default_factory=dict)  # KV committed per named tenant
+    links: dict[str, LinkEstimate] = field(default_factory=dict)  # measured handoff cost, by "prefill->decode"
 
     def as_dict(self) -> dict:
         return asdict(self)

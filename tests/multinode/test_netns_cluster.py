@@ -54,6 +54,7 @@ def test_greedy_across_hosts_equals_the_engine(served):
     transfers = {k: sum(w[k] for w in workers) for k in ("transfers_sent", "adopted", "transfers_failed")}
     assert transfers["transfers_sent"] == transfers["adopted"] > 0 and transfers["transfers_failed"] == 0, transfers
     assert sum(_metric(served, "tandem:kv_transfer_bytes").values()) > 0
+    assert sum(_metric(served, "tandem:kv_link_bytes_per_second").values()) > 0  # measured across the bridge
 
 
 def _fault_counts(url: str) -> dict[str, float]:

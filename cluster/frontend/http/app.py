@@ -97,6 +97,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         ingress.metrics.update_pools(state.workers)
         ingress.metrics.update_workers(state.worker_stats)
         ingress.metrics.update_tenants(state.tenant_blocks)
+        ingress.metrics.update_links(state.links)
         ingress.metrics.update_sink(ingress.client.drops.snapshot(), rejected_handshakes())
         return Response(ingress.metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -40,6 +40,12 @@ class IngressMetrics:
         self._tenants_seen: set[str] = set()
         self.tenant_kv = Gauge("tandem:tenant_kv_blocks", "KV blocks committed to each tenant's requests in flight",
                                ["tenant"], registry=r)
+        self.link_bandwidth = Gauge("tandem:kv_link_bytes_per_second",
+                                    "KV handoff bandwidth per prefill -> decode link, as the scheduler measured it",
+                                    ["link"], registry=r)
+        self.link_latency = Gauge("tandem:kv_link_latency_seconds",
+                                  "fixed cost of a KV handoff per link, as the scheduler measured it", ["link"],
+                                  registry=r)
         self.worker_rss = Gauge("tandem:worker_rss_bytes", "resident memory of each worker process", ["worker"], registry=r)
         # Summed over the ingress's token sink and every worker's KV receiver (each restarted worker starts over).
         self.dropped = Gauge("tandem:dropped_messages_total", "messages receive loops dropped, by socket and reason",
@@ -112,6 +118,15 @@ class IngressMetrics:
         self._tenants_seen.update(blocks)
         for tenant in self._tenants_seen:
             self.tenant_kv.labels(tenant).set(blocks.get(tenant, 0))  # nothing in flight: holds nothing
+
+    def update_links(self, links: dict) -> None:
+        """`links`: the scheduler's LinkEstimate by "prefill->decode"; a link it forgot stops being exported."""
+        for gauge in (self.link_bandwidth, self.link_latency):
+            gauge.clear()
+        for name, est in links.items():
+            self.link_latency.labels(name).set(est.latency_s)
+            if est.bytes_per_s is not None:
+                self.link_bandwidth.labels(name).set(est.bytes_per_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

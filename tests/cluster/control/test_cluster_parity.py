@@ -3,6 +3,8 @@ left behind afterwards (no reservation, no lease, no used block)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cluster.control.launch import Cluster
@@ -30,5 +32,14 @@ def test_layouts_match_the_single_engine(ray_session, expected, config_name):
             sent = sum(s["transfers_sent"] for s in state["workers"].values())
             adopted = sum(s["adopted"] for s in state["workers"].values())
             assert sent == adopted > 0
+            # Every handoff is a sample of its link's cost at the scheduler (with the report after it).
+            links = state["scheduler"]["links"]
+            for _ in range(100):
+                if sum(link["samples"] for link in links.values()) == adopted:
+                    break
+                time.sleep(0.02)
+                links = cluster.check_integrity()["scheduler"]["links"]
+            assert sum(link["samples"] for link in links.values()) == adopted, links
+            assert all(name.split("->")[0].startswith("prefill-") for name in links), links
     finally:
         cluster.shutdown()

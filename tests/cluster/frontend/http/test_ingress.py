@@ -157,6 +157,8 @@ def test_models_health_ready_and_metrics(server, client):
         samples = families[f"tandem:request_{phase}_seconds"].samples
         assert [s.value for s in samples if s.name.endswith("_count")][0] > 0, phase
     assert [s.value for s in families["tandem:kv_transfer_bytes"].samples][0] > 0
+    links = families["tandem:kv_link_latency_seconds"].samples  # the scheduler's measured handoff cost
+    assert links and all(s.labels["link"].startswith("prefill-") and s.value >= 0 for s in links), links
     queries = [s.value for s in families["tandem:prefix_cache_queries"].samples if s.name.endswith("_total")][0]
     assert queries > 0
 
