@@ -8,6 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # Hugging Face checkpoint directory
+    model_source: str | None = None  # what `model` was resolved from (builtin name, GGUF file), if anything
     dtype: str = "float32"
     device: str = "cpu"
     block_size: int = 16

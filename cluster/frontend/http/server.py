@@ -21,7 +21,9 @@ def served_model_name(cluster: Cluster) -> str:
     if config.ingress.served_model_name:
         return config.ingress.served_model_name
     path = config.model.path
-    return path.split(":", 1)[1] if path.startswith("builtin:") else Path(path).name
+    if path.startswith("builtin:"):
+        return path.split(":", 1)[1]
+    return Path(path).stem if path.endswith(".gguf") else Path(path).name
 
 
 def check_exposure(ingress: IngressSection, host: str) -> dict[str, TenantSection]:
