@@ -7,6 +7,9 @@ and counted, and only closing the client (or the `kill_sink` chaos hook) ends th
 into events (order, text, stop strings); when a worker was lost the stream asks for a migration, and
 `migrate` (the only place that resubmits) continues the request elsewhere. The HTTP ingress uses this
 client too.
+
+Why ~330 lines: submit, the sink's receive thread, the audit of a restarted scheduler and migration
+all work on the one request map and socket this client owns; split, each part would reach into it.
 """
 
 from __future__ import annotations
