@@ -1,10 +1,13 @@
-"""`tandem bench link`: time to first token against the bandwidth of the prefill -> decode link.
+"""`tandem bench link`: time to first tokens against the bandwidth of the prefill -> decode link.
 
 Runs on the namespaced cluster (experiments/netns_cluster.sh, root only): the prefill worker on host
 w1, the decode worker on w2, `tandem serve` on the head, KV over tcp across the bridge. For each rate
 the w1 -> w2 link is shaped (an HTB class: this kernel has no netem) and `--requests` prompts of
 `--prompt-tokens` random tokens (no prefix in common: every prompt is computed and, when remote, sent
-whole) are streamed one at a time through the HTTP API; TTFT is the client's, arrival to first text.
+whole) are streamed one at a time through the HTTP API, 4 tokens each. The first token is sampled
+on the prefill worker and streamed before the handoff; the second comes from the decode worker once
+the KV has crossed the link. So the link shows in the second token's time (the decode side's time to
+first token), measured by the client from the request; the first token's time is reported beside it.
 
 Two layouts per rate, each a fresh `tandem serve`:
 - `remote`: `scheduler.local_prefill: false`: every prompt is prefilled on w1 and its KV crosses the
@@ -12,7 +15,7 @@ Two layouts per rate, each a fresh `tandem serve`:
 - `cost_model`: the default: the scheduler may prefill on the decode worker when its measured link
   cost (cluster/control/link_costs.py) makes a remote prefill slower.
 
-Reported per layout and rate: TTFT p50/p95, how many prompts were prefilled on the decode worker (the
+Reported per layout and rate: first- and second-token p50/p95, how many prompts were prefilled on the decode worker (the
 handoffs counted by the workers), and the link bandwidth and latency the scheduler measured against
 the shaped rate. The numbers are one run's, on a shared box: read them as ratios.
 """
@@ -41,6 +44,7 @@ _SCRIPT = _REPO / "experiments" / "netns_cluster.sh"
 _HEAD_IP = "198.51.100.10"
 _URL = f"http://{_HEAD_IP}:8000"
 _LAYOUTS = ("remote", "cost_model")
+_API_KEY = "bench-link-key"  # the ingress listens on the bridge: not anonymously
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,7 +71,7 @@ def _config(tmp: Path, layout: str) -> Path:
     config["decode"].update(resources={"tandem_decode": 1}, num_cpus=1, replicas=1)
     config["scheduler"].update(local_prefill=layout == "cost_model")
     config["transfer"].update(zmq_transport="tcp", host="0.0.0.0")
-    config["ingress"].update(host=_HEAD_IP, port=8000)
+    config["ingress"].update(host=_HEAD_IP, port=8000, api_keys={_API_KEY: {"tenant": "bench-link"}})
     path = tmp / f"link-{layout}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -97,11 +101,22 @@ class _Served:
             time.sleep(1)
 
     def __exit__(self, *exc) -> None:
-        self._proc.terminate()
+        # nsenter does not pass signals on: Ctrl-C the server inside the head's PID namespace, and wait
+        # until it has stopped, or the next layout's server would find this one still answering.
+        subprocess.run([str(_SCRIPT), "run", "head", "pkill", "-INT", "-f", "cluster.cli serve"],
+                       capture_output=True, timeout=60)
         try:
-            self._proc.wait(timeout=60)
+            self._proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             self._proc.kill()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(_URL + "/ready", timeout=2)
+            except httpx.HTTPError:
+                return
+            time.sleep(1)
+        raise RuntimeError("the previous tandem serve still answers")
 
 
 def _metrics() -> dict[str, dict[str, float]]:
@@ -120,13 +135,17 @@ def _handoffs() -> tuple[float, float]:
     return m.get("tandem:kv_transfers", {}).get("outcome=adopted", 0.0), sum(m.get("tandem:kv_transfer_bytes", {}).values())
 
 
-def _ttft(client: openai.OpenAI, prompt: list[int]) -> float:
-    start = time.monotonic()
+def _timings(client: openai.OpenAI, prompt: list[int]) -> tuple[float, float]:
+    """(first token, second token) seconds after the request, the whole stream read (leaving early
+    would abort the request, and with it its handoff)."""
+    start, emits = time.monotonic(), []
     for chunk in client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=4, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True}):
         if chunk.choices and chunk.choices[0].text:
-            return time.monotonic() - start
-    raise RuntimeError("the stream ended without text")
+            emits.append(time.monotonic() - start)
+    if len(emits) < 2:
+        raise RuntimeError(f"the stream ended after {len(emits)} tokens")
+    return emits[0], emits[1]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -140,9 +159,9 @@ def _run_rate(client: openai.OpenAI, rng: random.Random, rate: str, args) -> dic
     try:
         prompts = [[rng.randrange(10, 2000) for _ in range(args.prompt_tokens)] for _ in range(args.requests + 2)]
         for prompt in prompts[:2]:  # the link is measured on these (or its old fit is dropped: not in 30 s)
-            _ttft(client, prompt)
+            _timings(client, prompt)
         before = _handoffs()
-        ttfts = [_ttft(client, prompt) for prompt in prompts[2:]]
+        times = [_timings(client, prompt) for prompt in prompts[2:]]
         after = _handoffs()
         remote = int(after[0] - before[0])
         links = _metrics()
@@ -151,9 +170,12 @@ def _run_rate(client: openai.OpenAI, rng: random.Random, rate: str, args) -> dic
     finally:
         if rate != "unshaped":
             _netns("heal", "w1")
+    ttfts, seconds = [t[0] for t in times], [t[1] for t in times]
     return {"rate": rate, "ttft_p50_s": round(_percentile(ttfts, 0.5), 4), "ttft_p95_s": round(_percentile(ttfts, 0.95), 4),
-            "requests": len(ttfts), "prefilled_remote": remote,
-            "kv_bytes_per_handoff": round((after[1] - before[1]) / remote) if remote else None, "prefilled_local": len(ttfts) - remote,
+            "second_token_p50_s": round(_percentile(seconds, 0.5), 4),
+            "second_token_p95_s": round(_percentile(seconds, 0.95), 4),
+            "requests": len(times), "prefilled_remote": remote,
+            "kv_bytes_per_handoff": round((after[1] - before[1]) / remote) if remote else None, "prefilled_local": len(times) - remote,
             "link_bytes_per_s": {k.removeprefix("link="): round(v) for k, v in bandwidth.items()},
             "link_latency_s": {k.removeprefix("link="): round(v, 4) for k, v in latency.items()}}
 
@@ -171,12 +193,11 @@ def bench(args) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             for layout in _LAYOUTS:
                 with _Served(_config(Path(tmp), layout)):
-                    client = openai.OpenAI(base_url=_URL + "/v1", api_key="none", timeout=600, max_retries=0)
+                    client = openai.OpenAI(base_url=_URL + "/v1", api_key=_API_KEY, timeout=600, max_retries=0)
                     results[layout] = []
                     for rate in rates:
                         results[layout].append(_run_rate(client, rng, rate, args))
                         print(layout, results[layout][-1], flush=True)
-                    time.sleep(31)  # the next layout starts with no link measured (a fresh scheduler anyway)
     finally:
         _netns("down")
     kv = [r["kv_bytes_per_handoff"] for r in results.get("remote", []) if r["kv_bytes_per_handoff"]]
@@ -201,13 +222,15 @@ def plot(report: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for layout, rows in report["layouts"].items():
         labels = [r["rate"] for r in rows]
-        left.plot(labels, [r["ttft_p50_s"] * 1000 for r in rows], marker="o", label=f"{layout} p50")
-        left.plot(labels, [r["ttft_p95_s"] * 1000 for r in rows], marker="x", linestyle=":", label=f"{layout} p95")
+        line = left.plot(labels, [r["second_token_p50_s"] * 1000 for r in rows], marker="o",
+                         label=f"{layout}: 2nd token p50")[0]
+        left.plot(labels, [r["ttft_p50_s"] * 1000 for r in rows], marker="x", linestyle=":", color=line.get_color(),
+                  label=f"{layout}: 1st token p50")
     left.set_yscale("log")
     left.set_xlabel("prefill -> decode link rate")
-    left.set_ylabel("TTFT (ms)")
+    left.set_ylabel("ms after the request")
     kv = report["kv_bytes_per_prompt"]
-    left.set_title(f"TTFT, {report['prompt_tokens']}-token prompts" + (f" ({kv >> 10} KiB of KV)" if kv else ""))
+    left.set_title(f"{report['prompt_tokens']}-token prompts" + (f" ({kv >> 10} KiB of KV each)" if kv else ""))
     left.legend()
     rows = report["layouts"]["remote"]
     shaped = [(r["rate"], _rate_bytes_per_s(r["rate"]), sum(r["link_bytes_per_s"].values())) for r in rows]
@@ -232,8 +255,8 @@ def summarize(report: dict) -> str:
     parts = []
     for layout, rows in report["layouts"].items():
         first, last = rows[0], rows[-1]
-        parts.append(f"{layout}: TTFT p50 {first['ttft_p50_s'] * 1000:.0f} ms at {first['rate']} -> "
-                     f"{last['ttft_p50_s'] * 1000:.0f} ms at {last['rate']} "
+        parts.append(f"{layout}: 2nd token p50 {first['second_token_p50_s'] * 1000:.0f} ms at {first['rate']} -> "
+                     f"{last['second_token_p50_s'] * 1000:.0f} ms at {last['rate']} "
                      f"(local prefills {first['prefilled_local']}/{first['requests']} -> "
                      f"{last['prefilled_local']}/{last['requests']})")
     return "; ".join(parts)

@@ -3,7 +3,7 @@
 Every decode worker reports, per handoff, the bytes and the seconds from the prefill worker starting
 the send to the last page written (`TransferSample`). Per link this owner fits seconds = latency +
 bytes / bandwidth by least squares with exponential forgetting (recent handoffs weigh most), so a link
-that slows down or recovers is followed within tens of handoffs. With handoffs of one size only, the
+that slows down or recovers is followed within ten handoffs. With handoffs of one size only, the
 fit cannot tell latency from bandwidth and takes the mean seconds per byte. A link not measured yet
 costs the mean of the measured links into the same decode worker (else of all measured links, else
 what the configured bandwidth says): guessing it faster than its measured peers would pull every
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from actors.protocol.messages import TransferSample
 
-_DECAY = 0.9  # weight of the past per new sample: about the last 10-20 handoffs count
+_DECAY = 0.8  # weight of the past per new sample: about the last 5-10 handoffs count
 _MIN_SPREAD = 0.25  # relative spread of sizes below which the fit takes the mean seconds per byte
 _STALE_S = 30.0  # a link unmeasured this long is measured again
 
