@@ -8,10 +8,10 @@ import os
 import sys
 from pathlib import Path
 
-from actors.engine.model.default_model import DEFAULT_MODEL
+from actors.engine.model.default_model import DEFAULT_MODEL, SMOLLM2_MODEL
 from experiments.smoke import shrink
 
-_DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+_DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,9 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="run the engine offline in this process and print one completion")
-    gen.add_argument("--config", default=None, help="YAML config whose model and engine sections to use")
-    gen.add_argument("--model", default=None, help=f"Hugging Face checkpoint directory (default: {DEFAULT_MODEL})")
+    gen.add_argument("--config", default=None,
+                     help="YAML config whose model and engine sections to use (default: configs/default.yaml)")
+    gen.add_argument("--model", default=None,
+                     help=f"checkpoint directory, GGUF file, {SMOLLM2_MODEL} (the default) or {DEFAULT_MODEL}")
     gen.add_argument("--prompt", required=True, help="prompt text")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="start the cluster from a config and serve until Ctrl-C")
-    serve.add_argument("--config", default=str(_DEFAULT_CONFIG), help="YAML config (default: configs/local.yaml)")
+    serve.add_argument("--config", default=str(_DEFAULT_CONFIG), help="YAML config (default: configs/default.yaml, SmolLM2-135M-Instruct)")
     serve.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     serve.add_argument("--host", default=None, help="HTTP bind address (default: the config's ingress.host)")
     serve.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's ingress.port)")
@@ -104,13 +107,13 @@ def _generate(args: argparse.Namespace) -> int:
     )
     if args.address:
         return _generate_on_cluster(args, params)
-    config = TandemConfig.from_file(args.config) if args.config else TandemConfig()
+    config = TandemConfig.from_file(args.config or _DEFAULT_CONFIG)
     if args.model is not None or args.dtype is not None:
         model = config.model.model_dump()
         model.update({k: v for k, v in (("path", args.model), ("dtype", args.dtype)) if v is not None})
         config = config.model_copy(update={"model": ModelSection(**model)})
     engine = Engine(config.engine_config())
-    (result,) = engine.generate([args.prompt], params)
+    (result,) = engine.generate([_prompt(args, engine.tokenizer, config)], params)
     out = result.outputs[0]
     if args.json:
         print(json.dumps({
@@ -124,6 +127,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prompt(args: argparse.Namespace, tokenizer, config) -> str | list[int]:
+    """The prompt as given, or with --chat as the token ids of one user message in the chat template."""
+    if not args.chat:
+        return args.prompt
+    if tokenizer is None or not tokenizer.chat_template:
+        raise ValueError(f"--chat needs a chat template, and model {config.model.path} has none")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote its own bos
+
+
 def _generate_on_cluster(args: argparse.Namespace, params) -> int:
     import ray
 
@@ -132,7 +146,7 @@ def _generate_on_cluster(args: argparse.Namespace, params) -> int:
     from cluster.control.launch import NAMESPACE, SCHEDULER_NAME
     from cluster.frontend.client import TandemClient
 
-    config = TandemConfig.from_file(args.config) if args.config else TandemConfig()
+    config = TandemConfig.from_file(args.config or _DEFAULT_CONFIG)
     ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
     try:
         scheduler = ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
@@ -140,7 +154,7 @@ def _generate_on_cluster(args: argparse.Namespace, params) -> int:
         raise ValueError(f"no tandem cluster at Ray address {args.address!r}: start one with `tandem serve`") from None
     client = TandemClient.connect(scheduler, load_tokenizer(config.engine_config().model), host=config.transfer.host)
     try:
-        out = client.generate([args.prompt], params)[0][0]
+        out = client.generate([_prompt(args, client.tokenizer, config)], params)[0][0]
     finally:
         client.close()
     if args.json:

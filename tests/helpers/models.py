@@ -21,6 +21,12 @@ _CONFIGS = {
         num_key_value_heads=1, intermediate_size=96, vocab_size=400, max_position_embeddings=512,
         tie_word_embeddings=True, rope_theta=1000000.0,
     ),
+    # Qwen3: per-head RMSNorm on q and k, head_dim not hidden / heads.
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=96, vocab_size=400, max_position_embeddings=512, head_dim=32,
+        rope_theta=1000000.0,
+    ),
     # Mistral: a sliding window shorter than the prompts.
     "mistral": dict(
         architectures=["MistralForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
@@ -37,7 +43,7 @@ def make_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, with_tokeni
     spec = {**_CONFIGS[kind], **overrides}
     arch = spec.pop("architectures")[0]
     config_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen2ForCausalLM": transformers.Qwen2Config,
-                  "MistralForCausalLM": transformers.MistralConfig}[arch]
+                  "MistralForCausalLM": transformers.MistralConfig, "Qwen3ForCausalLM": transformers.Qwen3Config}[arch]
     # A wide init keeps logit gaps large, so float rounding never flips a greedy argmax.
     config = config_cls(initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None, **spec)
     torch.manual_seed(seed)

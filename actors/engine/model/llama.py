@@ -1,4 +1,5 @@
-"""The Llama family decoder (Llama 2/3, Mistral; Qwen2 adds a qkv bias) over a paged KV cache.
+"""The Llama family decoder (Llama 2/3, Mistral; Qwen2 adds a qkv bias, Qwen3 a per-head RMSNorm on q and
+k before the rotary embedding) over a paged KV cache.
 
 Weights use fused projections (qkv, gate_up): fewer, larger matmuls per layer. The loader maps
 Hugging Face checkpoint names onto them; `forward` never sees checkpoint names.
@@ -32,6 +33,7 @@ class LlamaConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaConfig":
@@ -45,7 +47,7 @@ class LlamaConfig:
         num_layers = hf["num_hidden_layers"]
         model_type = hf.get("model_type", "llama")
         window = hf.get("sliding_window")
-        if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
             window = None
         layer_types = hf.get("layer_types") or ["sliding_attention" if window else "full_attention"] * num_layers
         windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
@@ -66,6 +68,7 @@ class LlamaConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             sliding_windows=windows,
+            qk_norm=model_type == "qwen3",
         )
 
 
@@ -134,12 +137,18 @@ class Attention(nn.Module):
         self.o = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = sliding_window
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, batch: AttentionBatch):
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, self.sliding_window)
         return self.o(out.reshape(-1, self.q_size))

@@ -14,8 +14,8 @@ from safetensors import safe_open
 
 from actors.engine.model.llama import LlamaConfig, LlamaModel, RotaryEmbedding
 
-# Qwen2 is the Llama layout with a qkv bias, which LlamaConfig.from_hf reads from the config.
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+# Qwen2 is the Llama layout with a qkv bias, Qwen3 with q/k norms: LlamaConfig.from_hf reads which from the config.
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -24,6 +24,8 @@ _RENAMES = {
     "mlp.down_proj.weight": "mlp.down.weight",
     "input_layernorm.weight": "input_norm.weight",
     "post_attention_layernorm.weight": "post_attn_norm.weight",
+    "self_attn.q_norm.weight": "attn.q_norm.weight",  # Qwen3
+    "self_attn.k_norm.weight": "attn.k_norm.weight",
 }
 # Parts concatenated (in this order) into one fused parameter.
 _FUSED = {
