@@ -101,7 +101,7 @@ def test_bf16_prefill_logits_and_paged_kv_match_transformers(parity_dir):
     table = list(range(blocks + 1, 1, -1))  # not physical order: the table decides what is read
     logits = []
     for start, end in [(0, 40), (40, len(ids))]:  # the second chunk reads the first one's K/V from the cache
-        batch = build_attention_batch([end - start], [start], [table], BLOCK, ours.sliding_window, DEVICE)
+        batch = build_attention_batch([end - start], [start], [table], BLOCK, ours.windows, DEVICE)
         with torch.inference_mode():
             logits.append(ours(torch.tensor(ids[start:end], device=DEVICE), batch, kv, torch.arange(end - start, device=DEVICE)))
     got = torch.cat(logits)

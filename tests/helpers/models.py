@@ -27,6 +27,13 @@ _CONFIGS = {
         num_key_value_heads=2, intermediate_size=96, vocab_size=400, max_position_embeddings=512, head_dim=32,
         rope_theta=1000000.0,
     ),
+    # Qwen2 with its upper layers windowed (layer_types: full, sliding, full, sliding from max_window_layers):
+    # one model mixing sliding-window and full-attention layers.
+    "qwen2-mixed": dict(
+        architectures=["Qwen2ForCausalLM"], hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=96, vocab_size=400, max_position_embeddings=512,
+        use_sliding_window=True, sliding_window=12, max_window_layers=1,
+    ),
     # Mistral: a sliding window shorter than the prompts.
     "mistral": dict(
         architectures=["MistralForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=8,

@@ -7,7 +7,9 @@ concatenated, with per-sequence query lengths and context lengths; no sequence i
 length in the forward pass.
 
 `AttentionBatch` is built once per engine step (`build_attention_batch`) and shared by every layer, so
-the index arithmetic costs nothing per layer.
+the index arithmetic costs nothing per layer. Layers may differ in their attention window (sliding or
+full, interleaved in one model): the batch holds one decode mask per distinct window, and each layer
+masks its prefill chunks with its own.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ class AttentionBatch:
     # Decode tokens (query_len == 1), attended to in one padded call over the gathered context.
     decode_token_idx: torch.Tensor | None  # [B] flat index of each decode token
     decode_blocks: torch.Tensor | None  # [B, max_blocks] block tables (padded with block 0)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] True where a key may be attended
+    # Per window of the model's layers (None: full attention): [B, 1, 1, max_blocks * block_size], True
+    # where a key may be attended.
+    decode_masks: dict[int | None, torch.Tensor] | None
 
 
 def build_attention_batch(
@@ -44,10 +48,11 @@ def build_attention_batch(
     computed_lens: list[int],
     block_tables: list[list[int]],
     block_size: int,
-    sliding_window: int | None,
+    windows: tuple[int | None, ...],
     device: torch.device,
 ) -> AttentionBatch:
-    """Index tensors for one step. `computed_lens[i]` tokens of sequence i are already in its cache."""
+    """Index tensors for one step. `computed_lens[i]` tokens of sequence i are already in its cache;
+    `windows`: the distinct attention windows of the model's layers (None: full attention)."""
     positions: list[torch.Tensor] = []
     slots: list[torch.Tensor] = []
     prefills: list[PrefillSlice] = []
@@ -68,25 +73,27 @@ def build_attention_batch(
             decode_lens.append(ctx_len)
             decode_tables.append(table[:num_blocks])
         else:
-            # A fresh prefill with no window attends only to its own new K/V: no gather needed.
-            whole = done == 0 and sliding_window is None
+            # A fresh prefill attends only to its own new K/V (a window only masks some): no gather needed.
+            whole = done == 0
             blocks = None if whole else torch.tensor(table[:num_blocks], dtype=torch.long, device=device)
             prefills.append(PrefillSlice(start, q_len, ctx_len, blocks))
         start += q_len
 
-    decode_token_idx = decode_blocks = decode_mask = None
+    decode_token_idx = decode_blocks = decode_masks = None
     if decode_idx:
         width = max(len(t) for t in decode_tables)
         decode_blocks = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
         lens = torch.tensor(decode_lens)
         key_pos = torch.arange(width * block_size)[None, :]
-        mask = key_pos < lens[:, None]
-        if sliding_window is not None:
-            # The decode query sits at position len-1; keys older than the window are masked.
-            mask &= key_pos > (lens[:, None] - 1 - sliding_window)
+        decode_masks = {}
+        for window in windows:
+            mask = key_pos < lens[:, None]
+            if window is not None:
+                # The decode query sits at position len-1; keys older than the window are masked.
+                mask &= key_pos > (lens[:, None] - 1 - window)
+            decode_masks[window] = mask[:, None, None, :].to(device)
         decode_token_idx = torch.tensor(decode_idx, device=device)
         decode_blocks = decode_blocks.to(device)
-        decode_mask = mask[:, None, None, :].to(device)
 
     return AttentionBatch(
         positions=torch.cat(positions).to(device),
@@ -94,7 +101,7 @@ def build_attention_batch(
         prefills=prefills,
         decode_token_idx=decode_token_idx,
         decode_blocks=decode_blocks,
-        decode_mask=decode_mask,
+        decode_masks=decode_masks,
     )
 
 
@@ -138,7 +145,8 @@ def paged_attention(
         b = batch.decode_blocks.shape[0]
         kd = k_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
         vd = v_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, scale=scale, enable_gqa=True)
+        mask = batch.decode_masks[sliding_window]
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
         out[batch.decode_token_idx] = o.squeeze(2)
     return out
 

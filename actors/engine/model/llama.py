@@ -51,8 +51,8 @@ class LlamaConfig:
             window = None
         layer_types = hf.get("layer_types") or ["sliding_attention" if window else "full_attention"] * num_layers
         windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-        if len(set(windows)) > 1:
-            raise ValueError("config.json mixes sliding-window and full-attention layers; tandem supports one kind per model")
+        if len(windows) != num_layers:
+            raise ValueError(f"config.json: layer_types names {len(windows)} layers, num_hidden_layers is {num_layers}")
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -191,9 +191,9 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(cfg)
 
     @property
-    def sliding_window(self) -> int | None:
-        """The attention window of every layer (None: full attention); the step's masks are built for it."""
-        return self.cfg.sliding_windows[0]
+    def windows(self) -> tuple[int | None, ...]:
+        """The distinct attention windows of the layers (None: full attention): a step builds a mask for each."""
+        return tuple(dict.fromkeys(self.cfg.sliding_windows))
 
     def forward(
         self,

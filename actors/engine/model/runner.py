@@ -48,7 +48,7 @@ class ModelRunner:
         `sample_rows` are indexes into the batch's sequences; each samples at its last query token.
         """
         batch = build_attention_batch(
-            query_lens, computed_lens, block_tables, self.block_size, self.model.sliding_window, self.device
+            query_lens, computed_lens, block_tables, self.block_size, self.model.windows, self.device
         )
         ends = torch.tensor(query_lens).cumsum(0) - 1
         sample_idx = ends[torch.tensor(sample_rows, dtype=torch.long)].to(self.device)

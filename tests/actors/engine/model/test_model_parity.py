@@ -12,7 +12,7 @@ from actors.engine.model.attention import build_attention_batch
 from actors.engine.model.loader import load_model
 from actors.protocol.sampling_params import SamplingParams
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen2-mixed"]
 BLOCK_SIZE = 8  # does not divide the prompt lengths below
 
 
@@ -40,7 +40,7 @@ def test_prefill_logits_match_transformers(hf_models, family):
     # Two chunks, so the second one reads the first one's K/V back through the paged cache.
     logits = []
     for start, end in [(0, 30), (30, len(ids))]:
-        batch = build_attention_batch([end - start], [start], [table], BLOCK_SIZE, ours.sliding_window, torch.device("cpu"))
+        batch = build_attention_batch([end - start], [start], [table], BLOCK_SIZE, ours.windows, torch.device("cpu"))
         with torch.inference_mode():
             logits.append(ours(torch.tensor(ids[start:end]), batch, kv, torch.arange(end - start)))
     got = torch.cat(logits)
