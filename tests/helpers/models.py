@@ -34,6 +34,14 @@ _CONFIGS = {
         num_key_value_heads=2, intermediate_size=96, vocab_size=400, max_position_embeddings=512,
         use_sliding_window=True, sliding_window=12, max_window_layers=1,
     ),
+    # Gemma 2: scaled embeddings, pre+post norms, GeGLU, soft-capped scores and logits, a query scale that
+    # is not head_dim, sliding and full layers alternating (layer_types), tied embeddings. Caps this low
+    # change this random model's scores and logits (at Gemma's own 50 and 30 they would not).
+    "gemma2": dict(
+        architectures=["Gemma2ForCausalLM"], hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=400, max_position_embeddings=512,
+        sliding_window=12, query_pre_attn_scalar=24, attn_logit_softcapping=0.5, final_logit_softcapping=2.0,
+    ),
     # Mistral: a sliding window shorter than the prompts.
     "mistral": dict(
         architectures=["MistralForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
@@ -50,7 +58,8 @@ def make_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, with_tokeni
     spec = {**_CONFIGS[kind], **overrides}
     arch = spec.pop("architectures")[0]
     config_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen2ForCausalLM": transformers.Qwen2Config,
-                  "MistralForCausalLM": transformers.MistralConfig, "Qwen3ForCausalLM": transformers.Qwen3Config}[arch]
+                  "MistralForCausalLM": transformers.MistralConfig, "Qwen3ForCausalLM": transformers.Qwen3Config,
+                  "Gemma2ForCausalLM": transformers.Gemma2Config}[arch]
     # A wide init keeps logit gaps large, so float rounding never flips a greedy argmax.
     config = config_cls(initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None, **spec)
     torch.manual_seed(seed)

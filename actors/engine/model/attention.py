@@ -114,8 +114,10 @@ def paged_attention(
     batch: AttentionBatch,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Write the new K/V into the cache, then attend each query token to its sequence's context."""
+    """Write the new K/V into the cache, then attend each query token to its sequence's context.
+    `softcap`: scores become tanh(s / softcap) * softcap before the mask (Gemma 2)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
@@ -134,9 +136,7 @@ def paged_attention(
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         mask = _prefill_mask(p.query_len, p.context_len, sliding_window, q.device)
-        o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-        )
+        o = _attend(qs, ks, vs, mask, scale, softcap)
         out[rows] = o.squeeze(0).transpose(0, 1)
 
     if batch.decode_token_idx is not None:
@@ -145,10 +145,24 @@ def paged_attention(
         b = batch.decode_blocks.shape[0]
         kd = k_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
         vd = v_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        mask = batch.decode_masks[sliding_window]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = _attend(qd, kd, vd, batch.decode_masks[sliding_window], scale, softcap)
         out[batch.decode_token_idx] = o.squeeze(2)
     return out
+
+
+def _attend(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | None) -> torch.Tensor:
+    """q [B, H, Q, D] over k, v [B, KVH, K, D]; `mask` True where a key may be attended, None: causal."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    # No fused kernel caps scores: the scores are materialized (as transformers' eager path does).
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
 
 
 def _prefill_mask(query_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor | None:

@@ -12,10 +12,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from actors.engine.model.gemma import Gemma2Config, Gemma2Model
 from actors.engine.model.llama import LlamaConfig, LlamaModel, RotaryEmbedding
 
 # Qwen2 is the Llama layout with a qkv bias, Qwen3 with q/k norms: LlamaConfig.from_hf reads which from the config.
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma2ForCausalLM"}
+# Families with a decoder of their own (any other is the Llama decoder).
+_DECODERS = {"Gemma2ForCausalLM": (Gemma2Config, Gemma2Model)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -26,6 +30,8 @@ _RENAMES = {
     "post_attention_layernorm.weight": "post_attn_norm.weight",
     "self_attn.q_norm.weight": "attn.q_norm.weight",  # Qwen3
     "self_attn.k_norm.weight": "attn.k_norm.weight",
+    "pre_feedforward_layernorm.weight": "pre_ffn_norm.weight",  # Gemma 2
+    "post_feedforward_layernorm.weight": "post_ffn_norm.weight",
 }
 # Parts concatenated (in this order) into one fused parameter.
 _FUSED = {
@@ -51,11 +57,14 @@ def read_hf_config(model_dir: str | Path) -> dict:
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str | torch.device = "cpu") -> LlamaModel:
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} not supported; choose one of {sorted(DTYPES)}")
-    cfg = LlamaConfig.from_hf(read_hf_config(model_dir))
+    hf = read_hf_config(model_dir)
+    config_cls, model_cls = next((_DECODERS[a] for a in hf.get("architectures") or [] if a in _DECODERS),
+                                 (LlamaConfig, LlamaModel))
+    cfg = config_cls.from_hf(hf)
     checkpoint = _read_checkpoint(Path(model_dir))
     state = _remap(checkpoint, cfg)
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = model_cls(cfg)
     expected = {name for name in model.state_dict() if not (cfg.tie_word_embeddings and name == "lm_head.weight")}
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:

@@ -12,7 +12,7 @@ from actors.engine.model.attention import build_attention_batch
 from actors.engine.model.loader import load_model
 from actors.protocol.sampling_params import SamplingParams
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen2-mixed"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen2-mixed", "gemma2"]
 BLOCK_SIZE = 8  # does not divide the prompt lengths below
 
 
