@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.engine.model.attention import AttentionBatch, paged_attention
-from actors.engine.model.llama import LlamaConfig, RotaryEmbedding
+from actors.engine.model.llama import LlamaConfig, LlamaModel, RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -95,28 +95,15 @@ class GemmaDecoderLayer(nn.Module):
         return x + self.post_ffn_norm(self.mlp(self.pre_ffn_norm(x)))
 
 
-class Gemma2Model(nn.Module):
-    def __init__(self, cfg: Gemma2Config):
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, w) for w in cfg.sliding_windows)
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RotaryEmbedding(cfg)
+class Gemma2Model(LlamaModel):
+    layer_cls = GemmaDecoderLayer
+    norm_cls = GemmaRMSNorm
 
-    @property
-    def windows(self) -> tuple[int | None, ...]:
-        return tuple(dict.fromkeys(self.cfg.sliding_windows))
-
-    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_caches, sample_idx: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # The scale is rounded to the weights' dtype first, as the checkpoints were trained with.
-        x = x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, batch.positions, self.rope, kv, batch)
-        logits = self.lm_head(self.norm(x[sample_idx])).float()
+        return x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
+
+    def final_logits(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -179,12 +179,18 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Also the frame of the other decoders (gemma.py): they change the layer, the norm, and what happens to
+    the embeddings and the logits (`embed`, `final_logits`)."""
+
+    layer_cls = DecoderLayer
+    norm_cls = RMSNorm
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in cfg.sliding_windows)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, w) for w in cfg.sliding_windows)
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -203,8 +209,14 @@ class LlamaModel(nn.Module):
         sample_idx: torch.Tensor,
     ) -> torch.Tensor:
         """Run the flat batch; return float32 logits only for the rows in `sample_idx`."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, batch.positions, self.rope, kv, batch)
         x = self.norm(x[sample_idx])
-        return self.lm_head(x).float()
+        return self.final_logits(self.lm_head(x).float())
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def final_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
