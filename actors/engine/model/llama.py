@@ -38,6 +38,10 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaConfig":
         """Read a Hugging Face config.json dict (old `rope_scaling`/`rope_theta` or new `rope_parameters`)."""
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in hf]
+        if missing:
+            raise ValueError(f"config.json has no {', '.join(repr(k) for k in missing)}")
         num_heads = hf["num_attention_heads"]
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))

@@ -18,6 +18,7 @@ from actors.engine.model.llama import LlamaConfig, LlamaModel, RotaryEmbedding
 # Qwen2 is the Llama layout with a qkv bias, Qwen3 with q/k norms: LlamaConfig.from_hf reads which from the config.
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma2ForCausalLM"}
+_BY_MODEL_TYPE = {a.removesuffix("ForCausalLM").lower(): a for a in SUPPORTED_ARCHITECTURES}
 # Families with a decoder of their own (any other is the Llama decoder).
 _DECODERS = {"Gemma2ForCausalLM": (Gemma2Config, Gemma2Model)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,6 +47,9 @@ def read_hf_config(model_dir: str | Path) -> dict:
     if not path.is_file():
         raise ValueError(f"model directory {model_dir} has no config.json (expected a Hugging Face checkpoint)")
     hf = json.loads(path.read_text())
+    if not hf.get("architectures") and hf.get("model_type") in _BY_MODEL_TYPE:
+        # Some exported checkpoints name only the model type.
+        hf = {**hf, "architectures": [_BY_MODEL_TYPE[hf["model_type"]]]}
     archs = set(hf.get("architectures") or [])
     if not archs & SUPPORTED_ARCHITECTURES:
         raise ValueError(

@@ -104,3 +104,31 @@ def test_logprobs_match_transformers(hf_models):
         assert lp.logprob == pytest.approx(ref[step, lp.token_id].item(), abs=1e-4)
         top_ids = torch.topk(ref[step], 2).indices.tolist()
         assert [t for t, _ in lp.top] == top_ids
+
+
+def test_config_without_architectures_falls_back_to_model_type(hf_models, tmp_path):
+    import json
+    import shutil
+
+    shutil.copytree(hf_models["qwen3"], tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    del config["architectures"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    ours, ref = load_model(tmp_path / "m"), load_model(hf_models["qwen3"])
+    assert ours.cfg == ref.cfg and ours.cfg.qk_norm
+
+
+def test_unknown_architecture_and_missing_fields_are_named(hf_models, tmp_path):
+    import json
+    import shutil
+
+    shutil.copytree(hf_models["llama"], tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "architectures": ["FalconForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"architectures \['FalconForCausalLM'\] not supported"):
+        load_model(tmp_path / "m")
+    del config["num_attention_heads"], config["hidden_size"]
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json has no 'hidden_size', 'num_attention_heads'"):
+        load_model(tmp_path / "m")
