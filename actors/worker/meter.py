@@ -45,7 +45,6 @@ class WorkerMeter:
         samples, self.transfers = self.transfers, []
         return tuple(samples)
 
-
     def stats(self, spec: WorkerSpec, load, table: HandoffTable, live_requests: int, inbox_prompt_tokens: int,
               tokens_dropped: int, receiver) -> WorkerStats:
         """What the worker reports: its engine's `load`, its handoff table's leases, and these counters."""

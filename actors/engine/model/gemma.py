@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.engine.model.attention import AttentionBatch, paged_attention
-from actors.engine.model.llama import LlamaConfig, LlamaModel, RotaryEmbedding
+from actors.engine.model.llama import MLP, Attention, LlamaConfig, LlamaModel
 
 
 @dataclass(frozen=True)
@@ -50,31 +49,17 @@ class GemmaRMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(Attention):
+    """Llama's attention with Gemma's query scale and its cap on the scores."""
+
     def __init__(self, cfg: Gemma2Config, sliding_window: int | None):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        super().__init__(cfg, sliding_window)
         self.scale = cfg.query_pre_attn_scalar**-0.5
         self.softcap = cfg.attn_logit_softcapping
-        self.sliding_window = sliding_window
-
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, batch: AttentionBatch):
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = rope(positions, q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, self.sliding_window,
-                              softcap=self.softcap)
-        return self.o(out.reshape(-1, self.q_size))
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, cfg: Gemma2Config):
-        super().__init__()
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+class GemmaMLP(MLP):
+    """GeGLU: Llama's gated MLP with the tanh-approximated GELU."""
 
     def forward(self, x):
         gate, up = self.gate_up(x).chunk(2, dim=-1)

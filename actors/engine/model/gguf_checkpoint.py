@@ -13,6 +13,7 @@ into place) and keyed by the file's content hash, so a second start skips the co
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -56,6 +57,15 @@ def find_gguf(path: str | Path) -> Path | None:
 
 
 def cache_name(gguf_file: Path) -> str:
+    stat = gguf_file.stat()
+    return _cache_name(str(gguf_file.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _cache_name(path: str, size: int, mtime_ns: int) -> str:
+    """Hashed once per process and file version: a start resolves the model several times, and a
+    multi-GB GGUF takes seconds to hash."""
+    gguf_file = Path(path)
     digest = hashlib.sha256()
     with gguf_file.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):

@@ -140,6 +140,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        self.softcap: float | None = None  # tanh cap on the scores (Gemma 2)
         self.sliding_window = sliding_window
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -154,7 +155,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, self.sliding_window)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, self.sliding_window,
+                              softcap=self.softcap)
         return self.o(out.reshape(-1, self.q_size))
 
 
