@@ -40,7 +40,7 @@ class Engine:
         model_dir = Path(config.model)
         self.runner = ModelRunner(
             config.model, config.dtype, config.device, config.block_size,
-            config.num_kv_blocks, config.kv_cache_memory_bytes,
+            config.num_kv_blocks, config.kv_cache_memory_bytes, config.max_model_len,
         )
         self.vocab_size = self.runner.cfg.vocab_size
         self.max_model_len = config.max_model_len or self.runner.cfg.max_position_embeddings

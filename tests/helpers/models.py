@@ -42,6 +42,36 @@ _CONFIGS = {
         num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=400, max_position_embeddings=512,
         sliding_window=12, query_pre_attn_scalar=24, attn_logit_softcapping=0.5, final_logit_softcapping=2.0,
     ),
+    # Gemma 3: Gemma 2's layer with (1 + w) q/k norms, no caps; sliding layers (every other one here) turn
+    # with a rope of their own base, the full layer with a linearly scaled one.
+    "gemma3": dict(
+        architectures=["Gemma3ForCausalLM"], hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=400, max_position_embeddings=512,
+        sliding_window=12, sliding_window_pattern=2, query_pre_attn_scalar=24,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
+    ),
+    # Phi-3/4: qkv and gate_up fused in the checkpoint, three quarters of each head rotating, longrope with an
+    # original context shorter than every prompt, so the long factors and the attention factor apply.
+    "phi3": dict(
+        architectures=["Phi3ForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=96, vocab_size=300, max_position_embeddings=512,
+        original_max_position_embeddings=4, partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0],
+                      "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0]},
+    ),
+    # Mixtral: every layer routes each token to 2 of 8 experts.
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, vocab_size=400, max_position_embeddings=512,
+        num_local_experts=8, num_experts_per_tok=2,
+    ),
+    # Qwen3-MoE: q/k norms, 3 of 8 experts with renormalized weights, the middle layer dense.
+    "qwen3-moe": dict(
+        architectures=["Qwen3MoeForCausalLM"], hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32, vocab_size=400,
+        max_position_embeddings=512, num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1],
+    ),
     # Mistral: a sliding window shorter than the prompts.
     "mistral": dict(
         architectures=["MistralForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
@@ -59,7 +89,9 @@ def make_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, with_tokeni
     arch = spec.pop("architectures")[0]
     config_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen2ForCausalLM": transformers.Qwen2Config,
                   "MistralForCausalLM": transformers.MistralConfig, "Qwen3ForCausalLM": transformers.Qwen3Config,
-                  "Gemma2ForCausalLM": transformers.Gemma2Config}[arch]
+                  "Gemma2ForCausalLM": transformers.Gemma2Config, "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+                  "Phi3ForCausalLM": transformers.Phi3Config, "MixtralForCausalLM": transformers.MixtralConfig,
+                  "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig}[arch]
     # A wide init keeps logit gaps large, so float rounding never flips a greedy argmax.
     config = config_cls(initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None, **spec)
     torch.manual_seed(seed)

@@ -1,5 +1,6 @@
 """The Llama family decoder (Llama 2/3, Mistral; Qwen2 adds a qkv bias, Qwen3 a per-head RMSNorm on q and
-k before the rotary embedding) over a paged KV cache.
+k before the rotary embedding; Phi-3 rotates part of each head with longrope; Mixtral and Qwen3-MoE route
+each token to a few experts) over a paged KV cache.
 
 Weights use fused projections (qkv, gate_up): fewer, larger matmuls per layer. The loader maps
 Hugging Face checkpoint names onto them; `forward` never sees checkpoint names.
@@ -7,7 +8,6 @@ Hugging Face checkpoint names onto them; `forward` never sees checkpoint names.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.engine.model.attention import AttentionBatch, paged_attention
+from actors.engine.model.moe import SparseMoE
+from actors.engine.model.rope import RopeSpec, RotaryEmbedding, read_rope_parameters
 
 
 @dataclass(frozen=True)
@@ -28,12 +30,20 @@ class LlamaConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # HF rope parameters for non-default rope types (llama3, linear)
+    rope_scaling: dict | None  # HF rope parameters for non-default rope types (llama3, linear, longrope)
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    partial_rotary_factor: float = 1.0  # Phi-3/4: the share of each head's dims that rotate
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' own (unscaled) rope base
+    # Mixture of experts (Mixtral, Qwen3-MoE); num_experts == 0: every layer has a dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    normalize_expert_weights: bool = True  # rescale the top-k router weights to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaConfig":
@@ -43,15 +53,11 @@ class LlamaConfig:
         if missing:
             raise ValueError(f"config.json has no {', '.join(repr(k) for k in missing)}")
         num_heads = hf["num_attention_heads"]
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ValueError(f"unsupported rope type {rope_type!r} in config.json (supported: default, llama3, linear)")
+        rope_theta, rope_scaling = read_rope_parameters(hf)
         num_layers = hf["num_hidden_layers"]
         model_type = hf.get("model_type", "llama")
         window = hf.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
             window = None
         layer_types = hf.get("layer_types") or ["sliding_attention" if window else "full_attention"] * num_layers
         windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
@@ -67,13 +73,46 @@ class LlamaConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             sliding_windows=windows,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            partial_rotary_factor=float((hf.get("rope_parameters") or {}).get(
+                "partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
+            **_experts(hf, model_type, num_layers),
         )
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.num_experts > 0 and index not in self.dense_layers
+
+    def rope_spec(self, local: bool = False) -> RopeSpec:
+        """The rope of the full-attention layers, or (`local`) of Gemma 3's sliding ones."""
+        theta, scaling = (self.local_rope_theta, None) if local else (self.rope_theta, self.rope_scaling)
+        return RopeSpec(theta, scaling, int(self.head_dim * self.partial_rotary_factor), self.max_position_embeddings)
+
+
+def _experts(hf: dict, model_type: str, num_layers: int) -> dict:
+    """The MoE fields of a Mixtral (every layer top-k of `num_local_experts`, weights renormalized) or a
+    Qwen3-MoE (`num_experts`, `moe_intermediate_size`, `norm_topk_prob`, some layers dense)."""
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return {}
+    missing = [k for k in ("num_experts_per_tok",) if k not in hf]
+    if not (hf.get("num_local_experts") or hf.get("num_experts")):
+        missing.append("num_local_experts" if model_type == "mixtral" else "num_experts")
+    if model_type == "qwen3_moe" and "moe_intermediate_size" not in hf:
+        missing.append("moe_intermediate_size")
+    if missing:
+        raise ValueError(f"config.json has no {', '.join(repr(k) for k in missing)}")
+    fields = dict(num_experts=hf.get("num_local_experts") or hf["num_experts"],
+                  experts_per_token=hf["num_experts_per_tok"])
+    if model_type == "mixtral":
+        return {**fields, "expert_intermediate_size": hf["intermediate_size"]}
+    step = hf.get("decoder_sparse_step", 1)
+    dense = set(hf.get("mlp_only_layers") or ()) | {i for i in range(num_layers) if (i + 1) % step}
+    return {**fields, "expert_intermediate_size": hf["moe_intermediate_size"],
+            "normalize_expert_weights": bool(hf.get("norm_topk_prob", False)), "dense_layers": tuple(sorted(dense))}
 
 
 class RMSNorm(nn.Module):
@@ -89,49 +128,9 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inverse_frequencies(cfg: LlamaConfig) -> torch.Tensor:
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor = float(scaling["factor"])
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    old_len = scaling["original_max_position_embeddings"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(in_band, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, computed once in float32 (rotate-half layout, as HF)."""
-
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(t, rope_inverse_frequencies(cfg))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
 class Attention(nn.Module):
+    qk_norm_cls = RMSNorm
+
     def __init__(self, cfg: LlamaConfig, sliding_window: int | None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -143,8 +142,8 @@ class Attention(nn.Module):
         self.softcap: float | None = None  # tanh cap on the scores (Gemma 2)
         self.sliding_window = sliding_window
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = self.qk_norm_cls(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = self.qk_norm_cls(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, batch: AttentionBatch):
@@ -172,12 +171,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, sliding_window: int | None):
+    def __init__(self, cfg: LlamaConfig, index: int):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, sliding_window)
+        self.attn = Attention(cfg, cfg.sliding_windows[index])
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
 
     def forward(self, x, positions, rope, kv_cache, batch):
         x = x + self.attn(self.input_norm(x), positions, rope, kv_cache, batch)
@@ -195,12 +194,20 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.layer_cls(cfg, w) for w in cfg.sliding_windows)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RotaryEmbedding(cfg)
+        self.build_ropes(cfg.max_position_embeddings)
+
+    def build_ropes(self, context_len: int, device: torch.device | str | None = None) -> None:
+        """(Re)build the cos/sin tables for `context_len` positions (the engine's max_model_len), on
+        `device` (None: the current default, e.g. meta while a checkpoint is being loaded)."""
+        self.rope = RotaryEmbedding(self.cfg.rope_spec(), context_len).to(device)
+        self.local_rope = None
+        if self.cfg.local_rope_theta is not None:
+            self.local_rope = RotaryEmbedding(self.cfg.rope_spec(local=True), context_len).to(device)
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -217,7 +224,8 @@ class LlamaModel(nn.Module):
         """Run the flat batch; return float32 logits only for the rows in `sample_idx`."""
         x = self.embed(input_ids)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, batch.positions, self.rope, kv, batch)
+            local = self.local_rope is not None and layer.attn.sliding_window is not None
+            x = layer(x, batch.positions, self.local_rope if local else self.rope, kv, batch)
         x = self.norm(x[sample_idx])
         return self.final_logits(self.lm_head(x).float())
 

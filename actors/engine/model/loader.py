@@ -12,15 +12,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from actors.engine.model.gemma import Gemma2Config, Gemma2Model
-from actors.engine.model.llama import LlamaConfig, LlamaModel, RotaryEmbedding
+from actors.engine.model.gemma import Gemma2Config, Gemma2Model, Gemma3Config
+from actors.engine.model.llama import LlamaConfig, LlamaModel
 
-# Qwen2 is the Llama layout with a qkv bias, Qwen3 with q/k norms: LlamaConfig.from_hf reads which from the config.
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma2ForCausalLM"}
-_BY_MODEL_TYPE = {a.removesuffix("ForCausalLM").lower(): a for a in SUPPORTED_ARCHITECTURES}
+# Architecture by config.json model_type. Qwen2 is the Llama layout with a qkv bias, Qwen3 with q/k norms,
+# Phi-3 with partial longrope, Mixtral and Qwen3-MoE with expert MLPs: LlamaConfig.from_hf reads which.
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+SUPPORTED_ARCHITECTURES = set(_BY_MODEL_TYPE.values())
 # Families with a decoder of their own (any other is the Llama decoder).
-_DECODERS = {"Gemma2ForCausalLM": (Gemma2Config, Gemma2Model)}
+_DECODERS = {"Gemma2ForCausalLM": (Gemma2Config, Gemma2Model), "Gemma3ForCausalLM": (Gemma3Config, Gemma2Model)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -33,7 +35,16 @@ _RENAMES = {
     "self_attn.k_norm.weight": "attn.k_norm.weight",
     "pre_feedforward_layernorm.weight": "pre_ffn_norm.weight",  # Gemma 2
     "post_feedforward_layernorm.weight": "post_ffn_norm.weight",
+    "self_attn.qkv_proj.weight": "attn.qkv.weight",  # Phi-3 ships these two fused already
+    "mlp.gate_up_proj.weight": "mlp.gate_up.weight",
+    "block_sparse_moe.gate.weight": "mlp.router.weight",  # Mixtral
+    "mlp.gate.weight": "mlp.router.weight",  # Qwen3-MoE
+    "mlp.experts.gate_up_proj": "mlp.gate_up",  # experts as saved stacked by transformers 5
+    "mlp.experts.down_proj": "mlp.down",
 }
+# One expert's weights, as the hub's Mixtral (w1 gate, w3 up, w2 down) and Qwen3-MoE checkpoints name them.
+_EXPERT = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 # Parts concatenated (in this order) into one fused parameter.
 _FUSED = {
     "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -58,7 +69,10 @@ def read_hf_config(model_dir: str | Path) -> dict:
     return hf
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32", device: str | torch.device = "cpu") -> LlamaModel:
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str | torch.device = "cpu",
+               context_len: int | None = None) -> LlamaModel:
+    """`context_len`: the positions the rope covers (the engine's max_model_len; None: the model's
+    max_position_embeddings)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} not supported; choose one of {sorted(DTYPES)}")
     hf = read_hf_config(model_dir)
@@ -78,7 +92,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str | torc
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rope = RotaryEmbedding(cfg).to(device)  # buffers were on meta; cos/sin stay float32
+    model.build_ropes(context_len or cfg.max_position_embeddings, device)  # they were on meta; stay float32
     return model.eval()
 
 
@@ -118,6 +132,23 @@ def _remap(checkpoint: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, t
         for ours, hf_names in _FUSED.items():
             if all(n in parts for n in hf_names):
                 state[f"layers.{i}.{ours}"] = torch.cat([parts.pop(n) for n in hf_names], dim=0)
+        state.update({f"layers.{i}.{name}": t for name, t in _stack_experts(parts).items()})
         for leftover in parts:
             state[f"model.layers.{i}.{leftover}"] = parts[leftover]
     return state
+
+
+def _stack_experts(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Pops one layer's per-expert weights out of `parts`; returns them stacked as `mlp.gate_up` [E, 2I, H]
+    and `mlp.down` [E, H, I] (nothing if the layer has no experts, or an expert lacks a part: the caller
+    then reports what is left over)."""
+    experts: dict[int, dict[str, str]] = {}
+    for name in parts:
+        if m := _EXPERT.fullmatch(name):
+            experts.setdefault(int(m.group(1)), {})[_EXPERT_PART[m.group(2)]] = name
+    if not experts or sorted(experts) != list(range(len(experts))) or any(len(e) != 3 for e in experts.values()):
+        return {}
+    names = [experts[e] for e in range(len(experts))]
+    gate_up = torch.stack([torch.cat([parts.pop(n["gate"]), parts.pop(n["up"])], dim=0) for n in names])
+    down = torch.stack([parts.pop(n["down"]) for n in names])
+    return {"mlp.gate_up": gate_up, "mlp.down": down}

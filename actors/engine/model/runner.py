@@ -12,9 +12,9 @@ from actors.engine.model.loader import DTYPES, load_model
 
 class ModelRunner:
     def __init__(self, model_dir: str, dtype: str, device: str, block_size: int,
-                 num_kv_blocks: int | None, kv_cache_memory_bytes: int):
+                 num_kv_blocks: int | None, kv_cache_memory_bytes: int, max_model_len: int | None = None):
         self.device = torch.device(device)
-        self.model: LlamaModel = load_model(model_dir, dtype, self.device)
+        self.model: LlamaModel = load_model(model_dir, dtype, self.device, context_len=max_model_len)
         self.cfg = self.model.cfg
         self.block_size = block_size
         self.dtype = DTYPES[dtype]

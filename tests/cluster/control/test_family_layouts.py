@@ -1,6 +1,7 @@
-"""Model families through every layout: a Gemma 2 model (soft-capped attention, alternating sliding and
-full layers) and a Qwen2 that mixes windowed and full layers give the single-process engine's greedy
-tokens colocated, 1P+1D and 2P+2D, the KV (every layer's, windows included) crossing the handoff."""
+"""Model families through every layout: a Gemma 2 and a Gemma 3 model (alternating sliding and full
+layers; soft caps, or a rope per layer type), a Qwen2 that mixes windowed and full layers and a Qwen3-MoE
+(top-3 of 8 experts, one dense layer) give the single-process engine's greedy tokens colocated, 1P+1D and
+2P+2D, the KV (every layer's, windows included) crossing the handoff."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def _config(name: str, model_dir):
     return config.model_copy(update={"model": config.model.model_copy(update={"path": str(model_dir)})})
 
 
-@pytest.mark.parametrize("family", ["gemma2", "qwen2-mixed"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen2-mixed", "qwen3-moe"])
 def test_layouts_match_the_engine(ray_session, hf_models, family):
     prompts, params = workload(16)
     prompts = [[t % 400 for t in p] for p in prompts]  # these test models have a 400-token vocabulary

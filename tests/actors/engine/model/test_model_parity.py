@@ -11,8 +11,9 @@ from actors.engine.engine import Engine
 from actors.engine.model.attention import build_attention_batch
 from actors.engine.model.loader import load_model
 from actors.protocol.sampling_params import SamplingParams
+from tests.helpers.models import make_hf_model
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen2-mixed", "gemma2"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen2-mixed", "gemma2", "gemma3", "phi3", "mixtral", "qwen3-moe"]
 BLOCK_SIZE = 8  # does not divide the prompt lengths below
 
 
@@ -28,10 +29,28 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
 def test_prefill_logits_match_transformers(hf_models, family):
     model_dir = hf_models[family]
     ours = load_model(model_dir)
-    vocab = ours.cfg.vocab_size
-    ids = _prompt(45, vocab, seed=1)
+    ids = _prompt(45, ours.cfg.vocab_size, seed=1)
     with torch.no_grad():
         ref = _hf(model_dir)(torch.tensor([ids])).logits[0]
+    got = _paged_prefill_logits(ours, ids)
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_longrope_takes_its_short_factors_when_the_context_fits_the_original(tmp_path):
+    """Phi-3's longrope factors are picked once, from the deployment's max_model_len: within the original
+    context the short ones (as transformers on a sequence that short), beyond it the long ones."""
+    model_dir = make_hf_model(tmp_path / "phi3", "phi3", original_max_position_embeddings=64)
+    ids = _prompt(45, 300, seed=2)
+    with torch.no_grad():
+        ref = _hf(model_dir)(torch.tensor([ids])).logits[0]
+    short = _paged_prefill_logits(load_model(model_dir, context_len=64), ids)
+    torch.testing.assert_close(short, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    long = _paged_prefill_logits(load_model(model_dir), ids)  # max_position_embeddings 512 > 64
+    assert (long - ref).abs().max() > 0.1 * ref.abs().max()
+
+
+def _paged_prefill_logits(ours, ids: list[int]) -> torch.Tensor:
     blocks = -(-len(ids) // BLOCK_SIZE)
     shape = (blocks + 1, BLOCK_SIZE, ours.cfg.num_kv_heads, ours.cfg.head_dim)
     kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(ours.cfg.num_layers)]
@@ -43,9 +62,7 @@ def test_prefill_logits_match_transformers(hf_models, family):
         batch = build_attention_batch([end - start], [start], [table], BLOCK_SIZE, ours.windows, torch.device("cpu"))
         with torch.inference_mode():
             logits.append(ours(torch.tensor(ids[start:end]), batch, kv, torch.arange(end - start)))
-    got = torch.cat(logits)
-    assert got.shape == ref.shape
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    return torch.cat(logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -131,4 +148,46 @@ def test_unknown_architecture_and_missing_fields_are_named(hf_models, tmp_path):
     del config["num_attention_heads"], config["hidden_size"]
     path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="config.json has no 'hidden_size', 'num_attention_heads'"):
+        load_model(tmp_path / "m")
+
+
+def test_experts_saved_stacked_load_the_same_weights(hf_models, tmp_path):
+    """Mixtral as transformers 5 holds it in memory (experts stacked, `mlp.gate`) loads like the hub's
+    per-expert w1/w2/w3 layout."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = hf_models["mixtral"]
+    shutil.copytree(source, tmp_path / "m")
+    weights = load_file(str(source / "model.safetensors"))
+    config = json.loads((source / "config.json").read_text())
+    stacked: dict[str, torch.Tensor] = {}
+    for i in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{i}.block_sparse_moe"
+        experts = range(config["num_local_experts"])
+        stacked[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([weights.pop(f"{prefix}.experts.{e}.w1.weight"), weights.pop(f"{prefix}.experts.{e}.w3.weight")])
+             for e in experts])
+        stacked[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack(
+            [weights.pop(f"{prefix}.experts.{e}.w2.weight") for e in experts])
+        stacked[f"model.layers.{i}.mlp.gate.weight"] = weights.pop(f"{prefix}.gate.weight")
+    save_file({**weights, **stacked}, str(tmp_path / "m" / "model.safetensors"))
+    a, b = load_model(source), load_model(tmp_path / "m")
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+
+
+def test_a_missing_expert_is_reported(hf_models, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf_models["qwen3-moe"], tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    weights = load_file(str(path))
+    del weights["model.layers.0.mlp.experts.5.up_proj.weight"]
+    save_file(weights, str(path))
+    with pytest.raises(ValueError, match=r"missing \['layers.0.mlp.down', 'layers.0.mlp.gate_up'\]"):
         load_model(tmp_path / "m")

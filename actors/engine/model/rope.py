@@ -1,0 +1,122 @@
+"""Rotary position embeddings: the frequency schedules (default, linear, llama3, longrope) and the cos/sin
+tables every layer reads.
+
+A rope is fixed for the life of a deployment: its tables cover `context_len` (the engine's max_model_len)
+positions, and longrope (Phi-3) picks its long or short factors once, from that length, as vLLM does.
+Transformers picks per forward pass from the sequence's current length, which makes a token's K depend
+on how long its sequence had grown when it was computed; a cache shared across requests, chunked
+prefill and a KV handoff all need a K that depends only on the token's position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float
+    scaling: dict | None  # HF rope parameters for the non-default types, with "rope_type"
+    rotary_dim: int  # the leading dims of each head that rotate (Phi-3/4: partial_rotary_factor < 1)
+    max_position_embeddings: int
+
+
+def read_rope_parameters(hf: dict, where: str = "config.json") -> tuple[float, dict | None]:
+    """(theta, scaling) from HF's `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first configs call it "su"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r} in {where} (supported: {', '.join(ROPE_TYPES)})")
+    if rope_type == "default":
+        return theta, None
+    scaling = {**rope, "rope_type": rope_type}
+    if rope_type == "longrope":
+        scaling.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+        missing = [k for k in ("short_factor", "long_factor", "original_max_position_embeddings")
+                   if scaling.get(k) is None]
+        if missing:
+            raise ValueError(f"{where}: longrope scaling has no {', '.join(repr(k) for k in missing)}")
+    return theta, scaling
+
+
+def inverse_frequencies(spec: RopeSpec, context_len: int) -> tuple[torch.Tensor, float]:
+    """The rotation speed of each pair of dims, and the factor cos and sin are scaled by."""
+    dim = spec.rotary_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (spec.theta**exponents)
+    scaling = spec.scaling
+    if scaling is None:
+        return inv_freq, 1.0
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind == "longrope":
+        return _longrope(spec, exponents, context_len)
+    return _llama3(inv_freq, scaling), 1.0
+
+
+def _longrope(spec: RopeSpec, exponents: torch.Tensor, context_len: int) -> tuple[torch.Tensor, float]:
+    scaling = spec.scaling
+    original = scaling["original_max_position_embeddings"]
+    factors = scaling["long_factor"] if context_len > original else scaling["short_factor"]
+    if len(factors) != spec.rotary_dim // 2:
+        raise ValueError(f"longrope factors have {len(factors)} entries; the rotary dim {spec.rotary_dim} needs "
+                         f"{spec.rotary_dim // 2}")
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * spec.theta**exponents)
+    factor = scaling.get("factor") or spec.max_position_embeddings / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq, float(attention)
+
+
+def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated."""
+    factor = float(scaling["factor"])
+    old_len = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(in_band, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions 0 .. context_len-1, computed once in float32 (rotate-half layout, as
+    HF); only the first `rotary_dim` dims of each head turn."""
+
+    def __init__(self, spec: RopeSpec, context_len: int):
+        super().__init__()
+        inv_freq, scale = inverse_frequencies(spec, context_len)
+        freqs = torch.outer(torch.arange(context_len, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rotary_dim = spec.rotary_dim
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rotary_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        return self._turn(q, cos, sin), self._turn(k, cos, sin)
+
+    def _turn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == x.shape[-1]:
+            return _rotate(x, cos, sin)
+        turned, kept = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        return torch.cat((_rotate(turned, cos, sin), kept), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
