@@ -49,6 +49,9 @@ class Engine:
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                 f"{self.runner.cfg.max_position_embeddings}"
             )
+        windows = self.runner.cfg.sliding_windows
+        # The tokens behind a query any layer attends to; None: some layer sees the whole context.
+        self.attention_span: int | None = None if None in windows else max(windows)
         self.tokenizer = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
         self.eos_token_ids = model_eos_token_ids(model_dir, self.tokenizer)
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.block_size, self.runner.num_kv_blocks,
@@ -178,6 +181,7 @@ class Engine:
             seq.num_computed_tokens += n
             if seq.num_computed_tokens // block_size > before // block_size:
                 self.kv.cache_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_salt)
+                self._release_outside_window(seq)
 
         samplers: list[Sequence] = []
         logit_rows: list[int] = []
@@ -191,6 +195,17 @@ class Engine:
             logits = logits[torch.tensor(logit_rows)]
         results = self.sampler(logits, rows)
         return [self._append_token(seq, res) for seq, res in zip(samplers, results)]
+
+    def _release_outside_window(self, seq: Sequence) -> None:
+        """When every layer has a sliding window, blocks wholly older than the widest window (counted from
+        the next query, at position num_computed_tokens) are never read again: hand them back. Not on a
+        sequence about to hand its KV off (the receiver needs every page: it caches them all) or to fork."""
+        span = self.attention_span
+        if span is None or seq.hand_off or seq.pending_forks:
+            return
+        oldest_needed = seq.num_computed_tokens - span + 1
+        if oldest_needed >= self.config.block_size:
+            self.kv.release_leading(seq.seq_id, oldest_needed // self.config.block_size)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Split off the other n-1 samples once the prompt is computed; they share its full blocks."""

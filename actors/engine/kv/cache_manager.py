@@ -6,9 +6,13 @@ The engine's batcher calls it each step, per sequence (`seq_id` is any hashable 
 2. before each forward pass: `allocate_slots` (all-or-nothing; None means "not now"),
 3. after each forward pass: `cache_computed` (full, computed blocks enter the prefix cache),
 4. n > 1 samples: `fork` (children share the parent's full blocks),
-5. every terminal path: `free` (idempotent).
+5. a model whose every layer has a sliding window: `release_leading` hands back the blocks no later
+   query can attend to,
+6. every terminal path: `free` (idempotent).
 
-Block tables are append-only: a sequence's block i never changes while it lives. The pool stays the
+Block tables grow at the end and keep their positions: entry i always covers tokens i*bs .. (i+1)*bs-1.
+Entries before `num_released` no longer hold a block; they repeat the first held block, so a gather over
+the whole table stays in bounds and reads finite KV that the window masks discard. The pool stays the
 only owner of refcounts; this class only records which blocks each table holds.
 """
 
@@ -28,6 +32,11 @@ class _SeqBlocks:
     hashes: list[int] = field(default_factory=list)  # hashes of the first full blocks, in order
     num_registered: int = 0  # table[:num_registered] went through cache_block (or were hits)
     first_keys: tuple | None = None  # extra keys of block 0; None until the salt is known
+    num_released: int = 0  # leading entries handed back (release_leading): they hold no block
+
+    @property
+    def held(self) -> list[int]:
+        return self.table[self.num_released :]
 
 
 class KVCacheManager:
@@ -164,20 +173,45 @@ class KVCacheManager:
         num_full, partial = divmod(num_tokens, bs)
         if partial and self.pool.num_free_blocks == 0:
             raise OutOfBlocksError(f"fork of {parent_id!r} needs one copy block and none is free")
+        released = min(parent.num_released, num_full)
+        if released and released == num_full and not partial:
+            raise RuntimeError(f"fork of {num_tokens} tokens of {parent_id!r}: every one of their blocks was released")
         shared = parent.table[:num_full]
-        self.pool.touch(shared)
+        self.pool.touch(shared[released:])
         child = _SeqBlocks(
             table=list(shared),
             hashes=parent.hashes[:num_full],
             num_registered=min(parent.num_registered, num_full),
             first_keys=parent.first_keys,
+            num_released=released,
         )
         self._seqs[child_id] = child
-        if not partial:
-            return None
-        (dst,) = self.pool.allocate(1)
-        child.table.append(dst)
-        return parent.table[num_full], dst
+        copy = None
+        if partial:
+            (dst,) = self.pool.allocate(1)
+            child.table.append(dst)
+            copy = parent.table[num_full], dst
+        child.table[:released] = [child.table[released]] * released  # repeat a block the child holds
+        return copy
+
+    def release_leading(self, seq_id: Hashable, num_blocks: int) -> int:
+        """Hands back the sequence's first `num_blocks` blocks (those no later query attends to); returns
+        how many were released now.
+
+        At least the last block stays held (the released entries repeat the first held one). With prefix
+        caching only registered blocks go: they stay in the cache, evictable, for other prompts to hit.
+        """
+        seq = self._seqs[seq_id]
+        limit = min(num_blocks, len(seq.table) - 1)
+        if self.enable_prefix_caching:
+            limit = min(limit, seq.num_registered)
+        if limit <= seq.num_released:
+            return 0
+        released = seq.table[seq.num_released : limit]
+        seq.table[:limit] = [seq.table[limit]] * limit
+        seq.num_released = limit
+        self.pool.free(reversed(released))
+        return len(released)
 
     def free(self, seq_id: Hashable) -> None:
         """Releases the sequence's blocks, tail first (its head blocks stay cached longest).
@@ -186,7 +220,7 @@ class KVCacheManager:
         """
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
-            self.pool.free(reversed(seq.table))
+            self.pool.free(reversed(seq.held))
 
     def take_events(self) -> list[KVEvent]:
         """The pool's queued KV events (see BlockPool.take_events)."""
@@ -203,9 +237,12 @@ class KVCacheManager:
         holders = [0] * self.pool.num_blocks
         problems = []
         for seq_id, seq in self._seqs.items():
-            if len(set(seq.table)) != len(seq.table):
+            held = seq.held
+            if len(set(held)) != len(held):
                 problems.append(f"sequence {seq_id!r} holds a block twice")
-            for i, block_id in enumerate(seq.table):
+            if seq.num_released and (not held or any(b != held[0] for b in seq.table[: seq.num_released])):
+                problems.append(f"sequence {seq_id!r}: its {seq.num_released} released entries do not repeat a held block")
+            for i, block_id in enumerate(held, start=seq.num_released):
                 holders[block_id] += 1
                 cached = self.pool.block_hash(block_id)
                 if cached is not None and i < len(seq.hashes) and cached != seq.hashes[i]:

@@ -1,7 +1,8 @@
 """Model families through every layout: a Gemma 2 and a Gemma 3 model (alternating sliding and full
-layers; soft caps, or a rope per layer type), a Qwen2 that mixes windowed and full layers and a Qwen3-MoE
-(top-3 of 8 experts, one dense layer) give the single-process engine's greedy tokens colocated, 1P+1D and
-2P+2D, the KV (every layer's, windows included) crossing the handoff."""
+layers; soft caps, or a rope per layer type), a Qwen2 that mixes windowed and full layers, a Qwen3-MoE
+(top-3 of 8 experts, one dense layer) and a Mistral (a window in every layer: blocks behind it are handed
+back while decoding) give the single-process engine's greedy tokens colocated, 1P+1D and 2P+2D, the KV
+(every layer's, windows included) crossing the handoff."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ def _config(name: str, model_dir):
     return config.model_copy(update={"model": config.model.model_copy(update={"path": str(model_dir)})})
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen2-mixed", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen2-mixed", "qwen3-moe", "mistral"])
 def test_layouts_match_the_engine(ray_session, hf_models, family):
     prompts, params = workload(16)
-    prompts = [[t % 400 for t in p] for p in prompts]  # these test models have a 400-token vocabulary
+    prompts = [[t % 300 for t in p] for p in prompts]  # these test models have 300 to 400 tokens
     engine = Engine(_config("local.yaml", hf_models[family]).engine_config())
     expected = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
     for name in LAYOUTS:

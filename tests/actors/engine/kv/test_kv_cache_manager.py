@@ -322,3 +322,60 @@ def test_known_block_hashes_are_trusted(make_manager):
     # Hashes for the blocks past the ones given are computed as usual.
     assert mgr.get_computed_blocks("d", prompt, "t", block_hashes=known[:1]) == 3 * BS
     free_all(mgr, "a", "b", "c", "d")
+
+
+def test_release_leading_hands_back_old_blocks_and_keeps_positions(make_manager):
+    mgr = make_manager(num_blocks=8)
+    tokens = toks(0, 4 * BS + 1)
+    prefill(mgr, "a", tokens)
+    table = list(mgr.block_table("a"))
+    assert mgr.num_free_blocks == 8 - 5
+    assert mgr.release_leading("a", 3) == 3
+    assert mgr.num_free_blocks == 8 - 2
+    # The released entries repeat the first held block: positions and table length are unchanged.
+    assert mgr.block_table("a") == [table[3]] * 3 + table[3:]
+    assert mgr.release_leading("a", 2) == 0  # idempotent: nothing more behind
+    assert mgr.release_leading("a", 99) == 1  # the last block always stays held
+    assert mgr.block_table("a") == [table[4]] * 5
+    mgr.check_integrity()
+    mgr.free("a")
+    assert mgr.num_free_blocks == 8
+
+
+def test_released_blocks_stay_cached_for_other_prompts(make_manager):
+    mgr = make_manager(num_blocks=8)
+    tokens = toks(0, 3 * BS + 1)
+    prefill(mgr, "a", tokens)
+    first = mgr.block_table("a")[0]
+    mgr.release_leading("a", 2)
+    # Another prompt with the same start hits the released (cached, free) blocks.
+    assert mgr.get_computed_blocks("b", tokens[: 2 * BS] + [99], None) == 2 * BS
+    assert mgr.block_table("b")[0] == first
+    mgr.check_integrity()
+
+
+def test_only_registered_blocks_are_released_with_caching(make_manager):
+    mgr = make_manager(num_blocks=8)
+    tokens = toks(0, 3 * BS)
+    mgr.get_computed_blocks("a", tokens, None)
+    mgr.allocate_slots("a", len(tokens))
+    mgr.cache_computed("a", tokens, BS, None)  # only the first block is computed and registered
+    assert mgr.release_leading("a", 2) == 1
+    plain = make_manager(num_blocks=8, enable_prefix_caching=False)
+    plain.allocate_slots("a", len(tokens))
+    assert plain.release_leading("a", 2) == 2
+
+
+def test_fork_of_a_released_parent_shares_only_held_blocks(make_manager):
+    mgr = make_manager(num_blocks=10)
+    tokens = toks(0, 4 * BS + 2)
+    prefill(mgr, "p", tokens)
+    mgr.release_leading("p", 2)
+    src_dst = mgr.fork("p", "c", len(tokens))
+    assert src_dst is not None
+    child = mgr.block_table("c")
+    assert child[:2] == [child[2]] * 2 and child[2:4] == mgr.block_table("p")[2:4] and child[4] == src_dst[1]
+    mgr.check_integrity()
+    mgr.free("p")
+    mgr.free("c")
+    assert mgr.num_free_blocks == 10
