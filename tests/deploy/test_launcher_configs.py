@@ -128,6 +128,17 @@ def test_every_ray_start_uses_token_auth_with_the_shared_token(path):
     assert all("RAY_worker_niceness=0" in c for c in starts if "ray start" in c)  # workers not starved
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("cluster-*.yaml")), ids=lambda p: p.name)
+def test_start_commands_run_the_venvs_ray_and_tandem(path):
+    """Not whatever `ray` comes first on PATH: a pyenv or conda init in ~/.bashrc can put the machine's
+    python ahead of the venv, and a Ray started by it runs workers that cannot import tandem."""
+    launcher = _load(path)
+    commands = " ".join(launcher["head_start_ray_commands"] + launcher["worker_start_ray_commands"])
+    runs = re.findall(r"(\S*)(ray start --|ray stop|tandem serve --)", commands)
+    assert len(runs) == 5, runs
+    assert all(prefix == "~/venv/bin/" for prefix, _ in runs), runs
+
+
 @pytest.mark.parametrize("path", LAUNCHER_CONFIGS, ids=lambda p: p.name)
 def test_setup_pins_torch_exactly(path):
     installs = [c for c in _load(path)["setup_commands"] if "pip install" in c]
