@@ -22,6 +22,7 @@ from actors.engine.batcher import Batcher, ScheduledBatch
 from actors.engine.config import EngineConfig
 from actors.engine.kv.block_pool import OutOfBlocksError
 from actors.engine.kv.cache_manager import KVCacheManager
+from actors.engine.model.parallel import SINGLE, TPComm
 from actors.engine.model.runner import ModelRunner
 from actors.engine.outputs import CompletionOutput, EngineLoad, GenerationResult, RequestOutput, TokenLogprob
 from actors.engine.postprocess import append_token
@@ -35,12 +36,13 @@ from actors.protocol.sampling_params import SamplingParams
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, comm: TPComm = SINGLE):
+        """`comm`: rank 0 of a tensor-parallel worker's group (the engine leads; see ModelRunner)."""
         self.config = config
         model_dir = Path(config.model)
         self.runner = ModelRunner(
             config.model, config.dtype, config.device, config.block_size,
-            config.num_kv_blocks, config.kv_cache_memory_bytes, config.max_model_len,
+            config.num_kv_blocks, config.kv_cache_memory_bytes, config.max_model_len, comm,
         )
         self.vocab_size = self.runner.cfg.vocab_size
         self.max_model_len = config.max_model_len or self.runner.cfg.max_position_embeddings

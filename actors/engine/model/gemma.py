@@ -90,9 +90,8 @@ class GemmaAttention(Attention):
 class GemmaMLP(MLP):
     """GeGLU: Llama's gated MLP with the tanh-approximated GELU."""
 
-    def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.gelu(gate, approximate="tanh") * up)
+    def act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh")
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -114,7 +113,7 @@ class Gemma2Model(LlamaModel):
     norm_cls = GemmaRMSNorm
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = super().embed(input_ids)
         # The scale is rounded to the weights' dtype first, as the checkpoints were trained with.
         return x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
 

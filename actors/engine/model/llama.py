@@ -16,6 +16,7 @@ from torch import nn
 
 from actors.engine.model.attention import AttentionBatch, paged_attention
 from actors.engine.model.moe import SparseMoE
+from actors.engine.model.parallel import SINGLE, TPComm, TPShard
 from actors.engine.model.rope import RopeSpec, RotaryEmbedding, read_rope_parameters
 
 
@@ -130,6 +131,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     qk_norm_cls = RMSNorm
+    tp: TPComm = SINGLE  # a tensor-parallel rank's group (LlamaModel.attach): o's partial sums are all-reduced
 
     def __init__(self, cfg: LlamaConfig, sliding_window: int | None):
         super().__init__()
@@ -156,10 +158,12 @@ class Attention(nn.Module):
         q, k = rope(positions, q, k)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, self.sliding_window,
                               softcap=self.softcap)
-        return self.o(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
+    tp: TPComm = SINGLE
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
@@ -167,7 +171,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down(self.act(gate) * up))
+
+    def act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate)
 
 
 class DecoderLayer(nn.Module):
@@ -190,13 +197,19 @@ class LlamaModel(nn.Module):
     layer_cls = DecoderLayer
     norm_cls = RMSNorm
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, shard: TPShard = TPShard()):
+        """`shard`: the tensor-parallel rank this model is (its heads, MLP widths and vocabulary rows;
+        `cfg` becomes that rank's config)."""
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.shard = shard
+        self.cfg = cfg = shard.local_config(cfg)
+        self.tp: TPComm = SINGLE
+        self.vocab_rows = shard.vocab(cfg.vocab_size)
+        rows = self.vocab_rows[1] - self.vocab_rows[0]
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.build_ropes(cfg.max_position_embeddings)
@@ -208,6 +221,15 @@ class LlamaModel(nn.Module):
         self.local_rope = None
         if self.cfg.local_rope_theta is not None:
             self.local_rope = RotaryEmbedding(self.cfg.rope_spec(local=True), context_len).to(device)
+
+    def attach(self, comm: TPComm) -> None:
+        """Run as a rank of `comm`'s group: every module that all-reduces uses it."""
+        if comm.shard != self.shard:
+            raise ValueError(f"a model loaded as {self.shard} cannot run as {comm.shard}")
+        self.tp = comm
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP, SparseMoE)):
+                module.tp = comm
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -227,10 +249,17 @@ class LlamaModel(nn.Module):
             local = self.local_rope is not None and layer.attn.sliding_window is not None
             x = layer(x, batch.positions, self.local_rope if local else self.rope, kv, batch)
         x = self.norm(x[sample_idx])
-        return self.final_logits(self.lm_head(x).float())
+        logits = self.tp.gather_vocab(self.lm_head(x).float(), self.cfg.vocab_size)
+        return self.final_logits(logits)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        if self.shard.size == 1:
+            return self.embed_tokens(input_ids)
+        # Each rank holds some rows of the vocabulary: the others' tokens embed to zeros, then the ranks sum.
+        first, end = self.vocab_rows
+        inside = (input_ids >= first) & (input_ids < end)
+        x = self.embed_tokens((input_ids - first).clamp(0, end - first - 1)) * inside[:, None].to(self.embed_tokens.weight.dtype)
+        return self.tp.all_reduce(x)
 
     def final_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits

@@ -10,10 +10,11 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from actors.engine.model.checkpoint_reader import Cat, CheckpointFiles, Stack
 from actors.engine.model.gemma import Gemma2Config, Gemma2Model, Gemma3Config
 from actors.engine.model.llama import LlamaConfig, LlamaModel
+from actors.engine.model.parallel import TPShard, rank_slice
 
 # Architecture by config.json model_type. Qwen2 is the Llama layout with a qkv bias, Qwen3 with q/k norms,
 # Phi-3 with partial longrope, Mixtral and Qwen3-MoE with expert MLPs: LlamaConfig.from_hf reads which.
@@ -70,25 +71,30 @@ def read_hf_config(model_dir: str | Path) -> dict:
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str | torch.device = "cpu",
-               context_len: int | None = None) -> LlamaModel:
+               context_len: int | None = None, shard: TPShard = TPShard()) -> LlamaModel:
     """`context_len`: the positions the rope covers (the engine's max_model_len; None: the model's
-    max_position_embeddings)."""
+    max_position_embeddings). `shard`: the tensor-parallel rank to load (it reads only its slices)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} not supported; choose one of {sorted(DTYPES)}")
     hf = read_hf_config(model_dir)
     config_cls, model_cls = next((_DECODERS[a] for a in hf.get("architectures") or [] if a in _DECODERS),
                                  (LlamaConfig, LlamaModel))
     cfg = config_cls.from_hf(hf)
-    checkpoint = _read_checkpoint(Path(model_dir))
-    state = _remap(checkpoint, cfg)
     with torch.device("meta"):
-        model = model_cls(cfg)
-    expected = {name for name in model.state_dict() if not (cfg.tie_word_embeddings and name == "lm_head.weight")}
-    missing, unexpected = expected - state.keys(), state.keys() - expected
-    if missing or unexpected:
-        raise ValueError(f"checkpoint in {model_dir} does not match the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        model = model_cls(cfg, shard)
     target = DTYPES[dtype]
-    state = {name: t.to(device=device, dtype=target) for name, t in state.items()}
+    with CheckpointFiles(Path(model_dir)) as checkpoint:
+        sources = _remap(checkpoint, cfg)
+        expected = {name for name in model.state_dict() if not (cfg.tie_word_embeddings and name == "lm_head.weight")}
+        missing, unexpected = expected - sources.keys(), sources.keys() - expected
+        if missing or unexpected:
+            raise ValueError(f"checkpoint in {model_dir} does not match the model: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+        state = {}
+        for name, source in sources.items():
+            where = rank_slice(name, cfg, shard)
+            tensor = source.read(*where) if where else source.read(0, None)
+            state[name] = tensor.to(device=device, dtype=target)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -96,21 +102,10 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str | torc
     return model.eval()
 
 
-def _read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model directory {model_dir} has no *.safetensors weights")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    return tensors
-
-
-def _remap(checkpoint: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    per_layer: dict[int, dict[str, torch.Tensor]] = {}
+def _remap(checkpoint: dict, cfg: LlamaConfig) -> dict:
+    """Checkpoint names -> tandem's parameter names, each a source not yet read (checkpoint_reader)."""
+    state: dict = {}
+    per_layer: dict[int, dict] = {}
     for name, tensor in checkpoint.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
@@ -131,14 +126,14 @@ def _remap(checkpoint: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, t
                 state[f"layers.{i}.{ours}"] = parts.pop(hf_name)
         for ours, hf_names in _FUSED.items():
             if all(n in parts for n in hf_names):
-                state[f"layers.{i}.{ours}"] = torch.cat([parts.pop(n) for n in hf_names], dim=0)
+                state[f"layers.{i}.{ours}"] = Cat([parts.pop(n) for n in hf_names])
         state.update({f"layers.{i}.{name}": t for name, t in _stack_experts(parts).items()})
         for leftover in parts:
             state[f"model.layers.{i}.{leftover}"] = parts[leftover]
     return state
 
 
-def _stack_experts(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _stack_experts(parts: dict) -> dict:
     """Pops one layer's per-expert weights out of `parts`; returns them stacked as `mlp.gate_up` [E, 2I, H]
     and `mlp.down` [E, H, I] (nothing if the layer has no experts, or an expert lacks a part: the caller
     then reports what is left over)."""
@@ -149,6 +144,6 @@ def _stack_experts(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if not experts or sorted(experts) != list(range(len(experts))) or any(len(e) != 3 for e in experts.values()):
         return {}
     names = [experts[e] for e in range(len(experts))]
-    gate_up = torch.stack([torch.cat([parts.pop(n["gate"]), parts.pop(n["up"])], dim=0) for n in names])
-    down = torch.stack([parts.pop(n["down"]) for n in names])
+    gate_up = Stack([Cat([parts.pop(n["gate"]), parts.pop(n["up"])]) for n in names])
+    down = Stack([parts.pop(n["down"]) for n in names])
     return {"mlp.gate_up": gate_up, "mlp.down": down}

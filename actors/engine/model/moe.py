@@ -14,11 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors.engine.model.parallel import SINGLE, TPComm
+
 if TYPE_CHECKING:
     from actors.engine.model.llama import LlamaConfig
 
 
 class SparseMoE(nn.Module):
+    tp: TPComm = SINGLE  # a tensor-parallel rank's group (LlamaModel.attach); each expert is split by its width
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         experts, size, hidden = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
@@ -49,4 +53,4 @@ class SparseMoE(nn.Module):
             gate, up = F.linear(x[tokens], self.gate_up[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down[expert])
             out.index_add_(0, tokens, (y * weights.flatten()[pairs, None]).to(x.dtype))
-        return out
+        return self.tp.all_reduce(out)

@@ -1,4 +1,9 @@
-"""Owns the model weights and the paged KV cache tensors; turns a scheduled batch into logits."""
+"""Owns the model weights and the paged KV cache tensors; turns a scheduled batch into logits.
+
+In a tensor-parallel worker every rank has a runner over its shard of the weights and of the KV cache
+(its KV heads, the same block ids everywhere): rank 0's runner leads each step (it sends the plan
+before running it), the others `follow` until rank 0 says stop.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,17 @@ from actors.engine.model.attention import build_attention_batch
 from actors.engine.model.cpu_linear import mkl_packing_available, pack_linears
 from actors.engine.model.llama import LlamaModel
 from actors.engine.model.loader import DTYPES, load_model
+from actors.engine.model.parallel import SINGLE, StepPlan, TPComm
 
 
 class ModelRunner:
     def __init__(self, model_dir: str, dtype: str, device: str, block_size: int,
-                 num_kv_blocks: int | None, kv_cache_memory_bytes: int, max_model_len: int | None = None):
+                 num_kv_blocks: int | None, kv_cache_memory_bytes: int, max_model_len: int | None = None,
+                 comm: TPComm = SINGLE):
         self.device = torch.device(device)
-        self.model: LlamaModel = load_model(model_dir, dtype, self.device, context_len=max_model_len)
+        self.comm = comm
+        self.model: LlamaModel = load_model(model_dir, dtype, self.device, context_len=max_model_len, shard=comm.shard)
+        self.model.attach(comm)
         self.cfg = self.model.cfg
         self.block_size = block_size
         self.dtype = DTYPES[dtype]
@@ -47,6 +56,10 @@ class ModelRunner:
 
         `sample_rows` are indexes into the batch's sequences; each samples at its last query token.
         """
+        self.comm.lead(StepPlan("forward", token_ids, query_lens, computed_lens, block_tables, sample_rows))
+        return self._forward(token_ids, query_lens, computed_lens, block_tables, sample_rows)
+
+    def _forward(self, token_ids, query_lens, computed_lens, block_tables, sample_rows) -> torch.Tensor:
         batch = build_attention_batch(
             query_lens, computed_lens, block_tables, self.block_size, self.model.windows, self.device
         )
@@ -56,7 +69,24 @@ class ModelRunner:
         return self.model(input_ids, batch, self.kv_caches, sample_idx)
 
     @torch.inference_mode()
+    def follow(self) -> None:
+        """A rank other than 0: run each step rank 0 leads, until it says stop."""
+        while (plan := self.comm.follow()).kind != "stop":
+            if plan.kind == "copy":
+                self._copy_block(*plan.copy)
+            else:
+                self._forward(plan.token_ids, plan.query_lens, plan.computed_lens, plan.block_tables,
+                              plan.sample_rows)
+
+    def stop_followers(self) -> None:
+        self.comm.lead(StepPlan("stop"))
+
     def copy_block(self, src: int, dst: int) -> None:
+        self.comm.lead(StepPlan("copy", copy=(src, dst)))
+        self._copy_block(src, dst)
+
+    @torch.inference_mode()
+    def _copy_block(self, src: int, dst: int) -> None:
         for k, v in self.kv_caches:
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])
