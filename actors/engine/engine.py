@@ -40,10 +40,7 @@ class Engine:
         """`comm`: rank 0 of a tensor-parallel worker's group (the engine leads; see ModelRunner)."""
         self.config = config
         model_dir = Path(config.model)
-        self.runner = ModelRunner(
-            config.model, config.dtype, config.device, config.block_size,
-            config.num_kv_blocks, config.kv_cache_memory_bytes, config.max_model_len, comm,
-        )
+        self.runner = ModelRunner.from_config(config, comm)
         self.vocab_size = self.runner.cfg.vocab_size
         self.max_model_len = config.max_model_len or self.runner.cfg.max_position_embeddings
         if self.max_model_len > self.runner.cfg.max_position_embeddings:

@@ -35,6 +35,7 @@ import ray
 import torch
 
 from actors.engine.engine import Engine
+from actors.engine.model.parallel import SINGLE
 from actors.engine.model.default_model import ensure_on_this_node
 from actors.protocol.codec import ProtocolError, decode_note, encode
 from actors.protocol.ids import AttemptId
@@ -59,6 +60,7 @@ from actors.worker.meter import WorkerMeter
 from actors.worker.running import Running, engine_id
 from actors.worker.scheduler_link import SchedulerLink
 from actors.worker.spec import WorkerSpec
+from actors.worker.tp_group import TPGroup
 from kv_transfer.collective_transport import init_collective
 from kv_transfer.page_format import PageFormatError
 
@@ -67,6 +69,7 @@ _CALL_TIMEOUT_S = 30.0
 FAULTS = ("drop_kv_sends", "ignore_kv_arrivals", "hold_kv_writes", "slow_reserve", "kill_kv_receiver",
           "drop_next_submit")
 _EXIT_RECEIVER_DEAD = 70  # the process exit status when the KV receiving thread died: Ray restarts us
+_EXIT_GROUP_LOST = 71  # ... when a rank of its tensor-parallel group ended
 
 
 class Worker:
@@ -75,7 +78,9 @@ class Worker:
         self.spec = spec
         self.scheduler = scheduler
         model_dir = ensure_on_this_node(spec.engine.model, spec.engine.model_source)
-        self._engine = Engine(dataclasses.replace(spec.engine, model=model_dir))
+        # A tensor-parallel worker: this actor is rank 0, the other ranks are actors of its own (tp_group.py).
+        self._tp = TPGroup(spec) if spec.tensor_parallel_size > 1 else None
+        self._engine = Engine(dataclasses.replace(spec.engine, model=model_dir), self._tp.comm if self._tp else SINGLE)
         self._inbox: queue.Queue = queue.Queue()
         self._inbox_lock = threading.Lock()
         self._inbox_prompt_tokens = 0
@@ -116,6 +121,10 @@ class Worker:
             self._engine.num_kv_blocks, self._engine.config.block_size,
             self._engine.bytes_per_block // self._engine.config.block_size, self._incarnation,
         )
+
+    def tensor_parallel_ranks(self) -> list:
+        """The actors of ranks 1.. of this worker's tensor-parallel group ([] for a one-rank worker)."""
+        return list(self._tp.ranks) if self._tp else []
 
     def inject_fault(self, fault: str | None, delay_s: float = 1.0) -> None:
         """Chaos hooks: `drop_kv_sends` (prefill: pages are lost on the wire), `ignore_kv_arrivals`
@@ -167,6 +176,9 @@ class Worker:
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        if self._tp is not None and not self._thread.is_alive():
+            self._tp.stop()
+            self._engine.runner.stop_followers()
         if self._receiver:
             self._receiver.close()
         self._publisher.close()
@@ -192,6 +204,8 @@ class Worker:
                     outputs = self._engine.step()
                 except Exception:  # a bug must cost the requests in flight, never the worker
                     log.exception("worker %s: engine step failed; failing its requests", self.spec.worker_id)
+                    if self._tp is not None:  # the ranks may be anywhere in that step: the group starts over
+                        self._exit_group_lost("a step of the tensor-parallel group failed")
                     self._fail_everything("internal error in the engine step")
                     continue
                 self._meter.step(time.perf_counter() - start, self._engine.last_step_tokens)
@@ -199,6 +213,8 @@ class Worker:
             now = time.monotonic()
             if self._finished or now - last_report >= self.spec.heartbeat_s:
                 self._check_receiver()
+                if self._tp is not None and self._tp.lost:
+                    self._exit_group_lost(self._tp.lost)
                 self._report()
                 last_report = now
 
@@ -212,6 +228,15 @@ class Worker:
         self._report()
         self._publisher.close(linger_s=1.0)  # the failure deltas still leave
         os._exit(_EXIT_RECEIVER_DEAD)
+
+    def _exit_group_lost(self, why: str) -> None:
+        """A tensor-parallel group with a rank gone cannot step again: fail the requests, exit, and Ray
+        restarts rank 0, which starts a whole new group (the scheduler sees one worker restart)."""
+        log.error("worker %s: %s; failing its requests and exiting", self.spec.worker_id, why)
+        self._fail_everything(f"the worker's tensor-parallel group broke ({why})", retryable=True)
+        self._report()
+        self._publisher.close(linger_s=1.0)
+        os._exit(_EXIT_GROUP_LOST)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -352,13 +377,13 @@ class Worker:
                 self._fail(lease.request, f"KV for {lease.attempt} did not arrive within the "
                                           f"{self.spec.lease_s}s lease", retryable=True)
 
-    def _fail_everything(self, message: str) -> None:
+    def _fail_everything(self, message: str, retryable: bool = False) -> None:
         for lease in self._handoffs.release_all():
             if lease.kind is LeaseKind.RESERVED:
-                self._fail(lease.request, message)
+                self._fail(lease.request, message, retryable)
         for key, run in list(self._running.items()):
             self._engine.abort(key)
-            self._fail(run.request, message)
+            self._fail(run.request, message, retryable)
         self._running.clear()
 
     def _fail(self, request: WorkerRequest, message: str, retryable: bool = False) -> None:

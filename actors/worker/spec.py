@@ -24,3 +24,9 @@ class WorkerSpec:
     world_size: int | None = None
     curve_keys: CurveKeys | None = None  # the cluster's data-plane keys (token streams; KV pages if kv_encrypted)
     kv_encrypted: bool = False
+    # Tensor parallelism: this worker is rank 0 of a group of this many rank actors, placed in the bundles
+    # of `placement_group` (rank r in bundle r), each of ranks 1.. asking for these resources.
+    tensor_parallel_size: int = 1
+    placement_group: object | None = None
+    rank_num_cpus: float = 1.0
+    rank_num_gpus: float = 0.0

@@ -48,6 +48,9 @@ class PoolSection(_Strict):
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per worker; > 0 places the model on cuda")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads per worker")
     resources: dict[str, float] = Field(default_factory=dict, description="extra Ray custom resources per worker (e.g. a node type)")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks per worker (one actor each, all on one node; num_cpus, num_gpus and resources "
+        "are per rank): the model's heads and MLP widths are split across them")
 
 
 class SchedulerSection(_Strict):
@@ -202,6 +205,13 @@ class TandemConfig(_Strict):
             raise ValueError("mode disaggregated needs prefill.replicas >= 1 and decode.replicas >= 1")
         if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ValueError("mode colocated needs colocated.replicas >= 1")
+        split = [role for role, pool in self.pools().items() if pool.tensor_parallel_size > 1]
+        if split and self.mode == "disaggregated":
+            raise ValueError(f"{', '.join(split)}.tensor_parallel_size > 1: a KV handoff between tensor-parallel "
+                             "workers is not built yet; run tensor parallelism in colocated mode")
+        if split and self.transfer.backend == "collective":
+            raise ValueError("tensor_parallel_size > 1 needs transfer.backend zmq (a rank's process holds one "
+                             "torch.distributed group: its worker's)")
         return self
 
     def pools(self) -> dict[str, PoolSection]:

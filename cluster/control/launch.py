@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from actors.engine.text.tokenizer import has_tokenizer, load_tokenizer
 from actors.worker.actor import worker_actor
@@ -33,6 +34,7 @@ class Cluster:
         self.keys = keys  # the data plane's CURVE keys (None: `transfer.encryption: none`)
         self.scheduler = scheduler
         self.workers = workers  # worker id -> actor handle
+        self.groups: dict[str, PlacementGroup] = {}  # tensor-parallel worker id -> its ranks' placement group
         self._owns_ray = owns_ray
         self.model_dir = model_dir
         self.clients: list[TandemClient] = []  # made by `client()`, closed by `shutdown()`
@@ -116,15 +118,41 @@ class Cluster:
             collective_init=collective_init, rank=rank, world_size=world_size,
             curve_keys=self.keys, kv_encrypted=self.config.transfer.kv_encrypted(),
         )
+        placement = {}
+        if pool.tensor_parallel_size > 1:
+            group = self._rank_bundles(worker_id, pool)
+            spec = dataclasses.replace(spec, tensor_parallel_size=pool.tensor_parallel_size, placement_group=group,
+                                       rank_num_cpus=pool.num_cpus, rank_num_gpus=pool.num_gpus)
+            placement = {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)}
         self.workers[worker_id] = worker_actor().options(
             name=f"tandem-{worker_id}", namespace=NAMESPACE, num_cpus=pool.num_cpus,
-            num_gpus=pool.num_gpus, resources=pool.resources or None,
+            num_gpus=pool.num_gpus, resources=pool.resources or None, **placement,
             # One call at a time, in the order each caller sent them: an abort sent before a new
             # reservation for the same request id is applied first.
             max_concurrency=1,
             max_restarts=-1,  # a dead worker comes back and re-registers itself
         ).remote(spec, self.scheduler)
         return worker_id
+
+    def _rank_bundles(self, worker_id: str, pool) -> PlacementGroup:
+        """A tensor-parallel worker's placement group: one bundle per rank, all on one node (STRICT_PACK),
+        reserved together before any rank is placed. It outlives rank 0's restarts; `stop_worker` removes it."""
+        bundle = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
+        bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.001}
+        group = placement_group([bundle] * pool.tensor_parallel_size, strategy="STRICT_PACK",
+                                name=f"tandem-{worker_id}", lifetime=None)
+        self.groups[worker_id] = group
+        return group
+
+    def stop_worker(self, worker_id: str) -> None:
+        """Kill a worker (it is not restarted) and free what it held: a tensor-parallel worker's ranks go
+        with rank 0 (they are its children), then its placement group."""
+        handle = self.workers.pop(worker_id, None)
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
+        group = self.groups.pop(worker_id, None)
+        if group is not None:
+            remove_placement_group(group)
 
     def wait_registered(self, worker_ids: set[str], timeout_s: float) -> None:
         """Workers register themselves; wait until the scheduler knows every one of them."""
@@ -160,8 +188,9 @@ class Cluster:
             ray.get([w.shutdown.remote() for w in self.workers.values()], timeout=30)
         except Exception as exc:  # a worker that is already gone must not stop the teardown
             log.warning("worker shutdown: %s", exc)
-        for handle in [*self.workers.values(), self.scheduler]:
-            ray.kill(handle, no_restart=True)
+        for worker_id in list(self.workers):
+            self.stop_worker(worker_id)
+        ray.kill(self.scheduler, no_restart=True)
         if self._owns_ray:
             ray.shutdown()
 

@@ -74,7 +74,7 @@ def _wait_ready(cluster: Cluster, worker_ids: list[str], timeout_s: float) -> No
         cluster.wait_registered(set(worker_ids), timeout_s=30.0)
     except (ray.exceptions.GetTimeoutError, TimeoutError):
         for wid in worker_ids:  # never leave a half-added worker behind
-            ray.kill(cluster.workers.pop(wid), no_restart=True)
+            cluster.stop_worker(wid)
         raise ValueError(f"new workers {worker_ids} were not ready within {timeout_s:.0f}s: does the Ray cluster "
                          "have the CPUs/GPUs/resources their pool asks for?") from None
 
@@ -87,12 +87,11 @@ def _drain_and_stop(cluster: Cluster, worker_id: str, timeout_s: float) -> None:
             log.warning("worker %s still busy after %.0fs of draining: stopping it anyway", worker_id, timeout_s)
             break
         time.sleep(0.1)
-    cluster.workers.pop(worker_id)
     try:
         ray.get(handle.shutdown.remote(), timeout=30)
     except ray.exceptions.RayError as exc:
         log.warning("worker %s shutdown: %s", worker_id, exc)
-    ray.kill(handle, no_restart=True)
+    cluster.stop_worker(worker_id)
 
 
 def _idle(handle) -> bool:

@@ -38,6 +38,13 @@ class ModelRunner:
             for _ in range(self.cfg.num_layers)
         ]
 
+    @classmethod
+    def from_config(cls, config, comm: TPComm = SINGLE) -> ModelRunner:
+        """The runner an engine of `config` (an EngineConfig) uses; every rank of a tensor-parallel worker
+        builds its own from the same config, so their caches have the same blocks."""
+        return cls(config.model, config.dtype, config.device, config.block_size, config.num_kv_blocks,
+                   config.kv_cache_memory_bytes, config.max_model_len, comm)
+
     @property
     def bytes_per_block(self) -> int:
         per_token = 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize

@@ -1,0 +1,100 @@
+"""A tensor-parallel worker: rank 0 is the Worker actor (scheduler link, batcher, sampling, KV
+bookkeeping); ranks 1..N-1 are `TPRank` actors it creates in the other bundles of its placement group
+(STRICT_PACK: one node), each holding its shard of the weights and of the KV cache and running the
+steps rank 0 leads (ModelRunner.follow).
+
+The group lives and dies as one worker. The ranks are rank 0's children: when rank 0's process ends,
+Ray ends them. When a rank ends, rank 0 sees its `run` call return (`lost`), fails its requests and
+exits, so Ray restarts rank 0, which makes a fresh group: the scheduler sees one worker restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import threading
+from datetime import timedelta
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.engine.config import EngineConfig
+from actors.engine.model.default_model import ensure_on_this_node
+from actors.engine.model.parallel import DistComm, TPShard
+from actors.engine.model.runner import ModelRunner
+from actors.worker.spec import WorkerSpec
+
+log = logging.getLogger("tandem.worker")
+# A collective that waits longer than this means a rank is gone or stuck: the step fails and the group restarts.
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
+def _backend(engine: EngineConfig) -> str:
+    return "nccl" if engine.device.startswith("cuda") else "gloo"
+
+
+class TPRank:
+    """Rank r > 0 of a tensor-parallel worker."""
+
+    def __init__(self, spec: WorkerSpec, rank: int, init_method: str):
+        self.spec, self.rank, self.init_method = spec, rank, init_method
+
+    def run(self) -> None:
+        """Join the group, load this rank's shard, then run rank 0's steps until it says stop."""
+        spec = self.spec
+        torch.set_num_threads(spec.torch_threads)
+        engine = dataclasses.replace(spec.engine, model=ensure_on_this_node(spec.engine.model, spec.engine.model_source))
+        dist.init_process_group(_backend(engine), init_method=self.init_method, rank=self.rank,
+                                world_size=spec.tensor_parallel_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        runner = ModelRunner.from_config(engine, DistComm(TPShard(self.rank, spec.tensor_parallel_size)))
+        runner.follow()
+
+
+class TPGroup:
+    """Rank 0's side: starts the other ranks, joins the group with them, and watches them."""
+
+    def __init__(self, spec: WorkerSpec):
+        size = spec.tensor_parallel_size
+        if spec.placement_group is None:
+            raise ValueError(f"worker {spec.worker_id}: tensor_parallel_size={size} needs a placement group")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"  # STRICT_PACK: every rank is on this node
+        rank_cls = ray.remote(TPRank)
+        self.ranks = [
+            rank_cls.options(
+                num_cpus=spec.rank_num_cpus, num_gpus=spec.rank_num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(spec.placement_group, placement_group_bundle_index=r),
+            ).remote(spec, r, init_method)
+            for r in range(1, size)
+        ]
+        self._runs = [rank.run.remote() for rank in self.ranks]
+        dist.init_process_group(_backend(spec.engine), init_method=init_method, rank=0, world_size=size,
+                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        self.comm = DistComm(TPShard(0, size))
+        self.lost: str | None = None  # why the group broke, once a rank has ended
+        self._stopping = False
+        threading.Thread(target=self._watch, name=f"tp-watch-{spec.worker_id}", daemon=True).start()
+
+    def _watch(self) -> None:
+        done, _ = ray.wait(self._runs, num_returns=1, timeout=None)
+        if self._stopping:
+            return
+        try:
+            ray.get(done[0])
+            why = "returned"
+        except ray.exceptions.RayError as exc:
+            why = f"died: {type(exc).__name__}"
+        self.lost = f"tensor-parallel rank {self._runs.index(done[0]) + 1} {why}"
+        log.error("%s", self.lost)
+
+    def stop(self) -> None:
+        """Rank 0 is done (its engine thread has ended): the other ranks leave their loops."""
+        self._stopping = True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

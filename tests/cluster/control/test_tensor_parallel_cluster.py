@@ -1,0 +1,86 @@
+"""Tensor-parallel workers in a cluster (gloo on CPU): colocated TP=2 and TP=4 (more ranks than KV heads)
+give the single-process engine's greedy tokens; losing a rank restarts the whole group as one worker,
+and the streams it was serving migrate and finish with the fault-free tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import ray
+
+from actors.engine.engine import Engine
+from cluster.control.config import TandemConfig
+from cluster.control.launch import Cluster
+from tests.helpers.cluster import load, wait_until_idle, workload
+
+
+def _tp_config(size: int, replicas: int = 1, **engine) -> TandemConfig:
+    config = load("colocated.yaml")
+    pool = config.colocated.model_copy(update={"replicas": replicas, "tensor_parallel_size": size})
+    return config.model_copy(update={"colocated": pool,
+                                     "engine": config.engine.model_copy(update=engine) if engine else config.engine})
+
+
+def _expected(config: TandemConfig, prompts, params):
+    engine = Engine(config.engine_config())
+    return [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_colocated_tp_matches_the_engine(ray_session, size):
+    prompts, params = workload(12)
+    config = _tp_config(size)
+    expected = _expected(config, prompts, params)
+    cluster = Cluster.start(config)
+    try:
+        got = cluster.client().generate(prompts, params)
+        assert [r[0].token_ids for r in got] == expected
+        state = wait_until_idle(cluster)
+        assert all(w["used_blocks"] == 0 for w in state["workers"].values()), state["workers"]
+        (worker,) = cluster.workers.values()
+        assert len(ray.get(worker.tensor_parallel_ranks.remote(), timeout=30)) == size - 1
+    finally:
+        cluster.shutdown()
+    assert not cluster.groups  # the placement groups went with their workers
+
+
+def test_losing_a_rank_restarts_the_group_and_streams_migrate(ray_session):
+    prompts, params = workload(6)
+    params = [dataclasses.replace(p, max_tokens=48) for p in params]
+    config = _tp_config(2)
+    expected = _expected(config, prompts, params)
+    cluster = Cluster.start(config)
+    try:
+        (worker,) = cluster.workers.values()
+        (rank1,) = ray.get(worker.tensor_parallel_ranks.remote(), timeout=30)
+        incarnation = ray.get(worker.info.remote(), timeout=30).incarnation
+        client = cluster.client()
+        out: dict = {}
+        runner = threading.Thread(target=lambda: out.update(got=client.generate(prompts, params, timeout_s=240)))
+        runner.start()
+        deadline = time.monotonic() + 60
+        while True:  # mid-stream: decoding, nothing left to prefill
+            stats = ray.get(worker.check_integrity.remote(), timeout=30)
+            if stats.running > 0 and stats.waiting == 0 and stats.queued_prefill_tokens == 0:
+                break
+            assert time.monotonic() < deadline, "the requests never started"
+            time.sleep(0.01)
+        ray.kill(rank1, no_restart=True)
+        runner.join(timeout=300)
+        assert [g[0].token_ids for g in out["got"]] == expected
+        assert ray.get(worker.info.remote(), timeout=60).incarnation != incarnation  # a new group, one worker
+        assert len(ray.get(worker.tensor_parallel_ranks.remote(), timeout=30)) == 1
+        state = wait_until_idle(cluster, timeout_s=30)
+        assert state["scheduler"]["in_flight"] == 0
+        assert state["scheduler"]["counters"]["workers_lost"] == 1, state["scheduler"]["counters"]
+    finally:
+        cluster.shutdown()
+
+
+def test_disaggregated_tp_is_refused_naming_the_pools():
+    config = load("local.yaml")
+    with pytest.raises(ValueError, match="prefill.tensor_parallel_size > 1: a KV handoff between tensor-parallel"):
+        TandemConfig.model_validate({**config.model_dump(), "prefill": {"tensor_parallel_size": 2}})
