@@ -109,7 +109,8 @@ def _plan(args: argparse.Namespace) -> int:
     print_table(rows)
     rec = recommend(rows, args.target_rate)
     print(f"\nrecommended: {rec.layout.describe()} ({rec.why}; predicted max rate {rec.expected_max_rate_rps:.3g} req/s)")
-    print("config snippet:\n" + rec.yaml())
+    tp = getattr(profile.cost, "tensor_parallel", 1)
+    print("config snippet:\n" + rec.yaml(tp))
     if args.out:
         Path(args.out).write_text(json.dumps(result_json(profile, args, rows, rec), indent=2) + "\n")
         print(f"search written to {args.out}")

@@ -164,11 +164,25 @@ class LinearCost:
 
 @dataclass(frozen=True)
 class RooflineCost:
-    peak_flops: float
+    peak_flops: float  # of the whole worker (every rank)
     hbm_bytes_per_s: float
     mfu: float = 0.5
     mbu: float = 0.7
     overhead_s: float = 0.0
+    # Tensor parallelism: each rank does 1/tp of the FLOPs and bytes above, then the ranks all-reduce the
+    # activations twice per layer (after attention's o and the MLP's down), not overlapped with compute.
+    tensor_parallel: int = 1
+    link_bytes_per_s: float = 0.0  # one direction of a rank's link to the others (NVLink, PCIe)
+    link_latency_s: float = 0.0  # per all-reduce
+
+    def allreduce_s(self, s: BatchShape, model: ModelShape) -> float:
+        """A ring all-reduce moves 2 (tp - 1) / tp of the activations through each rank's link."""
+        if self.tensor_parallel == 1:
+            return 0.0
+        tp = self.tensor_parallel
+        activation_bytes = (s.prefill_tokens + s.decode_seqs) * model.hidden_size * model.dtype_bytes
+        one = 2 * (tp - 1) / tp * activation_bytes / self.link_bytes_per_s + self.link_latency_s
+        return 2 * model.num_layers * one
 
     def step_s(self, s: BatchShape, model: ModelShape) -> float:
         tokens = s.prefill_tokens + s.decode_seqs
@@ -180,7 +194,7 @@ class RooflineCost:
         kv_bytes = model.kv_bytes_per_token * (s.decode_context + s.prefill_tokens)
         compute = (linear + lm_head + attention) / (self.peak_flops * self.mfu)
         memory = (weight_bytes + kv_bytes) / (self.hbm_bytes_per_s * self.mbu)
-        return self.overhead_s + max(compute, memory)
+        return self.overhead_s + max(compute, memory) + self.allreduce_s(s, model)
 
     def to_json(self) -> dict:
         return {"kind": "roofline", **asdict(self)}

@@ -21,19 +21,21 @@ class GPU:
     bf16_flops: float  # dense (no sparsity) tensor-core peak
     hbm_bytes_per_s: float
     memory_bytes: float
+    link_bytes_per_s: float  # GPU-to-GPU in one node, one direction (half the datasheet's bidirectional figure)
+    link_latency_s: float = 10e-6  # per all-reduce of a step's activations: an assumption, not measured here
 
 
 GPUS = {
-    # NVIDIA H100 datasheet (SXM5): 989 TFLOPS dense BF16 (1,979 with sparsity), 3.35 TB/s HBM3, 80 GB.
-    "h100": GPU("H100 SXM", 989e12, 3.35e12, 80e9),
-    # NVIDIA H200 datasheet (SXM): 989 TFLOPS dense BF16 (same tensor cores as H100), 4.8 TB/s HBM3e, 141 GB.
-    "h200": GPU("H200 SXM", 989e12, 4.8e12, 141e9),
-    # NVIDIA A100 datasheet (SXM 80GB): 312 TFLOPS dense BF16, 2,039 GB/s HBM2e, 80 GB.
-    "a100": GPU("A100 SXM 80GB", 312e12, 2.039e12, 80e9),
-    # NVIDIA L4 datasheet: 121 TFLOPS dense BF16 (242 with sparsity), 300 GB/s GDDR6, 24 GB.
-    "l4": GPU("L4", 121e12, 300e9, 24e9),
-    # NVIDIA L40S datasheet: 362 TFLOPS dense BF16 (733 with sparsity), 864 GB/s GDDR6, 48 GB.
-    "l40s": GPU("L40S", 362e12, 864e9, 48e9),
+    # NVIDIA H100 datasheet (SXM5): 989 TFLOPS dense BF16 (1,979 with sparsity), 3.35 TB/s HBM3, 80 GB, NVLink 900 GB/s.
+    "h100": GPU("H100 SXM", 989e12, 3.35e12, 80e9, 450e9),
+    # NVIDIA H200 datasheet (SXM): 989 TFLOPS dense BF16 (same tensor cores as H100), 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s.
+    "h200": GPU("H200 SXM", 989e12, 4.8e12, 141e9, 450e9),
+    # NVIDIA A100 datasheet (SXM 80GB): 312 TFLOPS dense BF16, 2,039 GB/s HBM2e, 80 GB, NVLink 600 GB/s.
+    "a100": GPU("A100 SXM 80GB", 312e12, 2.039e12, 80e9, 300e9),
+    # NVIDIA L4 datasheet: 121 TFLOPS dense BF16 (242 with sparsity), 300 GB/s GDDR6, 24 GB, PCIe Gen4 x16 64 GB/s.
+    "l4": GPU("L4", 121e12, 300e9, 24e9, 32e9, 20e-6),
+    # NVIDIA L40S datasheet: 362 TFLOPS dense BF16 (733 with sparsity), 864 GB/s GDDR6, 48 GB, PCIe Gen4 x16 64 GB/s.
+    "l40s": GPU("L40S", 362e12, 864e9, 48e9, 32e9, 20e-6),
 }
 
 MODEL_PRESETS = {
@@ -79,7 +81,8 @@ def roofline_profile(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 8192,
 ) -> EngineProfile:
-    """One worker = `tensor_parallel` GPUs of this kind, scaled ideally (peak, bandwidth and memory x tp).
+    """One worker = `tensor_parallel` GPUs of this kind: each rank does 1/tp of the FLOPs and bytes (peak,
+    bandwidth and memory x tp), and every step adds the ranks' two all-reduces per layer over the GPUs' link.
 
     The KV cache gets what `memory_fraction` of the memory leaves after the weights. The transfer
     defaults (25 GB/s, 1 ms) stand for a 200 Gb/s RDMA link between nodes; NVLink within a node is faster."""
@@ -98,7 +101,8 @@ def roofline_profile(
     if num_blocks < 1:
         raise ValueError(f"{model.name} ({weight_bytes / 1e9:.0f} GB of weights) does not fit on {tensor_parallel} x "
                          f"{spec.name} ({spec.memory_bytes / 1e9:.0f} GB): raise --tensor-parallel")
-    cost = RooflineCost(spec.bf16_flops * tensor_parallel, spec.hbm_bytes_per_s * tensor_parallel, mfu, mbu, overhead_s)
+    cost = RooflineCost(spec.bf16_flops * tensor_parallel, spec.hbm_bytes_per_s * tensor_parallel, mfu, mbu, overhead_s,
+                        tensor_parallel, spec.link_bytes_per_s, spec.link_latency_s)
     limits = EngineLimits(block_size, num_blocks, max_num_seqs, max_num_batched_tokens)
     hardware = spec.name if tensor_parallel == 1 else f"{tensor_parallel} x {spec.name} (tensor parallel)"
     return EngineProfile("roofline", hardware, model, cost, limits, transfer_bytes_per_s, transfer_latency_s)

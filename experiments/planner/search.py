@@ -92,11 +92,15 @@ class Recommendation:
     expected_max_rate_rps: float
     why: str
 
-    def yaml(self) -> str:
+    def yaml(self, tensor_parallel: int = 1) -> str:
         lay = self.layout
+        tp = f"  tensor_parallel_size: {tensor_parallel}\n" if tensor_parallel > 1 else ""
         if lay.mode == "colocated":
-            return f"mode: colocated\ncolocated:\n  replicas: {lay.colocated}\n"
-        return f"mode: disaggregated\nprefill:\n  replicas: {lay.prefill}\ndecode:\n  replicas: {lay.decode}\n"
+            return f"mode: colocated\ncolocated:\n  replicas: {lay.colocated}\n{tp}"
+        text = f"mode: disaggregated\nprefill:\n  replicas: {lay.prefill}\n{tp}decode:\n  replicas: {lay.decode}\n{tp}"
+        if tp:
+            text = "# tandem serve does not run tensor-parallel prefill and decode pools yet (no TP handoff)\n" + text
+        return text
 
 
 def recommend(rows: list[Evaluated], target_rate: float | None = None) -> Recommendation:

@@ -195,3 +195,30 @@ def test_a_tandem_config_gives_the_layout_limits_and_routing_to_simulate():
     profile = replace(linear_profile(), engine=limits)
     result = simulate(profile, Layout.from_config(colocated), [SimRequest(0.0, 1000, 2)], options)
     assert len(result.step_ends["colocated-0"]) == 3 and result.seqs[0].first_token_s == pytest.approx(1.0)
+
+
+def test_roofline_tensor_parallel_adds_the_all_reduces():
+    """TP=4 on H100s: a quarter of the FLOPs and bytes per rank, plus 2 ring all-reduces per layer of the
+    step's activations over NVLink (450 GB/s one way, 10 us each)."""
+    model = MODEL_PRESETS["llama3-70b"]
+    p = roofline_profile("h100", model, tensor_parallel=4, mfu=0.5, mbu=0.7, overhead_s=0.0)
+    shape = BatchShape(decode_seqs=8, decode_context=8 * 512)
+    activations = 8 * model.hidden_size * 2
+    allreduce = 2 * model.num_layers * (2 * 3 / 4 * activations / 450e9 + 10e-6)
+    assert p.cost.allreduce_s(shape, model) == pytest.approx(allreduce)
+    weights_and_kv = (model.num_params * 2 + model.kv_bytes_per_token * 8 * 512) / (4 * 3.35e12 * 0.7)
+    assert p.step_s(shape) == pytest.approx(weights_and_kv + allreduce, rel=1e-6)
+    assert roofline_profile("h100", model, tensor_parallel=2).cost.allreduce_s(shape, model) < allreduce  # fewer ranks: less of the ring
+    assert roofline_profile("h200", MODEL_PRESETS["llama3-8b"]).cost.allreduce_s(shape, model) == 0
+
+
+def test_a_tensor_parallel_recommendation_names_the_ranks_per_worker():
+    import yaml
+
+    from cluster.control.config import TandemConfig
+    from experiments.planner.search import Recommendation
+    from experiments.planner.simulator import Layout
+
+    text = Recommendation(Layout.colocated_workers(2), 1.0, "best").yaml(tensor_parallel=4)
+    assert TandemConfig.model_validate(yaml.safe_load(text)).colocated.tensor_parallel_size == 4
+    assert "does not run tensor-parallel prefill" in Recommendation(Layout.disaggregated(1, 1), 1.0, "best").yaml(4)
