@@ -50,7 +50,7 @@ class Cluster:
             # the job, and at nice 15 any busy neighbour starves them (a worker took over 300 s to
             # import torch beside one `stress-ng --cpu 2`). The raylet reads this when ray.init starts it.
             os.environ.setdefault("RAY_worker_niceness", "0")
-            needed = sum(p.replicas * p.num_cpus for p in config.pools().values()) + 1
+            needed = sum(p.replicas * p.num_cpus * p.tensor_parallel_size for p in config.pools().values()) + 1
             kwargs = {"namespace": NAMESPACE, "include_dashboard": False, "log_to_driver": True}
             if address:
                 ray.init(address=address, **kwargs)
