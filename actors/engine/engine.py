@@ -4,9 +4,9 @@ Callers: `add_request` (raises ValueError on bad input, touching nothing else), 
 new tokens and finish state of every sequence touched), `abort` (idempotent, frees blocks at once),
 and the offline `generate`. The engine is single-threaded and knows nothing of Ray.
 
-Why one file of ~390 lines: it is the one owner of a worker's requests and sequences (forks,
-hand-offs and reservations included); stop conditions (`postprocess.py`) and request checks
-(`validation.py`) live beside it.
+Why one file of ~410 lines: it is the one owner of a worker's requests and sequences (forks,
+hand-offs, reservations and window releases included); stop conditions (`postprocess.py`) and
+request checks (`validation.py`) live beside it.
 """
 
 from __future__ import annotations

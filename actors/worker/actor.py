@@ -15,8 +15,8 @@ Roles:
 State: `_running` (attempts in the engine, by engine id) and the handoff table (reservations and
 holds) are this worker's; the engine owns its blocks and queues behind its methods.
 
-Why one file of ~400 lines: every engine-thread command (submit, adopt, abort, hand-off, expiry,
-failure, report) is a short method on the one thread that may touch the engine; splitting them would
+Why one file of ~420 lines: every engine-thread command (submit, adopt, abort, hand-off, expiry,
+failure, a lost tensor-parallel rank, report) is a short method on the one thread that may touch the engine; splitting them would
 put that rule in several places. What a report says is built by the meter (meter.py).
 """
 
