@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--gpu", default=None, choices=sorted(GPUS), help="roofline profile for this GPU")
     src.add_argument("--model-preset", default=None, choices=sorted(MODEL_PRESETS), help="roofline: model size")
     src.add_argument("--model-config", default=None, help="roofline: a Hugging Face checkpoint dir or config.json")
-    src.add_argument("--tensor-parallel", type=int, default=1, help="roofline: GPUs per worker")
+    src.add_argument("--tensor-parallel", default="1",
+                     help="roofline: GPUs per worker; several (e.g. 2,4,8) searches each pool at each size")
     src.add_argument("--mfu", type=float, default=0.5, help="roofline: fraction of peak FLOP/s reached")
     src.add_argument("--mbu", type=float, default=0.7, help="roofline: fraction of peak HBM bandwidth reached")
     wl = p.add_argument_group("workload")
@@ -81,13 +82,30 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_costs(args: argparse.Namespace) -> EngineProfile:
+def load_costs(args: argparse.Namespace) -> dict[int, EngineProfile]:
+    """The costs of a worker of each tensor-parallel size searched (a measured profile: one process)."""
     if (args.profile is None) == (args.gpu is None):
         raise ValueError("give either --profile FILE or --gpu NAME with --model-preset/--model-config")
     if args.profile is not None:
-        return EngineProfile.load(args.profile)
-    return roofline_profile(args.gpu, model_shape(args.model_preset, args.model_config), args.tensor_parallel,
-                            args.mfu, args.mbu)
+        return {1: EngineProfile.load(args.profile)}
+    try:
+        sizes = sorted({int(x) for x in str(args.tensor_parallel).split(",")})
+    except ValueError:
+        raise ValueError(f"--tensor-parallel takes sizes like 4 or 2,4,8, got {args.tensor_parallel!r}") from None
+    model = model_shape(args.model_preset, args.model_config)
+    profiles, unfit = {}, []
+    for tp in sizes:
+        try:
+            profiles[tp] = roofline_profile(args.gpu, model, tp, args.mfu, args.mbu)
+        except ValueError as exc:
+            if "does not fit" not in str(exc):
+                raise
+            unfit.append(tp)
+    if not profiles:
+        raise ValueError(f"{model.name} does not fit on {', '.join(map(str, unfit))} x {args.gpu}: raise --tensor-parallel")
+    if unfit:
+        print(f"tensor_parallel {', '.join(map(str, unfit))}: {model.name} does not fit; not searched")
+    return profiles
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -101,7 +119,8 @@ def _plan(args: argparse.Namespace) -> int:
     prompt, output = LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len)
     workload = Workload.synthetic(args.num_requests, prompt, output, args.arrival, args.burstiness, args.seed)
     options = SimOptions(routing=args.routing, local_prefill=not args.no_local_prefill)
-    print(f"profile: {profile.source} on {profile.hardware}, model {profile.model.name}")
+    for p in profile.values():
+        print(f"profile: {p.source} on {p.hardware}, model {p.model.name}")
     print(f"workload: {args.num_requests} requests, prompt {prompt.describe()}, output {output.describe()}, "
           f"{args.arrival} arrivals; SLO TTFT {args.slo_ttft_ms} ms, TPOT {args.slo_tpot_ms} ms, "
           f"attainment >= {args.attainment:.0%}")
@@ -109,8 +128,7 @@ def _plan(args: argparse.Namespace) -> int:
     print_table(rows)
     rec = recommend(rows, args.target_rate)
     print(f"\nrecommended: {rec.layout.describe()} ({rec.why}; predicted max rate {rec.expected_max_rate_rps:.3g} req/s)")
-    tp = getattr(profile.cost, "tensor_parallel", 1)
-    print("config snippet:\n" + rec.yaml(tp))
+    print("config snippet:\n" + rec.yaml())
     if args.out:
         Path(args.out).write_text(json.dumps(result_json(profile, args, rows, rec), indent=2) + "\n")
         print(f"search written to {args.out}")

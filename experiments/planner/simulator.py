@@ -44,6 +44,10 @@ class Layout:
     prefill: int = 0
     decode: int = 0
     colocated: int = 0
+    # GPUs (tensor-parallel ranks) per worker of each pool; the costs of a pool come from the profile of its size.
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    colocated_tp: int = 1
 
     def __post_init__(self) -> None:
         if self.mode == "disaggregated" and (self.prefill < 1 or self.decode < 1 or self.colocated):
@@ -65,15 +69,29 @@ class Layout:
     def num_workers(self) -> int:
         return self.prefill + self.decode + self.colocated
 
+    @property
+    def num_gpus(self) -> int:
+        return self.prefill * self.prefill_tp + self.decode * self.decode_tp + self.colocated * self.colocated_tp
+
+    def tp(self, role: str) -> int:
+        return {"prefill": self.prefill_tp, "decode": self.decode_tp, "colocated": self.colocated_tp}[role]
+
     def describe(self) -> str:
-        return f"{self.prefill}P:{self.decode}D" if self.mode == "disaggregated" else f"{self.colocated}C"
+        def pool(n: int, letter: str, tp: int) -> str:
+            return f"{n}{letter}" + (f"x{tp}" if tp > 1 else "")
+
+        if self.mode == "disaggregated":
+            return f"{pool(self.prefill, 'P', self.prefill_tp)}:{pool(self.decode, 'D', self.decode_tp)}"
+        return pool(self.colocated, "C", self.colocated_tp)
 
     @classmethod
     def from_config(cls, config) -> "Layout":
         """The layout a `TandemConfig` (cluster/control/config.py) starts."""
         if config.mode == "colocated":
-            return cls.colocated_workers(config.colocated.replicas)
-        return cls.disaggregated(config.prefill.replicas, config.decode.replicas)
+            return cls("colocated", colocated=config.colocated.replicas,
+                       colocated_tp=config.colocated.tensor_parallel_size)
+        return cls("disaggregated", prefill=config.prefill.replicas, decode=config.decode.replicas,
+                   prefill_tp=config.prefill.tensor_parallel_size, decode_tp=config.decode.tensor_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -109,11 +127,14 @@ class SimResult:
 
 
 class _Cluster:
-    def __init__(self, profile: EngineProfile, layout: Layout, options: SimOptions):
-        self.profile, self.layout, self.options = profile, layout, options
+    def __init__(self, profiles: dict[str, EngineProfile], layout: Layout, options: SimOptions):
+        self.layout, self.options = layout, options
         roles = [("prefill", layout.prefill), ("decode", layout.decode), ("colocated", layout.colocated)]
-        self.workers = {f"{role}-{i}": SimWorker(f"{role}-{i}", role, profile) for role, n in roles for i in range(n)}
+        self.workers = {f"{role}-{i}": SimWorker(f"{role}-{i}", role, profiles[role]) for role, n in roles
+                        for i in range(n)}
         self.pool = "colocated" if layout.mode == "colocated" else "decode"
+        self.profile = profiles[self.pool]  # the pool that holds a request's KV while it decodes
+        self.sender = profiles["prefill" if layout.mode == "disaggregated" else self.pool]
         self.events: list = []
         self.order = itertools.count()
         self.turn = itertools.count()
@@ -177,7 +198,7 @@ class _Cluster:
         if decode is None:
             return False
         prefill_views = self._views("prefill")
-        transfer_s = self.profile.transfer_s(prompt_len)
+        transfer_s = self.sender.transfer_s(prompt_len)
         plan = plan_prefill(o.routing, prefill_views, {}, prompt_len, transfer_s, self._typical_cost(prefill_views),
                             next(self.turn), local=decode if o.local_prefill else None,
                             local_penalty=o.local_prefill_penalty)
@@ -200,7 +221,7 @@ class _Cluster:
             return
         shape = worker.start_step()
         if shape is not None:
-            duration = self.profile.step_s(shape)
+            duration = worker.profile.step_s(shape)
             self._push(now + duration, "step", (worker, duration))
 
     def _step_done(self, now: float, item: tuple[SimWorker, float]) -> None:
@@ -210,7 +231,7 @@ class _Cluster:
             for seq in completed:
                 if seq.request.output_len > 1:
                     start = max(now, worker.link_free_s)
-                    worker.link_free_s = start + self.profile.transfer_s(seq.request.prompt_len)
+                    worker.link_free_s = start + worker.profile.transfer_s(seq.request.prompt_len)
                     self._push(worker.link_free_s, "transfer", seq)
                 else:
                     worker.free_blocks += seq.blocks_held
@@ -239,7 +260,16 @@ class _Cluster:
         self._wake(prefill, now)
 
 
-def simulate(profile: EngineProfile, layout: Layout, requests: list[SimRequest],
+def simulate(profile: EngineProfile | dict[int, EngineProfile], layout: Layout, requests: list[SimRequest],
              options: SimOptions = SimOptions()) -> SimResult:
-    """Run `requests` (arrival times in seconds, any order) through `layout`; the result keeps their order."""
-    return _Cluster(profile, layout, options).run(list(requests))
+    """Run `requests` (arrival times in seconds, any order) through `layout`; the result keeps their order.
+    `profile`: one for every worker, or one per tensor-parallel size (each pool takes its size's)."""
+    if not isinstance(profile, dict):
+        profiles = dict.fromkeys(("prefill", "decode", "colocated"), profile)
+    else:
+        roles = [r for r in ("prefill", "decode", "colocated") if getattr(layout, r)]
+        missing = sorted({layout.tp(r) for r in roles} - profile.keys())
+        if missing:
+            raise ValueError(f"layout {layout.describe()} needs a profile for tensor_parallel {missing}")
+        profiles = {role: profile[layout.tp(role)] for role in roles}
+    return _Cluster(profiles, layout, options).run(list(requests))
