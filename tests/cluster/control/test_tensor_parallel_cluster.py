@@ -1,6 +1,7 @@
 """Tensor-parallel workers in a cluster (gloo on CPU): colocated TP=2 and TP=4 (more ranks than KV heads)
 give the single-process engine's greedy tokens; losing a rank restarts the whole group as one worker,
-and the streams it was serving migrate and finish with the fault-free tokens."""
+and the streams it was serving migrate and finish with the fault-free tokens; a resize adds and removes
+whole groups, placement groups included."""
 
 from __future__ import annotations
 
@@ -76,6 +77,28 @@ def test_losing_a_rank_restarts_the_group_and_streams_migrate(ray_session):
         state = wait_until_idle(cluster, timeout_s=30)
         assert state["scheduler"]["in_flight"] == 0
         assert state["scheduler"]["counters"]["workers_lost"] == 1, state["scheduler"]["counters"]
+    finally:
+        cluster.shutdown()
+
+
+def test_scaling_adds_and_removes_whole_groups(ray_session):
+    from cluster.control.scaling import scale
+
+    prompts, params = workload(8)
+    config = _tp_config(2)
+    expected = _expected(config, prompts, params)
+    cluster = Cluster.start(config)
+    try:
+        added = scale(cluster, {"colocated": 2})["added"]
+        assert len(added) == 1 and set(cluster.groups) == set(cluster.workers)  # a placement group per worker
+        (new,) = added
+        assert len(ray.get(cluster.workers[new].tensor_parallel_ranks.remote(), timeout=30)) == 1
+        got = cluster.client().generate(prompts, params)
+        assert [r[0].token_ids for r in got] == expected
+        state = wait_until_idle(cluster)
+        assert all(w["used_blocks"] == 0 for w in state["workers"].values())
+        removed = scale(cluster, {"colocated": 1})["removed"]
+        assert removed == [new] and set(cluster.groups) == set(cluster.workers) and len(cluster.groups) == 1
     finally:
         cluster.shutdown()
 
