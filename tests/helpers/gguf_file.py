@@ -20,6 +20,7 @@ _NAMES = {
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 
 
@@ -36,8 +37,21 @@ def random_llama(hidden: int = 128, layers: int = 2, heads: int = 4, kv_heads: i
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def random_qwen3(seed: int = 0):
+    """Qwen3: per-head q/k norms, rotary halves (not interleaved as llama.cpp lays out `llama`), head_dim 128
+    with hidden 128 (transformers' GGUF reader, the reference, takes Qwen3's default head_dim, 128)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(vocab_size=2048, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                                      max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                      initializer_range=0.05, bos_token_id=0, eos_token_id=1)
+    return transformers.Qwen3ForCausalLM(config).eval()
+
+
 def write_gguf(model, path: Path, qtype: str = "Q8_0", arch: str = "llama", skip: tuple[str, ...] = ()) -> Path:
-    """`model` (a transformers Llama) as a GGUF file; matrices quantized to `qtype`, norms in F32.
+    """`model` (a transformers Llama or Qwen3) as a GGUF file; matrices quantized to `qtype`, norms in F32.
     `skip`: metadata keys (without the architecture prefix) to leave out, to test the errors."""
     import gguf
 
@@ -49,6 +63,9 @@ def write_gguf(model, path: Path, qtype: str = "Q8_0", arch: str = "llama", skip
     for key, value in meta.items():
         if key not in skip:
             w.add_uint32(f"{arch}.{key}", value)
+    if getattr(c, "head_dim", None):
+        w.add_uint32(f"{arch}.attention.key_length", c.head_dim)
+        w.add_uint32(f"{arch}.attention.value_length", c.head_dim)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)
     w.add_uint32(f"{arch}.vocab_size", c.vocab_size)
@@ -58,7 +75,7 @@ def write_gguf(model, path: Path, qtype: str = "Q8_0", arch: str = "llama", skip
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         array = tensor.detach().float().numpy()
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's rotary layout
             heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
             rows, cols = array.shape
             array = array.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)

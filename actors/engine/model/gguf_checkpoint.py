@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
 }
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
@@ -39,6 +40,7 @@ _LAYER = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",  # Qwen3
 }
 
 

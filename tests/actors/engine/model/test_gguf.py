@@ -12,7 +12,7 @@ from actors.engine.engine import Engine
 from actors.engine.model.default_model import resolve_model
 from actors.engine.text.tokenizer import load_tokenizer
 from actors.protocol.sampling_params import SamplingParams
-from tests.helpers.gguf_file import random_llama, write_gguf
+from tests.helpers.gguf_file import random_llama, random_qwen3, write_gguf
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,24 @@ def test_greedy_on_a_gguf_equals_transformers_on_the_same_file(gguf_file, tmp_pa
             want = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, min_new_tokens=24)
         assert result.outputs[0].token_ids == want[0, len(prompt):].tolist()
     engine.check_integrity()
+
+
+def test_a_qwen3_gguf_equals_transformers_on_the_same_file(tmp_path, monkeypatch):
+    """Qwen3 (q/k norms): converted weights and greedy tokens as transformers reads them."""
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(random_qwen3(), tmp_path / "qwen3-q8.gguf", arch="qwen3")
+    model_dir = resolve_model(str(path))
+    ref = _reference(path)
+    mine = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert type(mine).__name__ == "Qwen3ForCausalLM"
+    for name, tensor in ref.state_dict().items():
+        assert torch.equal(tensor, mine.state_dict()[name]), name
+    prompt = torch.randint(10, 2000, (29,), generator=torch.Generator().manual_seed(5)).tolist()
+    engine = Engine(EngineConfig(model=model_dir, block_size=8, num_kv_blocks=32))
+    (result,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, min_new_tokens=24)
+    assert result.outputs[0].token_ids == want[0, len(prompt):].tolist()
 
 
 def test_tokenizer_and_chat_template_come_from_the_gguf(gguf_file, tmp_path, monkeypatch):
