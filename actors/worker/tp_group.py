@@ -28,8 +28,10 @@ from actors.engine.model.runner import ModelRunner
 from actors.worker.spec import WorkerSpec
 
 log = logging.getLogger("tandem.worker")
-# A collective that waits longer than this means a rank is gone or stuck: the step fails and the group restarts.
-COLLECTIVE_TIMEOUT_S = 120.0
+# How long joining the group and any collective may wait. It covers the ranks' start (importing torch took
+# minutes beside a CPU hog); a rank that dies is noticed at once (its `run` call fails, its sockets close),
+# so only a rank that hangs alive waits this long before the step fails and the group restarts.
+COLLECTIVE_TIMEOUT_S = 300.0
 
 
 def _backend(engine: EngineConfig) -> str:
