@@ -5,19 +5,15 @@ engine, between steps. Per step it pushes one token message per client sink, han
 prefills to their decode workers, and ends expired leases. Every few tens of milliseconds it reports
 stats, finished attempts and KV events to the global scheduler (fire-and-forget).
 
-Roles:
-- prefill: computes the prompt, samples the first token, pushes the KV pages to the reserved blocks
-  of a decode worker, and holds its own blocks until the scheduler releases them (or the lease ends).
-- decode: reserves blocks for incoming KV, adopts the request when the pages have landed, decodes.
-  It also runs whole requests (a local prefill) when the scheduler's cost model says so.
-- colocated: whole requests, prefill and decode in one engine.
+The roles (prefill, decode, colocated) are described with `WorkerSpec` (spec.py).
 
 State: `_running` (attempts in the engine, by engine id) and the handoff table (reservations and
 holds) are this worker's; the engine owns its blocks and queues behind its methods.
 
-Why one file of ~420 lines: every engine-thread command (submit, adopt, abort, hand-off, expiry,
-failure, a lost tensor-parallel rank, report) is a short method on the one thread that may touch the engine; splitting them would
-put that rule in several places. What a report says is built by the meter (meter.py).
+Why one file of ~400 lines: every engine-thread command (submit, adopt, abort, hand-off, expiry,
+failure, report) is a short method on the one thread that may touch the engine; splitting them would
+put that rule in several places. Reports are built by meter.py, the data-plane ends by kv_handoff.py,
+a tensor-parallel group's other ranks live in tp_group.py, the chaos hooks are named in faults.py.
 """
 
 from __future__ import annotations
@@ -54,20 +50,18 @@ from actors.protocol.messages import (
 )
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.token_stream import TokenPublisher
+from actors.worker.faults import check_fault
 from actors.worker.handoff_table import HandoffTable, LeaseKind
-from actors.worker.kv_handoff import HandoffReceiver, HandoffSender
+from actors.worker.kv_handoff import handoff_ends
 from actors.worker.meter import WorkerMeter
 from actors.worker.running import Running, engine_id
 from actors.worker.scheduler_link import SchedulerLink
 from actors.worker.spec import WorkerSpec
 from actors.worker.tp_group import TPGroup
-from kv_transfer.collective_transport import init_collective
 from kv_transfer.page_format import PageFormatError
 
 log = logging.getLogger("tandem.worker")
 _CALL_TIMEOUT_S = 30.0
-FAULTS = ("drop_kv_sends", "ignore_kv_arrivals", "hold_kv_writes", "slow_reserve", "kill_kv_receiver",
-          "drop_next_submit")
 _EXIT_RECEIVER_DEAD = 70  # the process exit status when the KV receiving thread died: Ray restarts us
 _EXIT_GROUP_LOST = 71  # ... when a rank of its tensor-parallel group ended
 
@@ -90,17 +84,7 @@ class Worker:
         self._handoffs = HandoffTable(self._engine, spec.lease_s)
         self._finished: list[FinishedAttempt] = []  # not yet reported
         self._meter = WorkerMeter()
-        group = None
-        if spec.transfer_backend == "collective":
-            # Every worker joins at construction; Ray builds them concurrently, so the rendezvous completes.
-            group = init_collective(spec.collective_init, spec.rank, spec.world_size, device=spec.engine.device)
-        caches = self._engine.kv_caches
-        kv_keys = spec.curve_keys if spec.kv_encrypted else None
-        self._sender = HandoffSender(caches, group, kv_keys) if spec.role == "prefill" else None
-        self._receiver = None
-        if spec.role == "decode":
-            self._receiver = HandoffReceiver(caches, self._handoffs.admit, self._on_pages, spec.zmq_transport,
-                                             spec.host, group, kv_keys)
+        self._sender, self._receiver = handoff_ends(spec, self._engine.kv_caches, self._handoffs.admit, self._on_pages)
         # A fresh id per process: the scheduler tells a restarted worker (new incarnation, its requests
         # lost) from one that re-announces itself (same incarnation, its requests still live).
         self._incarnation = uuid.uuid4().hex
@@ -127,14 +111,8 @@ class Worker:
         return list(self._tp.ranks) if self._tp else []
 
     def inject_fault(self, fault: str | None, delay_s: float = 1.0) -> None:
-        """Chaos hooks: `drop_kv_sends` (prefill: pages are lost on the wire), `ignore_kv_arrivals`
-        (decode: pages land but are never adopted or acked), `hold_kv_writes` (decode: admitted pages
-        wait until the faults are cleared, at most `delay_s`, before being written), `slow_reserve`
-        (decode: a reservation takes `delay_s` longer), `kill_kv_receiver` (decode: the receiving
-        thread stops, as if it had crashed: the worker exits and Ray restarts it), `drop_next_submit`
-        (the next attempt sent here vanishes unseen); None clears every fault."""
-        if fault is not None and fault not in FAULTS:
-            raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+        """A chaos hook of faults.py; None clears every fault."""
+        check_fault(fault)
         self._put(self._do_fault, (fault, delay_s))
 
     def submit(self, request: WorkerRequest) -> None:
@@ -205,38 +183,34 @@ class Worker:
                 except Exception:  # a bug must cost the requests in flight, never the worker
                     log.exception("worker %s: engine step failed; failing its requests", self.spec.worker_id)
                     if self._tp is not None:  # the ranks may be anywhere in that step: the group starts over
-                        self._exit_group_lost("a step of the tensor-parallel group failed")
+                        self._exit("a step of the tensor-parallel group failed", _EXIT_GROUP_LOST, retryable=True)
                     self._fail_everything("internal error in the engine step")
                     continue
                 self._meter.step(time.perf_counter() - start, self._engine.last_step_tokens)
                 self._publish(outputs)
             now = time.monotonic()
             if self._finished or now - last_report >= self.spec.heartbeat_s:
-                self._check_receiver()
-                if self._tp is not None and self._tp.lost:
-                    self._exit_group_lost(self._tp.lost)
+                self._exit_if_broken()
                 self._report()
                 last_report = now
 
-    def _check_receiver(self) -> None:
-        """A decode worker whose KV receiving thread is gone can never adopt a handoff again, yet its
-        engine would go on heartbeating: it ends the process instead, and Ray starts a fresh one."""
-        if self._receiver is None or self._receiver.alive or self._stop.is_set():
+    def _exit_if_broken(self) -> None:
+        """A decode worker whose KV receiving thread is gone can never adopt a handoff again, and a
+        tensor-parallel group with a rank gone cannot step again, yet either would go on heartbeating: the
+        process ends instead, and Ray starts a fresh one (for a group: rank 0, which starts new ranks)."""
+        if self._stop.is_set():
             return
-        log.error("worker %s: the KV receiving thread is dead; failing its requests and exiting", self.spec.worker_id)
-        self._fail_everything("the decode worker's KV receiver died")
+        if self._receiver is not None and not self._receiver.alive:
+            self._exit("the decode worker's KV receiver died", _EXIT_RECEIVER_DEAD, retryable=False)
+        if self._tp is not None and self._tp.lost:
+            self._exit(f"its tensor-parallel group broke ({self._tp.lost})", _EXIT_GROUP_LOST, retryable=True)
+
+    def _exit(self, why: str, status: int, retryable: bool) -> None:
+        log.error("worker %s: %s; failing its requests and exiting", self.spec.worker_id, why)
+        self._fail_everything(why, retryable)
         self._report()
         self._publisher.close(linger_s=1.0)  # the failure deltas still leave
-        os._exit(_EXIT_RECEIVER_DEAD)
-
-    def _exit_group_lost(self, why: str) -> None:
-        """A tensor-parallel group with a rank gone cannot step again: fail the requests, exit, and Ray
-        restarts rank 0, which starts a whole new group (the scheduler sees one worker restart)."""
-        log.error("worker %s: %s; failing its requests and exiting", self.spec.worker_id, why)
-        self._fail_everything(f"the worker's tensor-parallel group broke ({why})", retryable=True)
-        self._report()
-        self._publisher.close(linger_s=1.0)
-        os._exit(_EXIT_GROUP_LOST)
+        os._exit(status)
 
     def _drain_inbox(self, block: bool) -> None:
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kv_transfer.collective_transport import CollectiveKVReceiver, CollectiveKVSender
+from kv_transfer.collective_transport import CollectiveKVReceiver, CollectiveKVSender, init_collective
 from kv_transfer.curve import CurveKeys
 from kv_transfer.page_format import PageSpec, TransferHeader
 from kv_transfer.zmq_transport import ZmqKVReceiver, ZmqKVSender
@@ -59,3 +59,20 @@ class HandoffReceiver:
 
     def close(self) -> None:
         self._receiver.close()
+
+
+def handoff_ends(spec, kv_caches, admit: Callable[[TransferHeader], None],
+                 on_pages: Callable[[TransferHeader | None, Exception | None], None]):
+    """A worker's (sender, receiver) for its role (`spec`, a WorkerSpec): a prefill worker sends, a decode
+    worker receives, a colocated one does neither. With the collective backend the worker joins the
+    cluster's group here (every worker joins at construction; Ray builds them concurrently, so the
+    rendezvous completes)."""
+    group = None
+    if spec.transfer_backend == "collective":
+        group = init_collective(spec.collective_init, spec.rank, spec.world_size, device=spec.engine.device)
+    keys = spec.curve_keys if spec.kv_encrypted else None
+    sender = HandoffSender(kv_caches, group, keys) if spec.role == "prefill" else None
+    receiver = None
+    if spec.role == "decode":
+        receiver = HandoffReceiver(kv_caches, admit, on_pages, spec.zmq_transport, spec.host, group, keys)
+    return sender, receiver

@@ -11,7 +11,12 @@ from kv_transfer.curve import CurveKeys
 @dataclass(frozen=True)
 class WorkerSpec:
     worker_id: str
-    role: str  # prefill | decode | colocated
+    # prefill: computes the prompt, samples the first token, pushes the KV pages to the reserved blocks of
+    #   a decode worker, and holds its own blocks until the scheduler releases them (or the lease ends).
+    # decode: reserves blocks for incoming KV, adopts the request when the pages have landed, decodes; it
+    #   also runs whole requests (a local prefill) when the scheduler's cost model says so.
+    # colocated: whole requests, prefill and decode in one engine.
+    role: str
     engine: EngineConfig
     torch_threads: int = 1
     lease_s: float = 30.0
