@@ -103,3 +103,21 @@ def make_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, with_tokeni
         for f in DEFAULT_TOKENIZER_DIR.glob("*.json"):
             shutil.copy(f, out_dir / f.name)
     return out_dir
+
+
+def paged_prefill_logits(model, ids: list[int], block_size: int = 8) -> torch.Tensor:
+    """`model`'s logits for every token of `ids`, computed in two chunks (the second reads the first's K/V
+    back through the paged cache) over a block table in reverse physical order (the table, not the order
+    of the blocks, must decide what is read)."""
+    from actors.engine.model.attention import build_attention_batch
+
+    blocks = -(-len(ids) // block_size)
+    shape = (blocks + 1, block_size, model.cfg.num_kv_heads, model.cfg.head_dim)
+    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.cfg.num_layers)]
+    table = list(range(blocks, 0, -1))
+    logits = []
+    for start, end in [(0, 30), (30, len(ids))]:
+        batch = build_attention_batch([end - start], [start], [table], block_size, model.windows, torch.device("cpu"))
+        with torch.inference_mode():
+            logits.append(model(torch.tensor(ids[start:end]), batch, kv, torch.arange(end - start)))
+    return torch.cat(logits)

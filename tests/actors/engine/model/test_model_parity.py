@@ -8,10 +8,9 @@ import transformers
 
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
-from actors.engine.model.attention import build_attention_batch
 from actors.engine.model.loader import load_model
 from actors.protocol.sampling_params import SamplingParams
-from tests.helpers.models import make_hf_model
+from tests.helpers.models import make_hf_model, paged_prefill_logits
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen2-mixed", "gemma2", "gemma3", "phi3", "mixtral", "qwen3-moe"]
 BLOCK_SIZE = 8  # does not divide the prompt lengths below
@@ -32,7 +31,7 @@ def test_prefill_logits_match_transformers(hf_models, family):
     ids = _prompt(45, ours.cfg.vocab_size, seed=1)
     with torch.no_grad():
         ref = _hf(model_dir)(torch.tensor([ids])).logits[0]
-    got = _paged_prefill_logits(ours, ids)
+    got = paged_prefill_logits(ours, ids)
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
@@ -44,25 +43,10 @@ def test_longrope_takes_its_short_factors_when_the_context_fits_the_original(tmp
     ids = _prompt(45, 300, seed=2)
     with torch.no_grad():
         ref = _hf(model_dir)(torch.tensor([ids])).logits[0]
-    short = _paged_prefill_logits(load_model(model_dir, context_len=64), ids)
+    short = paged_prefill_logits(load_model(model_dir, context_len=64), ids)
     torch.testing.assert_close(short, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
-    long = _paged_prefill_logits(load_model(model_dir), ids)  # max_position_embeddings 512 > 64
+    long = paged_prefill_logits(load_model(model_dir), ids)  # max_position_embeddings 512 > 64
     assert (long - ref).abs().max() > 0.1 * ref.abs().max()
-
-
-def _paged_prefill_logits(ours, ids: list[int]) -> torch.Tensor:
-    blocks = -(-len(ids) // BLOCK_SIZE)
-    shape = (blocks + 1, BLOCK_SIZE, ours.cfg.num_kv_heads, ours.cfg.head_dim)
-    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(ours.cfg.num_layers)]
-    # Blocks in reverse order: the block table, not physical order, must decide what is read.
-    table = list(range(blocks, 0, -1))
-    # Two chunks, so the second one reads the first one's K/V back through the paged cache.
-    logits = []
-    for start, end in [(0, 30), (30, len(ids))]:
-        batch = build_attention_batch([end - start], [start], [table], BLOCK_SIZE, ours.windows, torch.device("cpu"))
-        with torch.inference_mode():
-            logits.append(ours(torch.tensor(ids[start:end]), batch, kv, torch.arange(end - start)))
-    return torch.cat(logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -10,12 +10,11 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
-from actors.engine.model.attention import build_attention_batch
 from actors.engine.model.loader import load_model
 from actors.engine.model.parallel import DistComm, TPShard
 from actors.protocol.sampling_params import SamplingParams
 from experiments.tp_ranks import run_ranks
-from tests.helpers.models import make_hf_model
+from tests.helpers.models import make_hf_model, paged_prefill_logits
 
 BLOCK_SIZE = 8
 # (family, overrides, TP size): 4 KV heads split in 2; 2 KV heads over 4 ranks (replicated); 1 KV head
@@ -36,25 +35,11 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _prefill_logits(model, ids: list[int]) -> torch.Tensor:
-    """Two chunks through a scrambled block table, as the parity tests do."""
-    blocks = -(-len(ids) // BLOCK_SIZE)
-    shape = (blocks + 1, BLOCK_SIZE, model.cfg.num_kv_heads, model.cfg.head_dim)
-    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.cfg.num_layers)]
-    table = list(range(blocks, 0, -1))
-    logits = []
-    for start, end in [(0, 30), (30, len(ids))]:
-        batch = build_attention_batch([end - start], [start], [table], BLOCK_SIZE, model.windows, torch.device("cpu"))
-        with torch.inference_mode():
-            logits.append(model(torch.tensor(ids[start:end]), batch, kv, torch.arange(end - start)))
-    return torch.cat(logits)
-
-
 def _sharded_prefill(rank: int, size: int, model_dir: str, ids: list[int]) -> torch.Tensor:
     shard = TPShard(rank, size)
     model = load_model(model_dir, shard=shard)
     model.attach(DistComm(shard))
-    return _prefill_logits(model, ids)
+    return paged_prefill_logits(model, ids)
 
 
 def _tp_engine(rank: int, size: int, model_dir: str, prompts: list[list[int]], n: int):
@@ -76,7 +61,7 @@ def test_sharded_prefill_logits_match_the_whole_model(tmp_path, family, override
     model_dir = make_hf_model(tmp_path / "m", family, seed=3, **overrides)
     whole = load_model(model_dir)
     ids = _prompt(45, whole.cfg.vocab_size, seed=1)
-    ref = _prefill_logits(whole, ids)
+    ref = paged_prefill_logits(whole, ids)
     got = run_ranks(size, _sharded_prefill, str(model_dir), ids)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
