@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 import socket
 import traceback
+from datetime import timedelta
 
 import torch.multiprocessing as mp
 
@@ -17,13 +18,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, size: int, port: int, threads: int, fn, args, results) -> None:
+def _rank_main(rank: int, size: int, port: int, threads: int, timeout_s: float, fn, args, results) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s))
         out = fn(rank, size, *args)
         dist.destroy_process_group()
         # Plain pickle bytes: a tensor sent as itself would live in this process's shared memory, gone
@@ -33,13 +35,13 @@ def _rank_main(rank: int, size: int, port: int, threads: int, fn, args, results)
         results.put((rank, None, traceback.format_exc()))
 
 
-def run_ranks(size: int, fn, *args, timeout_s: float = 300.0, threads: int = 1):
+def run_ranks(size: int, fn, *args, timeout_s: float = 300.0, threads: int = 1, collective_timeout_s: float = 600.0):
     """`fn(rank, size, *args)` on `size` processes of `threads` torch threads each; returns rank 0's
-    result. `fn` must be importable (a module-level function)."""
+    result. `fn` must be importable (a module-level function); a collective waits `collective_timeout_s`."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, port, threads, fn, args, results), daemon=True) for r in range(size)]
+    procs = [ctx.Process(target=_rank_main, args=(r, size, port, threads, collective_timeout_s, fn, args, results), daemon=True) for r in range(size)]
     for p in procs:
         p.start()
     outs = {}

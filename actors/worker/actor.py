@@ -155,8 +155,7 @@ class Worker:
         self._stop.set()
         self._thread.join(timeout=10)
         if self._tp is not None and not self._thread.is_alive():
-            self._tp.stop()
-            self._engine.runner.stop_followers()
+            self._tp.stop(self._engine.runner)
         if self._receiver:
             self._receiver.close()
         self._publisher.close()
@@ -191,6 +190,8 @@ class Worker:
             now = time.monotonic()
             if self._finished or now - last_report >= self.spec.heartbeat_s:
                 self._exit_if_broken()
+                if self._tp is not None:
+                    self._tp.between_steps(self._engine.runner)
                 self._report()
                 last_report = now
 
@@ -366,9 +367,7 @@ class Worker:
         self._publisher.publish(request.request.sink, [delta])
         self._finished.append(FinishedAttempt(request.attempt, RequestStatus.FAILED))
 
-    # ---- receiver callback (the receiver's thread) ----
-
-    def _on_pages(self, header, error: Exception | None) -> None:
+    def _on_pages(self, header, error: Exception | None) -> None:  # on the KV receiver's thread
         if header is not None:  # bytes that were not a header wrote nothing and name no lease
             self._put(self._do_landed, (header, error, time.time()))  # stamped here: not behind a step
 

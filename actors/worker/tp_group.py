@@ -91,9 +91,15 @@ class TPGroup:
         self.lost = f"tensor-parallel rank {self._runs.index(done[0]) + 1} {why}"
         log.error("%s", self.lost)
 
-    def stop(self) -> None:
+    def between_steps(self, runner: ModelRunner) -> None:
+        """Called by rank 0's engine thread every heartbeat: the other ranks wait for the next step in a
+        collective, which must not reach its timeout while the worker is merely idle."""
+        runner.keep_followers_waiting(every_s=COLLECTIVE_TIMEOUT_S / 10)
+
+    def stop(self, runner: ModelRunner) -> None:
         """Rank 0 is done (its engine thread has ended): the other ranks leave their loops."""
         self._stopping = True
+        runner.stop_followers()
 
 
 def _free_port() -> int:

@@ -76,7 +76,7 @@ class StepPlan:
     """What rank 0 tells the other ranks each step: a forward pass (the runner's arguments), a block copy
     (a fork's partial block), or stop."""
 
-    kind: str  # "forward" | "copy" | "stop"
+    kind: str  # "forward" | "copy" | "stop" | "idle" (nothing to run: the followers' wait starts over)
     token_ids: list[int] = field(default_factory=list)
     query_lens: list[int] = field(default_factory=list)
     computed_lens: list[int] = field(default_factory=list)
@@ -85,7 +85,7 @@ class StepPlan:
     copy: tuple[int, int] = (0, 0)
 
 
-_KINDS = ("stop", "forward", "copy")
+_KINDS = ("stop", "forward", "copy", "idle")
 
 
 class TPComm:

@@ -7,6 +7,8 @@ before running it), the others `follow` until rank 0 says stop.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from actors.engine.model.attention import build_attention_batch
@@ -22,6 +24,7 @@ class ModelRunner:
                  comm: TPComm = SINGLE):
         self.device = torch.device(device)
         self.comm = comm
+        self._led_at = time.monotonic()  # when rank 0 last sent its followers a plan
         self.model: LlamaModel = load_model(model_dir, dtype, self.device, context_len=max_model_len, shard=comm.shard)
         self.model.attach(comm)
         self.cfg = self.model.cfg
@@ -63,7 +66,7 @@ class ModelRunner:
 
         `sample_rows` are indexes into the batch's sequences; each samples at its last query token.
         """
-        self.comm.lead(StepPlan("forward", token_ids, query_lens, computed_lens, block_tables, sample_rows))
+        self._lead(StepPlan("forward", token_ids, query_lens, computed_lens, block_tables, sample_rows))
         return self._forward(token_ids, query_lens, computed_lens, block_tables, sample_rows)
 
     def _forward(self, token_ids, query_lens, computed_lens, block_tables, sample_rows) -> torch.Tensor:
@@ -81,16 +84,26 @@ class ModelRunner:
         while (plan := self.comm.follow()).kind != "stop":
             if plan.kind == "copy":
                 self._copy_block(*plan.copy)
-            else:
+            elif plan.kind == "forward":
                 self._forward(plan.token_ids, plan.query_lens, plan.computed_lens, plan.block_tables,
                               plan.sample_rows)
 
     def stop_followers(self) -> None:
-        self.comm.lead(StepPlan("stop"))
+        self._lead(StepPlan("stop"))
+
+    def keep_followers_waiting(self, every_s: float) -> None:
+        """Rank 0, between steps: a follower waits for the next plan in a collective that times out, so an
+        idle rank 0 sends an empty plan at least every `every_s` (well under that timeout)."""
+        if self.comm.shard.size > 1 and time.monotonic() - self._led_at >= every_s:
+            self._lead(StepPlan("idle"))
 
     def copy_block(self, src: int, dst: int) -> None:
-        self.comm.lead(StepPlan("copy", copy=(src, dst)))
+        self._lead(StepPlan("copy", copy=(src, dst)))
         self._copy_block(src, dst)
+
+    def _lead(self, plan: StepPlan) -> None:
+        self.comm.lead(plan)
+        self._led_at = time.monotonic()
 
     @torch.inference_mode()
     def _copy_block(self, src: int, dst: int) -> None:

@@ -5,6 +5,8 @@ Phi-3's fused checkpoint weights, Gemma's caps and experts."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -77,6 +79,28 @@ def test_tp_engine_greedy_equals_one_process(tmp_path, family, overrides, size):
     got, used = run_ranks(size, _tp_engine, str(model_dir), prompts, 2)
     assert got == expected
     assert used == 0
+
+
+def _idle_then_generate(rank: int, size: int, model_dir: str, idle_s: float, keep_waiting: bool):
+    engine = Engine(EngineConfig(model=model_dir, block_size=BLOCK_SIZE, num_kv_blocks=16), DistComm(TPShard(rank, size)))
+    if rank != 0:
+        engine.runner.follow()
+        return None
+    deadline = time.monotonic() + idle_s
+    while time.monotonic() < deadline:  # as a worker's engine thread heartbeats with nothing to run
+        if keep_waiting:
+            engine.runner.keep_followers_waiting(every_s=0.5)
+        time.sleep(0.05)
+    (result,) = engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.runner.stop_followers()
+    return result.outputs[0].token_ids
+
+
+def test_followers_outlast_an_idle_leader(hf_models):
+    """A follower waits for the next step in a collective with a timeout; a rank 0 idle for longer than
+    that keeps it waiting with empty plans, and the next step runs."""
+    tokens = run_ranks(2, _idle_then_generate, str(hf_models["llama"]), 5.0, True, collective_timeout_s=2.0)
+    assert len(tokens) == 4
 
 
 def test_layouts_that_do_not_split_are_refused(hf_models):
