@@ -2,8 +2,8 @@
 
 Who calls what
 - The prefill side owns a `KVSender` and calls `send(endpoint, header, kv_caches, src_block_ids,
-  timeout_s)` once per handoff, from one thread at a time.
-- The decode side owns a `KVReceiver(kv_caches, on_complete, on_error)`, calls `start()` once, publishes
+  timeout_s, cache_heads)` once per handoff (or per head slice of one), from one thread at a time.
+- The decode side owns a `KVReceiver(kv_caches, on_complete, on_error, heads=...)`, calls `start()` once, publishes
   `endpoint` (through the control plane) to the senders, and calls `close()` when it shuts down.
 - The receiver calls the optional `admit(header)` from its own thread for each transfer whose format
   checks passed, before any byte is written: the caller's last word (e.g. "is this lease still
@@ -20,7 +20,12 @@ Promises
   or reference of the gathered pages, so the caller may reuse the source blocks at once), or raises
   `TransferError` by `timeout_s`. Returning is not delivery: the lease's ack (control plane) is.
 - The receiver writes the pages into `header.dest_block_ids` of its caches (source block i goes to
-  destination block i) and only THEN calls `on_complete(header)`. It writes no other block.
+  destination block i; with a head slice, only those heads of each block) and only THEN calls
+  `on_complete(header)`. It writes no other block.
+- Head slices (tensor-parallel workers, whose caches each hold some of the model's KV heads): the
+  sender's `cache_heads` says which heads its caches hold, the header's `heads` which of them it sends
+  (they must lie inside); the receiver's `heads` says which heads its caches hold, and it refuses a
+  slice that does not lie inside them.
 - On a spec mismatch, destination ids outside its pool, wrong page sizes or a header it cannot decode,
   the receiver writes NOTHING into its caches and calls `on_error(header, exc)` (`header` is None if
   it could not be decoded) with a `PageFormatError` that says what was wrong, then keeps serving.
@@ -36,6 +41,7 @@ Promises
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -45,7 +51,7 @@ from typing import Callable, Sequence
 import torch
 
 from kv_transfer.drops import DropCounter
-from kv_transfer.page_format import PageFormatError, PageSpec, TransferHeader
+from kv_transfer.page_format import HeadSlice, PageFormatError, PageSpec, TransferHeader
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +73,15 @@ def _block_rows(cache: torch.Tensor) -> torch.Tensor:
 
 
 def gather_pages(cache: torch.Tensor, block_ids: torch.Tensor, device: torch.device,
-                 non_blocking: bool = False) -> torch.Tensor:
+                 non_blocking: bool = False, heads: tuple[int, int] | None = None) -> torch.Tensor:
     """The given blocks of one cache tensor, in order, as a fresh contiguous 1-D uint8 tensor on
-    `device`. A CUDA cache bound for the host is staged through pinned memory; with `non_blocking`
-    the copy is only queued, and the caller synchronizes the stream before reading the bytes."""
-    pages = _block_rows(cache).index_select(0, block_ids).view(torch.uint8).view(-1)
+    `device`; with `heads` (offset, count into the cache's heads dimension), only those heads of each
+    block. A CUDA cache bound for the host is staged through pinned memory; with `non_blocking` the copy
+    is only queued, and the caller synchronizes the stream before reading the bytes."""
+    if heads is None:
+        pages = _block_rows(cache).index_select(0, block_ids).view(torch.uint8).view(-1)
+    else:
+        pages = cache.index_select(0, block_ids).narrow(2, *heads).contiguous().view(torch.uint8).view(-1)
     if pages.device == device:
         return pages
     if device.type == "cpu":
@@ -81,15 +91,22 @@ def gather_pages(cache: torch.Tensor, block_ids: torch.Tensor, device: torch.dev
     return pages.to(device)
 
 
-def scatter_pages(cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
-    """Write 1-D uint8 `pages` (len(block_ids) blocks, in order) into those blocks of `cache`.
+def scatter_pages(cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor,
+                  heads: tuple[int, int] | None = None) -> None:
+    """Write 1-D uint8 `pages` (len(block_ids) blocks, in order) into those blocks of `cache`; with
+    `heads` (offset, count), the pages hold only those heads of each block, and only they are written.
 
     Pinned host pages bound for a CUDA cache are copied asynchronously, on the current stream: the
     caller synchronizes it before declaring the blocks written (`KVReceiver._complete` does)."""
-    rows = _block_rows(cache)
     staged = cache.device.type == "cuda" and pages.device.type == "cpu" and pages.is_pinned()
     pages = pages.to(cache.device, non_blocking=staged)
-    rows.index_copy_(0, block_ids, pages.view(rows.dtype).view(len(block_ids), -1))
+    if heads is None:
+        rows = _block_rows(cache)
+        rows.index_copy_(0, block_ids, pages.view(rows.dtype).view(len(block_ids), -1))
+        return
+    _, block_size, _, head_dim = cache.shape
+    part = cache.narrow(2, *heads)
+    part.index_copy_(0, block_ids, pages.view(cache.dtype).view(len(block_ids), block_size, heads[1], head_dim))
 
 
 @dataclass(frozen=True)
@@ -104,20 +121,25 @@ class KVSender(ABC):
 
     @abstractmethod
     def send(self, endpoint: str, header: TransferHeader, kv_caches: KVCaches,
-             src_block_ids: Sequence[int], timeout_s: float) -> None:
-        """Push blocks `src_block_ids` of `kv_caches` to `header.dest_block_ids` at `endpoint`."""
+             src_block_ids: Sequence[int], timeout_s: float, cache_heads: HeadSlice | None = None) -> None:
+        """Push blocks `src_block_ids` of `kv_caches` (which hold `cache_heads` of the model; None: all its
+        heads) to `header.dest_block_ids` at `endpoint`: the heads `header.heads` of each block."""
 
     @abstractmethod
     def close(self) -> None:
         """Release transport resources; idempotent."""
 
     @staticmethod
-    def check_send(header: TransferHeader, kv_caches: KVCaches, src_block_ids: Sequence[int]) -> torch.Tensor:
-        """Validate a send before any byte leaves; returns the source block ids as an index tensor."""
+    def check_send(header: TransferHeader, kv_caches: KVCaches, src_block_ids: Sequence[int],
+                   cache_heads: HeadSlice | None = None) -> tuple[torch.Tensor, tuple[int, int] | None]:
+        """Validate a send before any byte leaves; returns the source block ids as an index tensor and
+        which heads of the caches to send (offset, count; None: all of them)."""
         spec = PageSpec.from_caches(kv_caches)
-        if spec != header.spec:
-            raise PageFormatError(f"transfer {header.transfer_id}: header.spec {header.spec} does not describe "
-                                  f"the caches being sent ({spec})")
+        cache_heads = cache_heads or HeadSlice.whole(spec.num_kv_heads)
+        if dataclasses.replace(spec, num_kv_heads=header.spec.num_kv_heads) != header.spec \
+                or cache_heads.count != spec.num_kv_heads or not cache_heads.contains(header.heads):
+            raise PageFormatError(f"transfer {header.transfer_id}: header.spec {header.spec} with {header.heads} "
+                                  f"does not describe the caches being sent ({spec}, {cache_heads})")
         if len(src_block_ids) != header.num_blocks:
             raise PageFormatError(f"transfer {header.transfer_id}: {len(src_block_ids)} source blocks but "
                                   f"{header.num_blocks} destination blocks")
@@ -126,15 +148,22 @@ class KVSender(ABC):
         if bad:
             raise PageFormatError(f"transfer {header.transfer_id}: source block ids {bad[:8]} outside the "
                                   f"sender's pool [0, {num_blocks})")
-        return torch.tensor(list(src_block_ids), dtype=torch.long, device=kv_caches[0][0].device)
+        src = torch.tensor(list(src_block_ids), dtype=torch.long, device=kv_caches[0][0].device)
+        if header.heads == cache_heads:
+            return src, None
+        return src, (header.heads.first - cache_heads.first, header.heads.count)
 
 
 class KVReceiver(ABC):
     """Writes incoming pages into reserved blocks of `kv_caches`; see the module docstring."""
 
-    def __init__(self, kv_caches: KVCaches, on_complete: OnComplete, on_error: OnError, admit: Admit | None = None):
+    def __init__(self, kv_caches: KVCaches, on_complete: OnComplete, on_error: OnError, admit: Admit | None = None,
+                 heads: HeadSlice | None = None):
         self.kv_caches = list(kv_caches)
         self.spec = PageSpec.from_caches(self.kv_caches)
+        self.heads = heads or HeadSlice.whole(self.spec.num_kv_heads)  # which of the model's heads the caches hold
+        if self.heads.count != self.spec.num_kv_heads:
+            raise PageFormatError(f"receiver: {self.heads} but its caches hold {self.spec.num_kv_heads} KV heads")
         self.num_blocks = self.kv_caches[0][0].shape[0]
         self.device = self.kv_caches[0][0].device
         self._on_complete = on_complete
@@ -184,7 +213,10 @@ class KVReceiver(ABC):
 
     def _check_header(self, header: TransferHeader) -> None:
         """What a header alone must satisfy before anything is allocated or written; raises PageFormatError."""
-        header.spec.check_compatible(self.spec)
+        header.spec.check_compatible(self.spec, ignore=("num_kv_heads",))
+        if not self.heads.contains(header.heads):
+            raise PageFormatError(f"transfer {header.transfer_id}: page format mismatch: sender sends {header.heads}, "
+                                  f"receiver holds {self.heads}")
         dest = header.dest_block_ids
         bad = [b for b in dest if b >= self.num_blocks]
         if bad:
@@ -199,7 +231,7 @@ class KVReceiver(ABC):
         Returns the destination ids as an index tensor; raises PageFormatError."""
         self._check_header(header)
         dest = header.dest_block_ids
-        want = header.num_blocks * self.spec.page_nbytes
+        want = header.num_blocks * header.spec.page_nbytes
         if len(page_sizes) != 2 * self.spec.num_layers or any(n != want for n in page_sizes):
             raise PageFormatError(
                 f"transfer {header.transfer_id}: expected {2 * self.spec.num_layers} page payloads of {want} bytes, "
@@ -212,8 +244,14 @@ class KVReceiver(ABC):
         if self.device.type == "cuda":  # the writes are queued on a stream; finish them before saying so
             torch.cuda.current_stream(self.device).synchronize()
         self._ok += 1
-        self._bytes += self.spec.transfer_nbytes(header.num_blocks)
+        self._bytes += header.spec.transfer_nbytes(header.num_blocks)
         self._call(self._on_complete, header)
+
+    def _heads_of(self, header: TransferHeader) -> tuple[int, int] | None:
+        """Where an admitted header's heads lie in this receiver's caches (offset, count); None: all of them."""
+        if header.heads == self.heads:
+            return None
+        return header.heads.first - self.heads.first, header.heads.count
 
     def _refuse(self, header: TransferHeader | None, exc: Exception) -> None:
         self._refused += 1

@@ -46,7 +46,9 @@ import torch.distributed as dist
 
 from kv_transfer.base import Admit, KVCaches, KVReceiver, KVSender, OnComplete, OnError, gather_pages, scatter_pages
 from kv_transfer.endpoints import advertised_host
-from kv_transfer.page_format import PageFormatError, TransferError, TransferHeader, decode_header, encode_header
+from kv_transfer.page_format import (
+    HeadSlice, PageFormatError, TransferError, TransferHeader, decode_header, encode_header,
+)
 
 MAGIC = int.from_bytes(b"TANDEMKV", "little")  # every byte non-zero: a half-written word never matches
 _PREAMBLE_TAG, _BODY_TAG = 0, 1
@@ -144,9 +146,9 @@ class CollectiveKVSender(KVSender):
         self.group = group
 
     def send(self, endpoint: str, header: TransferHeader, kv_caches: KVCaches,
-             src_block_ids: Sequence[int], timeout_s: float) -> None:
+             src_block_ids: Sequence[int], timeout_s: float, cache_heads: HeadSlice | None = None) -> None:
         dst = _parse_endpoint(endpoint, self.group)
-        src = self.check_send(header, kv_caches, src_block_ids)
+        src, heads = self.check_send(header, kv_caches, src_block_ids, cache_heads)
         body = encode_header(header)
         preamble = torch.tensor([MAGIC, len(body), 2 * len(kv_caches), header.num_blocks * header.spec.page_nbytes],
                                 dtype=torch.int64)
@@ -158,7 +160,7 @@ class CollectiveKVSender(KVSender):
               deadline, what)
         for k, v in kv_caches:
             for cache in (k, v):
-                pages = gather_pages(cache, src, self.group.device)
+                pages = gather_pages(cache, src, self.group.device, heads=heads)
                 _wait(dist.isend(pages, dst, group=dg, tag=_BODY_TAG), deadline, what)
 
     def close(self) -> None:
@@ -176,8 +178,8 @@ class CollectiveKVReceiver(KVReceiver):
 
     def __init__(self, kv_caches: KVCaches, on_complete: OnComplete, on_error: OnError, *,
                  group: CollectiveGroup, poll_interval_s: float = 0.01, transfer_timeout_s: float = 30.0,
-                 admit: Admit | None = None):
-        super().__init__(kv_caches, on_complete, on_error, admit)
+                 admit: Admit | None = None, heads: HeadSlice | None = None):
+        super().__init__(kv_caches, on_complete, on_error, admit, heads)
         self.group = group
         self._poll_s = poll_interval_s
         self._transfer_timeout_s = transfer_timeout_s
@@ -245,10 +247,11 @@ class CollectiveKVReceiver(KVReceiver):
             self._refuse(header, e)
             return
         pages = torch.empty(payload_nbytes, dtype=torch.uint8, device=self.group.device)
+        heads = self._heads_of(header)
         for k, v in self.kv_caches:
             for cache in (k, v):
                 _wait(dist.irecv(pages, src, group=self.group.data_group, tag=_BODY_TAG), deadline, what)
-                scatter_pages(cache, dest, pages)
+                scatter_pages(cache, dest, pages, heads)
         self._in_flight = None
         self._complete(header)
 

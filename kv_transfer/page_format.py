@@ -5,6 +5,11 @@ A worker's KV cache is a list with one `(k_cache, v_cache)` pair per layer; each
 those tensors. `PageSpec` is everything about that layout except `num_blocks`, which is each
 worker's own business (a sender and a receiver have pools of different sizes).
 
+A tensor-parallel worker's rank holds only some KV heads of the model in its cache, so a transfer may
+carry a slice of the heads: the header's spec describes the pages on the wire (its `num_kv_heads` is the
+slice's width), and `first_head` / `total_kv_heads` place that slice in the model. A receiver takes a
+slice that lies inside the heads its own cache holds of the same model.
+
 `TransferHeader` is the small message that precedes the pages on the wire. `encode_header` and
 `decode_header` are the only code that knows its byte layout (msgpack, with a version field).
 """
@@ -17,8 +22,8 @@ from typing import Any, Sequence
 import msgpack
 import torch
 
-HEADER_VERSION = 2  # 2: the opaque `note` bytes replaced the `extra` map
-_HEADER_KEYS = {"v", "transfer_id", "lease_id", "spec", "dest_block_ids", "note"}
+HEADER_VERSION = 3  # 2: the opaque `note` bytes replaced the `extra` map; 3: head slices
+_HEADER_KEYS = {"v", "transfer_id", "lease_id", "spec", "dest_block_ids", "note", "heads"}
 
 
 class PageFormatError(ValueError):
@@ -89,24 +94,58 @@ class PageSpec:
         """Bytes of pages in a transfer of num_blocks blocks (all layers, K and V)."""
         return 2 * self.num_layers * num_blocks * self.page_nbytes
 
-    def check_compatible(self, other: PageSpec) -> None:
-        """self is the sender's spec, other the receiver's; raises PageFormatError naming every mismatch."""
+    def check_compatible(self, other: PageSpec, ignore: tuple[str, ...] = ()) -> None:
+        """self is the sender's spec, other the receiver's; raises PageFormatError naming every mismatch
+        (but those of the fields in `ignore`)."""
         diffs = [f"sender {f.name}={getattr(self, f.name)}, receiver {f.name}={getattr(other, f.name)}"
-                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+                 for f in fields(self) if f.name not in ignore and getattr(self, f.name) != getattr(other, f.name)]
         if diffs:
             raise PageFormatError("page format mismatch: " + "; ".join(diffs))
 
 
 @dataclass(frozen=True)
+class HeadSlice:
+    """KV heads [first, first + count) of a model with `total` KV heads."""
+
+    first: int
+    count: int
+    total: int
+
+    def __post_init__(self) -> None:
+        for name in ("count", "total"):
+            _positive_int(name, getattr(self, name))
+        if isinstance(self.first, bool) or not isinstance(self.first, int) or self.first < 0 \
+                or self.first + self.count > self.total:
+            raise PageFormatError(f"heads [{self.first}, {self.first}+{self.count}) do not lie in the model's "
+                                  f"{self.total} KV heads")
+
+    @classmethod
+    def whole(cls, num_kv_heads: int) -> HeadSlice:
+        return cls(0, num_kv_heads, num_kv_heads)
+
+    @property
+    def end(self) -> int:
+        return self.first + self.count
+
+    def contains(self, other: HeadSlice) -> bool:
+        return self.total == other.total and self.first <= other.first and other.end <= self.end
+
+    def __str__(self) -> str:
+        return f"heads [{self.first}, {self.end}) of {self.total}"
+
+
+@dataclass(frozen=True)
 class TransferHeader:
     """Precedes the pages of one transfer. `note` is opaque bytes here: the caller's own message about
-    the transfer (the worker puts its typed handoff note there), carried as is."""
+    the transfer (the worker puts its typed handoff note there), carried as is. `heads`: which of the
+    model's KV heads the pages hold (None: all of them, `spec.num_kv_heads`)."""
 
     transfer_id: str
     lease_id: str
     spec: PageSpec
     dest_block_ids: tuple[int, ...]
     note: bytes = b""
+    heads: HeadSlice | None = None
 
     def __post_init__(self) -> None:
         for name in ("transfer_id", "lease_id"):
@@ -123,6 +162,11 @@ class TransferHeader:
         object.__setattr__(self, "dest_block_ids", tuple(self.dest_block_ids))
         if not isinstance(self.note, bytes):
             raise PageFormatError(f"note must be bytes, got {type(self.note).__name__}")
+        if self.heads is None:
+            object.__setattr__(self, "heads", HeadSlice.whole(self.spec.num_kv_heads))
+        if not isinstance(self.heads, HeadSlice) or self.heads.count != self.spec.num_kv_heads:
+            raise PageFormatError(f"transfer {self.transfer_id}: heads {self.heads} do not match the pages' "
+                                  f"{self.spec.num_kv_heads} KV heads")
 
     @property
     def num_blocks(self) -> int:
@@ -136,6 +180,7 @@ def encode_header(header: TransferHeader) -> bytes:
             "v": HEADER_VERSION, "transfer_id": header.transfer_id, "lease_id": header.lease_id,
             "spec": [s.dtype, s.block_size, s.num_layers, s.num_kv_heads, s.head_dim],
             "dest_block_ids": list(header.dest_block_ids), "note": header.note,
+            "heads": [header.heads.first, header.heads.total],
         }, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
         raise PageFormatError(f"transfer {header.transfer_id}: header is not msgpack-able: {e}") from e
@@ -158,4 +203,9 @@ def decode_header(data: bytes | memoryview) -> TransferHeader:
     if not isinstance(spec, list) or len(spec) != 5:
         raise PageFormatError(f"malformed transfer header: spec {spec!r} is not [dtype, block_size, num_layers, "
                               "num_kv_heads, head_dim]")
-    return TransferHeader(msg["transfer_id"], msg["lease_id"], PageSpec(*spec), msg["dest_block_ids"], msg["note"])
+    heads = msg["heads"]
+    if not isinstance(heads, list) or len(heads) != 2:
+        raise PageFormatError(f"malformed transfer header: heads {heads!r} is not [first_head, total_kv_heads]")
+    spec = PageSpec(*spec)
+    return TransferHeader(msg["transfer_id"], msg["lease_id"], spec, msg["dest_block_ids"], msg["note"],
+                          HeadSlice(heads[0], spec.num_kv_heads, heads[1]))

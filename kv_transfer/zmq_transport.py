@@ -44,7 +44,9 @@ from kv_transfer.base import (
 )
 from kv_transfer.curve import CurveKeys, secure_client, secure_server
 from kv_transfer.endpoints import advertised_host
-from kv_transfer.page_format import PageFormatError, TransferError, TransferHeader, decode_header, encode_header
+from kv_transfer.page_format import (
+    HeadSlice, PageFormatError, TransferError, TransferHeader, decode_header, encode_header,
+)
 
 _RCV_HWM = 16
 _CPU = torch.device("cpu")
@@ -69,8 +71,8 @@ class ZmqKVSender(KVSender):
         return tuple(self._sockets)
 
     def send(self, endpoint: str, header: TransferHeader, kv_caches: KVCaches,
-             src_block_ids: Sequence[int], timeout_s: float) -> None:
-        src = self.check_send(header, kv_caches, src_block_ids)
+             src_block_ids: Sequence[int], timeout_s: float, cache_heads: HeadSlice | None = None) -> None:
+        src, heads = self.check_send(header, kv_caches, src_block_ids, cache_heads)
         header_bytes = encode_header(header)
         deadline = time.monotonic() + timeout_s
         sock = self._socket(endpoint)
@@ -79,7 +81,7 @@ class ZmqKVSender(KVSender):
             # the first frame waits for SNDTIMEO and fails. Once it is in, the rest of the message follows.
             sock.setsockopt(zmq.SNDTIMEO, max(0, math.ceil((deadline - time.monotonic()) * 1000)))
             sock.send(header_bytes, zmq.SNDMORE)
-            pages = _host_pages(kv_caches, src)
+            pages = _host_pages(kv_caches, src, heads)
             for i, page in enumerate(pages):
                 sock.send(page.numpy(), 0 if i == len(pages) - 1 else zmq.SNDMORE, copy=False)
         except zmq.Again:
@@ -140,13 +142,13 @@ def _close_listening(sock: zmq.Socket) -> None:
     sock.close(linger=0)
 
 
-def _host_pages(kv_caches: KVCaches, src: torch.Tensor) -> list[torch.Tensor]:
-    """Every layer's K then V pages as host byte tensors, in wire order."""
+def _host_pages(kv_caches: KVCaches, src: torch.Tensor, heads: tuple[int, int] | None) -> list[torch.Tensor]:
+    """Every layer's K then V pages (of `heads`, or all heads) as host byte tensors, in wire order."""
     device = kv_caches[0][0].device
     if device.type != "cuda":
-        return [gather_pages(t, src, _CPU) for pair in kv_caches for t in pair]
+        return [gather_pages(t, src, _CPU, heads=heads) for pair in kv_caches for t in pair]
     # Queue all device-to-host copies (into pinned memory), then wait once: zmq reads the host bytes.
-    pages = [gather_pages(t, src, _CPU, non_blocking=True) for pair in kv_caches for t in pair]
+    pages = [gather_pages(t, src, _CPU, non_blocking=True, heads=heads) for pair in kv_caches for t in pair]
     torch.cuda.current_stream(device).synchronize()
     return pages
 
@@ -166,8 +168,8 @@ class ZmqKVReceiver(KVReceiver):
     def __init__(self, kv_caches: KVCaches, on_complete: OnComplete, on_error: OnError, *,
                  transport: str = "ipc", host: str = "127.0.0.1", advertise_host: str | None = None,
                  poll_interval_s: float = 0.05, context: zmq.Context | None = None, admit: Admit | None = None,
-                 staged: bool | None = None, keys: CurveKeys | None = None):
-        super().__init__(kv_caches, on_complete, on_error, admit)
+                 staged: bool | None = None, keys: CurveKeys | None = None, heads: HeadSlice | None = None):
+        super().__init__(kv_caches, on_complete, on_error, admit, heads)
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         self.transport = transport
@@ -248,7 +250,7 @@ class ZmqKVReceiver(KVReceiver):
         try:
             header = decode_header(head)
             self._check_header(header)
-            nbytes = header.num_blocks * self.spec.page_nbytes
+            nbytes = header.num_blocks * header.spec.page_nbytes
         except PageFormatError:
             nbytes = 0
         sizes, payloads = [], []
@@ -271,10 +273,10 @@ class ZmqKVReceiver(KVReceiver):
             self._refuse(header, e)
             return
         try:
-            pages = iter(payloads)
+            pages, heads = iter(payloads), self._heads_of(header)
             for k, v in self.kv_caches:
-                scatter_pages(k, dest, _as_bytes(next(pages)))
-                scatter_pages(v, dest, _as_bytes(next(pages)))
+                scatter_pages(k, dest, _as_bytes(next(pages)), heads)
+                scatter_pages(v, dest, _as_bytes(next(pages)), heads)
         except Exception as e:  # not expected once admitted; the dest blocks may be partly written
             self._refuse(header, TransferError(f"transfer {header.transfer_id}: writing pages failed: {e}"))
             return

@@ -341,4 +341,16 @@ class Engine(Disaggregation):
 
     @property
     def bytes_per_block(self) -> int:
+        """KV bytes of one block in this process (a tensor-parallel rank's share of the model's)."""
         return self.runner.bytes_per_block
+
+    @property
+    def model_bytes_per_block(self) -> int:
+        """KV bytes of one block of the whole model (every rank's heads; a replicated head once)."""
+        total, by_rank = self.kv_heads
+        return self.bytes_per_block * total // (by_rank[0][1] - by_rank[0][0])
+
+    @property
+    def kv_heads(self) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """The model's KV head count, and which of them ([first, end)) each tensor-parallel rank's cache holds."""
+        return self.runner.model.total_kv_heads, self.runner.model.kv_heads_by_rank

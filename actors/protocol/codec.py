@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from actors.protocol.messages import HandoffNote, TokenDelta
+from actors.protocol.tp_messages import KvSendPlan, PieceEvent, PieceVerdict
 
 MAX_MESSAGE_BYTES = 64 << 20  # a step's deltas for a whole batch are far smaller; anything bigger is garbage
 
@@ -20,6 +21,7 @@ class ProtocolError(ValueError):
 _encoder = msgspec.msgpack.Encoder()
 _deltas = msgspec.msgpack.Decoder(list[TokenDelta])
 _note = msgspec.msgpack.Decoder(HandoffNote)
+_decoders = {t: msgspec.msgpack.Decoder(t) for t in (KvSendPlan, PieceEvent, PieceVerdict)}
 
 
 def encode(message) -> bytes:
@@ -32,6 +34,11 @@ def decode_deltas(payload: bytes) -> list[TokenDelta]:
 
 def decode_note(payload: bytes) -> HandoffNote:
     return _decode(_note, payload)
+
+
+def decode_as(kind: type, payload: bytes):
+    """A message of one of the tensor-parallel group's types (tp_messages.py)."""
+    return _decode(_decoders[kind], payload)
 
 
 def _decode(decoder: msgspec.msgpack.Decoder, payload: bytes):

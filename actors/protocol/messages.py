@@ -5,6 +5,7 @@ scheduler -> worker   `WorkerRequest` (submit, reserve -> `KvReservation`); rele
 worker -> scheduler   `WorkerInfo` + `LiveRequest`s (register), `WorkerReport` (every heartbeat),
                       handoff_done(`AttemptId`, prefill worker id)
 prefill -> decode     `HandoffNote` inside the KV transfer header (kv_transfer carries it as bytes)
+inside a tensor-parallel worker: see tp_messages.py
 worker -> client      `TokenDelta` batches over zmq (`actors.protocol.codec`)
 
 Ray pickles the control messages; the zmq messages go through the one codec. Defaults live here and in
@@ -55,11 +56,22 @@ class KvReservation:
 
 
 @dataclass(frozen=True)
+class KvRankEndpoint:
+    """One rank of a decode worker: where its pages are pushed, and which of the model's KV heads its
+    cache holds (all of them, unless the worker is tensor-parallel)."""
+
+    endpoint: str
+    first_head: int
+    num_heads: int
+    total_heads: int
+
+
+@dataclass(frozen=True)
 class KvDestination:
-    """Where a prefill worker pushes an attempt's pages."""
+    """Where a prefill worker pushes an attempt's pages: to every rank of the decode worker, its heads."""
 
     decode_worker: str
-    endpoint: str
+    endpoints: tuple[KvRankEndpoint, ...]
     reservation: KvReservation
 
 
@@ -116,7 +128,7 @@ class Rejected:
 class WorkerInfo:
     worker_id: str
     role: str  # prefill | decode | colocated
-    kv_endpoint: str | None  # decode workers: where pages are pushed
+    kv_endpoints: tuple[KvRankEndpoint, ...]  # decode workers: where pages are pushed (one per rank); else ()
     num_blocks: int
     block_size: int
     kv_bytes_per_token: int

@@ -36,29 +36,20 @@ from actors.engine.model.default_model import ensure_on_this_node
 from actors.protocol.codec import ProtocolError, decode_note, encode
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import (
-    FinishedAttempt,
-    HandoffNote,
-    KvReservation,
-    LivePhase,
-    LiveRequest,
-    StageTimes,
-    TokenDelta,
-    WorkerInfo,
-    WorkerReport,
-    WorkerRequest,
-    WorkerStats,
+    FinishedAttempt, HandoffNote, KvReservation, LivePhase, LiveRequest, StageTimes, TokenDelta, WorkerInfo,
+    WorkerReport, WorkerRequest, WorkerStats,
 )
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.token_stream import TokenPublisher
+from actors.protocol.tp_messages import KvSendPlan, PieceEvent
 from actors.worker.faults import check_fault
 from actors.worker.handoff_table import HandoffTable, LeaseKind
-from actors.worker.kv_handoff import handoff_ends
+from actors.worker.kv_handoff import HandoffEnds
 from actors.worker.meter import WorkerMeter
 from actors.worker.running import Running, engine_id
 from actors.worker.scheduler_link import SchedulerLink
 from actors.worker.spec import WorkerSpec
 from actors.worker.tp_group import TPGroup
-from kv_transfer.page_format import PageFormatError
 
 log = logging.getLogger("tandem.worker")
 _CALL_TIMEOUT_S = 30.0
@@ -84,7 +75,11 @@ class Worker:
         self._handoffs = HandoffTable(self._engine, spec.lease_s)
         self._finished: list[FinishedAttempt] = []  # not yet reported
         self._meter = WorkerMeter()
-        self._sender, self._receiver = handoff_ends(spec, self._engine.kv_caches, self._handoffs.admit, self._on_pages)
+        comm = self._tp.comm if self._tp else SINGLE
+        self._ends = HandoffEnds(spec, self._engine.kv_caches, self._engine.kv_heads, comm, self._handoffs.admit,
+                                 self._on_piece)
+        self._ends.join()  # with the group's other ranks, which do the same (tp_group.py)
+        self._receiver = self._ends.receiver
         # A fresh id per process: the scheduler tells a restarted worker (new incarnation, its requests
         # lost) from one that re-announces itself (same incarnation, its requests still live).
         self._incarnation = uuid.uuid4().hex
@@ -101,14 +96,18 @@ class Worker:
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
-            self.spec.worker_id, self.spec.role, self._receiver.endpoint if self._receiver else None,
-            self._engine.num_kv_blocks, self._engine.config.block_size,
-            self._engine.bytes_per_block // self._engine.config.block_size, self._incarnation,
+            self.spec.worker_id, self.spec.role, self._ends.endpoints, self._engine.num_kv_blocks,
+            self._engine.config.block_size, self._engine.model_bytes_per_block // self._engine.config.block_size,
+            self._incarnation,
         )
 
     def tensor_parallel_ranks(self) -> list:
         """The actors of ranks 1.. of this worker's tensor-parallel group ([] for a one-rank worker)."""
         return list(self._tp.ranks) if self._tp else []
+
+    def kv_bytes(self) -> tuple[int, int]:
+        """KV page bytes rank 0 has sent and received: its own share of the handoffs."""
+        return self._ends.bytes_moved()
 
     def inject_fault(self, fault: str | None, delay_s: float = 1.0) -> None:
         """A chaos hook of faults.py; None clears every fault."""
@@ -156,8 +155,7 @@ class Worker:
         self._thread.join(timeout=10)
         if self._tp is not None and not self._thread.is_alive():
             self._tp.stop(self._engine.runner)
-        if self._receiver:
-            self._receiver.close()
+        self._ends.close()
         self._publisher.close()
 
     def _put(self, handler, arg) -> None:
@@ -250,22 +248,24 @@ class Worker:
             return
         self._running[key] = Running(request, StageTimes(received=received_at))  # inbox wait included
 
-    def _do_landed(self, header, error: Exception | None, landed_at: float) -> None:
-        if isinstance(error, PageFormatError):  # refused before a byte was written
-            lease = self._handoffs.refused(header.lease_id)
+    def _do_piece(self, event: PieceEvent, landed_at: float) -> None:
+        """A piece of an attempt's pages was written, failed, or was refused (by any rank of this worker)."""
+        piece = event.piece
+        if event.stage == "refused":  # before a byte was written
+            lease = self._handoffs.refused(piece.lease_id)
             if lease is not None:
-                self._fail(lease.request, f"KV transfer refused: {error}")
+                self._fail(lease.request, f"KV transfer refused: {event.error}")
             return
         adopt = "ignore_kv_arrivals" not in self._faults  # ignored: the sender never gets an ack
-        lease = self._handoffs.landed(header.lease_id, ok=error is None, adopt=adopt)
+        lease = self._handoffs.landed(piece, ok=event.stage == "landed", note=event.note, adopt=adopt)
         if lease is None:
             return
-        if error is not None:
-            self._fail(lease.request, f"KV transfer failed while writing: {error}", retryable=True)
+        if event.stage != "landed":
+            self._fail(lease.request, f"KV transfer failed while writing: {event.error}", retryable=True)
             return
         request = lease.request
         try:
-            note = decode_note(header.note)
+            note = decode_note(lease.note)
             self._engine.adopt(lease.engine_id, list(request.request.prompt_token_ids), note.first_token,
                                request.request.params, request.request.cache_salt, note.num_cached_tokens)
         except (ProtocolError, ValueError) as exc:
@@ -275,8 +275,8 @@ class Worker:
         self._running[lease.engine_id] = Running(
             request, note.times.merged(StageTimes(landed=landed_at, adopted=time.time())))
         self._meter.adopted += 1
-        nbytes = len(header.dest_block_ids) * self._engine.bytes_per_block
-        self._meter.landed(note.prefill_worker, nbytes, note.times.sent, landed_at)
+        self._meter.landed(note.prefill_worker, len(lease.block_ids) * self._engine.model_bytes_per_block,
+                           note.times.sent, landed_at)
         if self.scheduler is not None:
             self.scheduler.handoff_done.remote(request.attempt, note.prefill_worker)
 
@@ -289,7 +289,7 @@ class Worker:
             self._engine.abort(key)
 
     def _do_fault(self, fault: str | None, delay_s: float) -> None:
-        if fault == "kill_kv_receiver" and self._receiver is not None:
+        if fault == "kill_kv_receiver" and self._receiver is not None:  # rank 0's
             self._receiver.close()
             return
         if fault is None:
@@ -328,10 +328,11 @@ class Worker:
         del self._running[key]
         note = HandoffNote(out.new_token_ids[0], out.num_cached_tokens, self.spec.worker_id,
                            run.times.merged(StageTimes(sent=time.time())))
+        plan = KvSendPlan(dest.reservation.lease_id, tuple(self._engine.handoff_blocks(key)),
+                          dest.reservation.block_ids, dest.endpoints, encode(note), min(self.spec.lease_s, 10.0))
         try:
             if "drop_kv_sends" not in self._faults:
-                self._sender.send(dest.endpoint, dest.reservation.lease_id, self._engine.handoff_blocks(key),
-                                  dest.reservation.block_ids, encode(note), timeout_s=min(self.spec.lease_s, 10.0))
+                self._ends.hand_off(plan, self._engine.runner.lead_task if self._tp else None)
         except Exception as exc:
             self._meter.transfers_failed += 1
             self._engine.release_handoff(key)
@@ -339,7 +340,7 @@ class Worker:
             self._fail(request, f"KV transfer to the decode worker failed: {exc}", retryable=True)
             return
         self._meter.transfers_sent += 1
-        self._meter.kv_bytes_sent += len(dest.reservation.block_ids) * self._engine.bytes_per_block
+        self._meter.kv_bytes_sent += len(dest.reservation.block_ids) * self._engine.model_bytes_per_block
         self._handoffs.hold(request, key)
 
     def _expire_leases(self) -> None:
@@ -367,9 +368,8 @@ class Worker:
         self._publisher.publish(request.request.sink, [delta])
         self._finished.append(FinishedAttempt(request.attempt, RequestStatus.FAILED))
 
-    def _on_pages(self, header, error: Exception | None) -> None:  # on the KV receiver's thread
-        if header is not None:  # bytes that were not a header wrote nothing and name no lease
-            self._put(self._do_landed, (header, error, time.time()))  # stamped here: not behind a step
+    def _on_piece(self, event: PieceEvent) -> None:  # on a KV receiver's thread, or the piece desk's
+        self._put(self._do_piece, (event, time.time()))  # stamped here: not behind a step
 
     # ---- reporting ----
 

@@ -5,11 +5,17 @@ A decode worker *reserves* blocks for an attempt's incoming pages under a lease;
 through this table: adopt, release, abort, expiry, transfer failure, worker failure. The blocks
 themselves belong to the engine; the table frees them through the engine's methods only.
 
-Threads: the receiver thread calls `admit` before it writes a transfer's pages (under the table's
-lock); everything else runs on the engine thread. A reservation whose pages are being written is never
-freed under them: an abort or an expiry in the middle of a write only marks it, and its blocks are freed
-when the write has ended (`landed`), so late pages can never reach blocks given to another request.
-Pages for a lease that is gone are refused before a byte is written, and counted.
+Pieces: a reservation's pages may come as several transfers (*pieces*): in a tensor-parallel worker
+each rank's cache holds some of the KV heads, and each rank receives its heads, possibly from several
+prefill ranks. The table (on rank 0) admits every piece of every rank and adopts the attempt once each
+rank has every one of its heads.
+
+Threads: the receiver threads call `admit` before they write a piece (under the table's lock; the other
+ranks' receivers through rank 0's piece desk); everything else runs on the engine thread. A reservation
+with a piece being written is never freed under it: an abort, an expiry or a failed piece in the middle
+of a write only marks it, and its blocks are freed when the last write has ended (`landed`), so late
+pages can never reach blocks given to another request. Pages for a lease that is gone are refused
+before a byte is written, and counted.
 """
 
 from __future__ import annotations
@@ -18,12 +24,19 @@ import enum
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from actors.engine.engine import Engine
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import KvReservation, LivePhase, LiveRequest, WorkerRequest
-from kv_transfer.page_format import PageFormatError, TransferHeader
+from actors.protocol.tp_messages import KvPiece
+from kv_transfer.page_format import PageFormatError
+
+Piece = tuple[int, int, int]  # (rank, first head, number of heads)
+
+
+class LeaseRefused(PageFormatError):
+    """A piece for a lease that has ended, or one already written: dropped and counted, it fails nothing."""
 
 
 class LeaseKind(enum.Enum):
@@ -39,8 +52,10 @@ class Lease:
     deadline: float  # time.monotonic()
     lease_id: str | None = None  # reservations: the transfer name senders use
     block_ids: tuple[int, ...] = ()
-    writing: bool = False  # its pages are being written right now
-    cancelled: bool = False  # ended during a write: freed once the write is over
+    writing: set[Piece] = field(default_factory=set)  # pieces being written right now
+    landed: set[tuple[int, int]] = field(default_factory=set)  # (rank, head) written
+    cancelled: bool = False  # ended during a write: freed once the writes are over
+    note: bytes = b""  # the sender's handoff note, from the pieces that landed
 
     @property
     def attempt(self) -> AttemptId:
@@ -50,6 +65,8 @@ class Lease:
 class HandoffTable:
     def __init__(self, engine: Engine, lease_s: float):
         self._engine = engine
+        _, by_rank = engine.kv_heads
+        self._needed = frozenset((rank, h) for rank, (a, b) in enumerate(by_rank) for h in range(a, b))
         self._lease_s = lease_s
         self._lock = threading.Lock()
         self._leases: dict[AttemptId, Lease] = {}
@@ -77,16 +94,24 @@ class HandoffTable:
             self._by_lease_id[lease.lease_id] = lease
         return KvReservation(lease.lease_id, lease.block_ids)
 
-    def admit(self, header: TransferHeader) -> None:
-        """Receiver thread, before any byte is written: only into a live reservation's own blocks."""
+    def admit(self, piece: KvPiece) -> None:
+        """A receiver thread, before any byte of a piece is written: only into a live reservation's own
+        blocks, only heads of that rank, each once."""
+        key = (piece.rank, piece.first_head, piece.num_heads)
+        heads = {(piece.rank, h) for h in range(piece.first_head, piece.first_head + piece.num_heads)}
         with self._lock:
-            lease = self._by_lease_id.get(header.lease_id)
-            if lease is None or lease.cancelled or lease.writing:
+            lease = self._by_lease_id.get(piece.lease_id)
+            if lease is None or lease.cancelled:
                 self.late_pages_dropped += 1
-                raise PageFormatError(f"transfer {header.transfer_id}: no live reservation (lease ended)")
-            if tuple(header.dest_block_ids) != lease.block_ids:
-                raise PageFormatError(f"transfer {header.transfer_id}: destination blocks are not the reservation's")
-            lease.writing = True
+                raise LeaseRefused(f"transfer {piece.lease_id}: no live reservation (lease ended)")
+            if tuple(piece.dest_block_ids) != lease.block_ids:
+                raise PageFormatError(f"transfer {piece.lease_id}: destination blocks are not the reservation's")
+            if not heads <= self._needed:
+                raise PageFormatError(f"transfer {piece.lease_id}: rank {piece.rank} does not hold heads "
+                                      f"[{piece.first_head}, {piece.first_head + piece.num_heads})")
+            if heads & (lease.landed | {(r, h) for r, a, n in lease.writing for h in range(a, a + n)}):
+                raise LeaseRefused(f"transfer {piece.lease_id}: heads of rank {piece.rank} written twice")
+            lease.writing.add(key)
         if not self._writes_open.is_set():
             self._writes_open.wait(self._hold_max_s)
 
@@ -98,33 +123,48 @@ class HandoffTable:
         else:
             self._writes_open.clear()
 
-    def landed(self, lease_id: str, ok: bool, adopt: bool = True) -> Lease | None:
-        """Engine thread, after an admitted write ended (`ok`: every page written). Returns the
-        reservation to adopt (ok) or to fail (not ok). None when there is nothing to do: the lease ended
-        during the write (its blocks are freed now), or `adopt` is False (a fault hook: the pages are
-        ignored and the reservation waits for its lease to end)."""
+    def landed(self, piece: KvPiece, ok: bool, note: bytes = b"", adopt: bool = True) -> Lease | None:
+        """Engine thread, after an admitted piece's write ended (`ok`: every page written). Returns the
+        reservation to adopt (ok, and every head of every rank has landed) or to fail (the first piece
+        that failed). None when there is nothing to do: more pieces are due, the lease had ended (its
+        blocks are freed once no piece is being written), or `adopt` is False (a fault hook: the pages
+        are ignored and the reservation waits for its lease to end)."""
+        key = (piece.rank, piece.first_head, piece.num_heads)
         with self._lock:
-            lease = self._by_lease_id.get(lease_id)
-            if lease is None or not lease.writing:
+            lease = self._by_lease_id.get(piece.lease_id)
+            if lease is None or key not in lease.writing:
                 return None
-            lease.writing = False
+            lease.writing.discard(key)
             if lease.cancelled:
                 self.late_pages_dropped += 1
-            elif ok and not adopt:
-                return None
+                result = None
+            elif not ok:
+                self._cancel(lease)
+                result = lease
+            else:
+                lease.landed |= {(piece.rank, h) for h in range(piece.first_head, piece.first_head + piece.num_heads)}
+                lease.note = lease.note or note
+                if lease.writing or lease.landed != self._needed or not adopt:
+                    return None
+                self._forget(lease)
+                return lease  # its blocks now belong to the adopted request
+            if lease.writing:
+                return result  # the other pieces' writes end first; the last one frees the blocks
             self._forget(lease)
-        if lease.cancelled or not ok:
-            self._engine.release_reservation(lease.engine_id)
-        return None if lease.cancelled else lease
+        self._engine.release_reservation(lease.engine_id)
+        return result
 
     def refused(self, lease_id: str) -> Lease | None:
-        """Engine thread: a transfer naming this lease was refused before any byte was written (its pages
-        do not fit the reservation: another dtype, other blocks). Returns the reservation, released, for
-        its request to fail with the reason; None if the lease is gone or another write is under way."""
+        """Engine thread: a piece naming this lease was refused before any byte was written (its pages do
+        not fit the reservation: another dtype, other blocks, heads its rank does not hold). Returns the
+        reservation, ended, for its request to fail with the reason; None if the lease is gone."""
         with self._lock:
             lease = self._by_lease_id.get(lease_id)
-            if lease is None or lease.writing:
+            if lease is None or lease.cancelled:
                 return None
+            self._cancel(lease)
+            if lease.writing:
+                return lease
             self._forget(lease)
         self._engine.release_reservation(lease.engine_id)
         return lease
@@ -145,8 +185,7 @@ class HandoffTable:
             if lease is None:
                 return None
             if lease.writing:
-                lease.cancelled = True  # `landed` frees the blocks once the write is over
-                del self._leases[attempt]
+                self._cancel(lease)  # `landed` frees the blocks once the writes are over
                 return lease
             self._forget(lease)
         self._free(lease)
@@ -178,7 +217,7 @@ class HandoffTable:
         return sum(lease.kind is kind for lease in list(self._leases.values()))
 
     def writing(self) -> int:
-        return sum(lease.writing for lease in list(self._by_lease_id.values()))
+        return sum(bool(lease.writing) for lease in list(self._by_lease_id.values()))
 
     def live(self) -> list[LiveRequest]:
         phase = {LeaseKind.RESERVED: LivePhase.RESERVED, LeaseKind.HELD: LivePhase.HELD}
@@ -194,6 +233,9 @@ class HandoffTable:
             for lease in cancelled.values():
                 if not lease.writing:
                     raise RuntimeError(f"handoff table: cancelled lease {lease.lease_id} is not being written")
+            for lease in reserved.values():
+                if not lease.landed <= self._needed:
+                    raise RuntimeError(f"handoff table: reservation {lease.lease_id} landed heads no rank holds")
             leases = list(self._by_lease_id.values())
         for lease in leases:
             held = self._engine.reserved_blocks(lease.engine_id)
@@ -202,6 +244,10 @@ class HandoffTable:
                                    f"the engine holds {held}")
 
     # ---- internals (callers hold the lock where noted) ----
+
+    def _cancel(self, lease: Lease) -> None:  # lock held
+        lease.cancelled = True
+        self._leases.pop(lease.attempt, None)
 
     def _forget(self, lease: Lease) -> None:  # lock held
         self._leases.pop(lease.attempt, None)

@@ -1,7 +1,9 @@
 """A tensor-parallel worker: rank 0 is the Worker actor (scheduler link, batcher, sampling, KV
 bookkeeping); ranks 1..N-1 are `TPRank` actors it creates in the other bundles of its placement group
 (STRICT_PACK: one node), each holding its shard of the weights and of the KV cache and running the
-steps rank 0 leads (ModelRunner.follow).
+steps rank 0 leads (ModelRunner.follow). Each rank has its own KV ends (kv_handoff.py): a prefill rank
+sends its heads of a handoff when rank 0 leads one, a decode rank receives its heads and asks rank 0's
+piece desk before writing them (piece_desk.py).
 
 The group lives and dies as one worker. The ranks are rank 0's children: when rank 0's process ends,
 Ray ends them. When a rank ends, rank 0 sees its `run` call return (`lost`), fails its requests and
@@ -25,6 +27,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.model.default_model import ensure_on_this_node
 from actors.engine.model.parallel import DistComm, TPShard
 from actors.engine.model.runner import ModelRunner
+from actors.worker.kv_handoff import HandoffEnds
 from actors.worker.spec import WorkerSpec
 
 log = logging.getLogger("tandem.worker")
@@ -43,6 +46,7 @@ class TPRank:
 
     def __init__(self, spec: WorkerSpec, rank: int, init_method: str):
         self.spec, self.rank, self.init_method = spec, rank, init_method
+        self.ends: HandoffEnds | None = None
 
     def run(self) -> None:
         """Join the group, load this rank's shard, then run rank 0's steps until it says stop."""
@@ -52,7 +56,18 @@ class TPRank:
         dist.init_process_group(_backend(engine), init_method=self.init_method, rank=self.rank,
                                 world_size=spec.tensor_parallel_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         runner = ModelRunner.from_config(engine, DistComm(TPShard(self.rank, spec.tensor_parallel_size)))
-        runner.follow()
+        # This rank's own KV ends: a prefill rank sends its heads, a decode rank receives its heads.
+        self.ends = HandoffEnds(spec, runner.kv_caches, (runner.model.total_kv_heads, runner.model.kv_heads_by_rank),
+                                runner.comm)
+        self.ends.join()
+        try:
+            runner.follow(on_task=self.ends.run_task)
+        finally:
+            self.ends.close()
+
+    def kv_bytes(self) -> tuple[int, int]:
+        """KV page bytes this rank has sent and received (answered while `run` runs: a threaded actor)."""
+        return self.ends.bytes_moved() if self.ends is not None else (0, 0)
 
 
 class TPGroup:
@@ -63,7 +78,7 @@ class TPGroup:
         if spec.placement_group is None:
             raise ValueError(f"worker {spec.worker_id}: tensor_parallel_size={size} needs a placement group")
         init_method = f"tcp://127.0.0.1:{_free_port()}"  # STRICT_PACK: every rank is on this node
-        rank_cls = ray.remote(TPRank)
+        rank_cls = ray.remote(max_concurrency=2)(TPRank)  # `run` for life, and queries
         self.ranks = [
             rank_cls.options(
                 num_cpus=spec.rank_num_cpus, num_gpus=spec.rank_num_gpus,

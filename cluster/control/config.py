@@ -206,9 +206,6 @@ class TandemConfig(_Strict):
         if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ValueError("mode colocated needs colocated.replicas >= 1")
         split = [role for role, pool in self.pools().items() if pool.tensor_parallel_size > 1]
-        if split and self.mode == "disaggregated":
-            raise ValueError(f"{', '.join(split)}.tensor_parallel_size > 1: a KV handoff between tensor-parallel "
-                             "workers is not built yet; run tensor parallelism in colocated mode")
         if split and self.transfer.backend == "collective":
             raise ValueError("tensor_parallel_size > 1 needs transfer.backend zmq (a rank's process holds one "
                              "torch.distributed group: its worker's)")

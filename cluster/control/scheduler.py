@@ -289,7 +289,7 @@ class Scheduler:
                 if reservation is not None:
                     decode.handle.abort.remote(attempt)  # the handle reserved on, even if since replaced
                 return None
-            dest = KvDestination(placement.decode_id, decode.info.kv_endpoint, reservation)
+            dest = KvDestination(placement.decode_id, decode.info.kv_endpoints, reservation)
         if placement.local and self.s.mode != "colocated":
             self._local_prefills += 1
         prefill_id = placement.prefill_id

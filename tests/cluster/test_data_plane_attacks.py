@@ -69,7 +69,7 @@ def test_strangers_cannot_inject_tokens_or_pages(cluster, expected):
     assert cluster.keys is not None  # tcp sockets get CURVE by default
     prompts, params = workload()
     client = cluster.client()
-    decode = ray.get(cluster.workers["decode-0"].info.remote(), timeout=30)
+    kv_endpoint = ray.get(cluster.workers["decode-0"].info.remote(), timeout=30).kv_endpoints[0].endpoint
     refused_before = rejected_handshakes()
     submitted = [client.submit(p, sp) for p, sp in zip(prompts, params)]
 
@@ -77,7 +77,7 @@ def test_strangers_cannot_inject_tokens_or_pages(cluster, expected):
     attempts = [AttemptId(s.request_id, a) for s in submitted for a in ("0", "1", "a")]
     forged = [TokenDelta(a, 0, 0, (66,), RequestStatus.FINISHED_STOPPED, error="attacker") for a in attempts]
     publishers = [TokenPublisher(), TokenPublisher(keys=CurveKeys.generate())]
-    strangers = [_stranger(client.sink, cluster.keys.public), _stranger(decode.kv_endpoint, cluster.keys.public)]
+    strangers = [_stranger(client.sink, cluster.keys.public), _stranger(kv_endpoint, cluster.keys.public)]
     pages = ZmqKVSender()  # a plain zmq peer at the KV socket
     try:
         for publisher in publishers:
@@ -87,9 +87,9 @@ def test_strangers_cannot_inject_tokens_or_pages(cluster, expected):
         strangers[1].send_multipart([encode_header(header), b"\x00" * 64, b"\x00" * 64])
         src = [(torch.zeros(4, 16, 1, 1), torch.zeros(4, 16, 1, 1))]
         with pytest.raises(TransferError, match="no receiver"):  # nothing is queued for an unadmitted peer
-            pages.send(decode.kv_endpoint, TransferHeader("forged", "forged", PageSpec.from_caches(src), (0,)),
+            pages.send(kv_endpoint, TransferHeader("forged", "forged", PageSpec.from_caches(src), (0,)),
                        src, [0], timeout_s=1.0)
-        for endpoint in (client.sink, decode.kv_endpoint):
+        for endpoint in (client.sink, kv_endpoint):
             _spray(endpoint)
         outputs = [_collect(client, handle) for handle in submitted]
     finally:

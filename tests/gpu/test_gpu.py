@@ -30,8 +30,11 @@ from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.engine.model.attention import build_attention_batch
 from actors.engine.model.loader import load_model
+from actors.protocol.messages import KvRankEndpoint
 from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.tp_messages import KvSendPlan
 from actors.worker.kv_handoff import HandoffReceiver, HandoffSender
+from kv_transfer.page_format import HeadSlice
 from tests.gpu.bench_model import BENCH_CONFIGS, write_random_checkpoint
 from tests.helpers.models import make_hf_model
 
@@ -252,21 +255,23 @@ def test_zmq_handoff_stages_gpu_pages_through_pinned_host_memory(transport):
     src, dst = _caches(1), _caches(2)
     before = [(k.clone(), v.clone()) for k, v in dst]
     done: queue.Queue = queue.Queue()
-    rx = HandoffReceiver(dst, accept=lambda h: True, on_pages=lambda h, e: done.put((h, e)),
-                         transport=transport, host="127.0.0.1")
+    heads = HeadSlice.whole(dst[0][0].shape[2])
+    rx = HandoffReceiver(dst, 0, heads, admit=lambda piece: None, on_piece=done.put, transport=transport,
+                         host="127.0.0.1")
     tx = HandoffSender(src)
-    src_ids, dest_ids = list(range(0, 48)), list(range(63, 15, -1))
+    target = (KvRankEndpoint(rx.endpoint, 0, heads.count, heads.total),)
+    src_ids, dest_ids = tuple(range(0, 48)), tuple(range(63, 15, -1))
     try:
-        tx.send(rx.endpoint, "warm", "lease", [0], [0], {}, timeout_s=30)  # sockets, pinned pools
-        assert done.get(timeout=30)[1] is None
+        tx.send(KvSendPlan("warm", (0,), (0,), target, b"", 30))  # sockets, pinned pools
+        assert done.get(timeout=30).stage == "landed"
         start = time.perf_counter()
-        tx.send(rx.endpoint, "t1", "lease", src_ids, dest_ids, {"n": 1}, timeout_s=30)
-        header, error = done.get(timeout=30)
+        tx.send(KvSendPlan("t1", src_ids, dest_ids, target, b"", 30))
+        event = done.get(timeout=30)
         seconds = time.perf_counter() - start
     finally:
         tx.close()
         rx.close()
-    assert error is None and header.transfer_id == "t1"
+    assert event.stage == "landed" and event.piece.lease_id == "t1"
     ids = torch.tensor(src_ids, device=DEVICE), torch.tensor(dest_ids, device=DEVICE)
     for (k, v), (sk, sv), (bk, bv) in zip(dst, src, before):
         for got, want, old in ((k, sk, bk), (v, sv, bv)):

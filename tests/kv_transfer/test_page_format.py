@@ -86,12 +86,15 @@ def _good_message() -> dict:
     (b"\xc1junk", "not msgpack"),
     (b"", "not msgpack"),
     (msgpack.packb([1, 2]), "expected a map"),
-    (msgpack.packb({**_good_message(), "v": HEADER_VERSION + 1}), "unsupported transfer header version 3"),
+    (msgpack.packb({**_good_message(), "v": HEADER_VERSION + 1}), "unsupported transfer header version 4"),
     (msgpack.packb({k: v for k, v in _good_message().items() if k != "lease_id"}), "keys"),
     (msgpack.packb({**_good_message(), "spec": ["float32", 4, 2]}), "spec"),
     (msgpack.packb({**_good_message(), "spec": ["float99", 4, 2, 2, 8]}), "unknown dtype 'float99'"),
     (msgpack.packb({**_good_message(), "dest_block_ids": "12"}), "dest_block_ids"),
     (msgpack.packb({**_good_message(), "transfer_id": 5}), "transfer_id must be a str"),
+    (msgpack.packb({**_good_message(), "heads": [1]}), "is not \\[first_head, total_kv_heads\\]"),
+    (msgpack.packb({**_good_message(), "heads": [1, 2]}), "do not lie in the model's 2 KV heads"),
+    (msgpack.packb({**_good_message(), "heads": [0, "2"]}), "total must be a positive int"),
 ])
 def test_decode_rejects_malformed(data, words):
     with pytest.raises(PageFormatError, match=words):

@@ -202,6 +202,10 @@ class LlamaModel(nn.Module):
         `cfg` becomes that rank's config)."""
         super().__init__()
         self.shard = shard
+        # Which of the model's KV heads each rank's cache holds ([first, end)), and how many there are.
+        self.kv_heads_by_rank = tuple(TPShard(r, shard.size).kv_heads(cfg.num_kv_heads, cfg.num_heads)
+                                      for r in range(shard.size))
+        self.total_kv_heads = cfg.num_kv_heads
         self.cfg = cfg = shard.local_config(cfg)
         self.tp: TPComm = SINGLE
         self.vocab_rows = shard.vocab(cfg.vocab_size)

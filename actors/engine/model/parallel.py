@@ -74,18 +74,20 @@ class TPShard:
 @dataclass
 class StepPlan:
     """What rank 0 tells the other ranks each step: a forward pass (the runner's arguments), a block copy
-    (a fork's partial block), or stop."""
+    (a fork's partial block), a task of the worker's (opaque bytes, e.g. a KV handoff every rank sends
+    its part of), or stop."""
 
-    kind: str  # "forward" | "copy" | "stop" | "idle" (nothing to run: the followers' wait starts over)
+    kind: str  # "forward" | "copy" | "task" | "stop" | "idle" (nothing to run: the followers' wait starts over)
     token_ids: list[int] = field(default_factory=list)
     query_lens: list[int] = field(default_factory=list)
     computed_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     copy: tuple[int, int] = (0, 0)
+    payload: bytes = b""
 
 
-_KINDS = ("stop", "forward", "copy", "idle")
+_KINDS = ("stop", "forward", "copy", "idle", "task")
 
 
 class TPComm:
@@ -105,6 +107,10 @@ class TPComm:
     def follow(self) -> StepPlan:
         raise RuntimeError("a single-rank worker has no leader to follow")
 
+    def agree(self, value) -> list:
+        """Every rank's `value` (a small picklable object), in rank order, on every rank."""
+        return [value]
+
 
 SINGLE = TPComm()
 
@@ -120,9 +126,11 @@ class DistComm(TPComm):
     def lead(self, plan: StepPlan) -> None:
         tables = plan.block_tables
         width = max((len(t) for t in tables), default=0)
-        header = torch.tensor([_KINDS.index(plan.kind), len(plan.token_ids), len(plan.query_lens),
-                               len(plan.sample_rows), width, *plan.copy], dtype=torch.int64)
+        header = torch.tensor([_KINDS.index(plan.kind), len(plan.token_ids) or len(plan.payload),
+                               len(plan.query_lens), len(plan.sample_rows), width, *plan.copy], dtype=torch.int64)
         dist.broadcast(header, src=0, group=self._plans)
+        if plan.kind == "task":
+            dist.broadcast(torch.frombuffer(bytearray(plan.payload), dtype=torch.uint8), src=0, group=self._plans)
         if plan.kind != "forward":
             return
         padded = [t + [0] * (width - len(t)) for t in tables]
@@ -134,6 +142,10 @@ class DistComm(TPComm):
         header = torch.empty(7, dtype=torch.int64)
         dist.broadcast(header, src=0, group=self._plans)
         kind, n_tokens, n_seqs, n_samples, width, src, dst = header.tolist()
+        if _KINDS[kind] == "task":
+            payload = torch.empty(n_tokens, dtype=torch.uint8)
+            dist.broadcast(payload, src=0, group=self._plans)
+            return StepPlan("task", payload=payload.numpy().tobytes())
         if _KINDS[kind] != "forward":
             return StepPlan(_KINDS[kind], copy=(src, dst))
         body = torch.empty(n_tokens + 3 * n_seqs + n_samples + n_seqs * width, dtype=torch.int64)
@@ -145,6 +157,11 @@ class DistComm(TPComm):
         lens = values[sum(cut):]
         tables = [flat[i * width : i * width + lens[i]] for i in range(n_seqs)]
         return StepPlan("forward", tokens, query_lens, computed_lens, tables, sample_rows)
+
+    def agree(self, value) -> list:
+        values = [None] * self.shard.size
+        dist.all_gather_object(values, value, group=self._plans)
+        return values
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)

@@ -8,6 +8,7 @@ before running it), the others `follow` until rank 0 says stop.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -79,14 +80,21 @@ class ModelRunner:
         return self.model(input_ids, batch, self.kv_caches, sample_idx)
 
     @torch.inference_mode()
-    def follow(self) -> None:
-        """A rank other than 0: run each step rank 0 leads, until it says stop."""
+    def follow(self, on_task: Callable[[bytes], None] | None = None) -> None:
+        """A rank other than 0: run each step rank 0 leads, until it says stop; `on_task` runs the
+        worker's tasks (`lead_task`)."""
         while (plan := self.comm.follow()).kind != "stop":
-            if plan.kind == "copy":
+            if plan.kind == "task" and on_task is not None:
+                on_task(plan.payload)
+            elif plan.kind == "copy":
                 self._copy_block(*plan.copy)
             elif plan.kind == "forward":
                 self._forward(plan.token_ids, plan.query_lens, plan.computed_lens, plan.block_tables,
                               plan.sample_rows)
+
+    def lead_task(self, payload: bytes) -> None:
+        """Rank 0: the other ranks run this task of the worker's (rank 0 runs its own part itself)."""
+        self._lead(StepPlan("task", payload=payload))
 
     def stop_followers(self) -> None:
         self._lead(StepPlan("stop"))

@@ -21,6 +21,7 @@ from actors.protocol.codec import decode_deltas, encode
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import GenerateRequest, HandoffNote, WorkerRequest
 from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.tp_messages import KvSendPlan
 from actors.worker.actor import Worker
 from actors.worker.kv_handoff import HandoffSender
 from actors.worker.spec import WorkerSpec
@@ -66,8 +67,8 @@ def test_abort_during_a_page_write_keeps_the_blocks_until_the_write_is_over(deco
         worker.inject_fault("hold_kv_writes", HOLD_MAX_S)
         sender = HandoffSender(source.kv_caches)
         note = encode(HandoffNote(first_token=7, num_cached_tokens=0, prefill_worker="prefill-t"))
-        sender.send(worker.info().kv_endpoint, reservation.lease_id, list(range(6)), reservation.block_ids, note,
-                    timeout_s=10.0)
+        sender.send(KvSendPlan(reservation.lease_id, tuple(range(6)), reservation.block_ids,
+                               worker.info().kv_endpoints, note, timeout_s=10.0))
         wait_for(lambda: worker.check_integrity().writing == 1)
 
         worker.abort(aborted.attempt)  # mid-write
@@ -106,7 +107,8 @@ def test_pages_for_an_ended_lease_are_refused_before_writing(decode):
     wait_for(lambda: worker.check_integrity().reserved == 0)
     source = Engine(engine)
     sender = HandoffSender(source.kv_caches)
-    sender.send(worker.info().kv_endpoint, reservation.lease_id, [0, 1], reservation.block_ids, b"", timeout_s=10.0)
+    sender.send(KvSendPlan(reservation.lease_id, (0, 1), reservation.block_ids, worker.info().kv_endpoints, b"",
+                           timeout_s=10.0))
     stats = wait_for(lambda: (s := worker.check_integrity()).late_pages_dropped == 1 and s)
     assert stats.used_blocks == 0 and stats.writing == 0
     sender.close()

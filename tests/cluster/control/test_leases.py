@@ -11,7 +11,7 @@ import zmq
 
 from actors.protocol.codec import decode_deltas
 from actors.protocol.ids import AttemptId
-from actors.protocol.messages import GenerateRequest, KvDestination, KvReservation, WorkerRequest
+from actors.protocol.messages import GenerateRequest, KvDestination, KvRankEndpoint, KvReservation, WorkerRequest
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 from actors.worker.actor import worker_actor
@@ -61,7 +61,8 @@ def test_hold_without_release_expires_within_the_lease(ray_session):
     pages_port = pages.bind_to_random_port("tcp://127.0.0.1")
     try:
         ray.get(worker.info.remote(), timeout=120)
-        dest = KvDestination("decode-x", f"tcp://127.0.0.1:{pages_port}", KvReservation("l1", (7, 8, 9)))
+        target = KvRankEndpoint(f"tcp://127.0.0.1:{pages_port}", 0, 2, 2)  # the tiny model's 2 KV heads
+        dest = KvDestination("decode-x", (target,), KvReservation("l1", (7, 8, 9)))
         request = WorkerRequest(AttemptId("never-acked", "a0"), GenerateRequest(
             "never-acked", range(10, 50), SamplingParams(max_tokens=4, temperature=0.0),
             f"tcp://127.0.0.1:{sink_port}"), dest)

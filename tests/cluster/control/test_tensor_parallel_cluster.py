@@ -103,7 +103,8 @@ def test_scaling_adds_and_removes_whole_groups(ray_session):
         cluster.shutdown()
 
 
-def test_disaggregated_tp_is_refused_naming_the_pools():
+def test_tp_with_the_collective_transport_is_refused():
     config = load("local.yaml")
-    with pytest.raises(ValueError, match="prefill.tensor_parallel_size > 1: a KV handoff between tensor-parallel"):
-        TandemConfig.model_validate({**config.model_dump(), "prefill": {"tensor_parallel_size": 2}})
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 needs transfer.backend zmq"):
+        TandemConfig.model_validate({**config.model_dump(), "prefill": {"tensor_parallel_size": 2},
+                                     "transfer": {"backend": "collective"}})

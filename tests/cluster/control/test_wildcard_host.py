@@ -21,7 +21,7 @@ def test_wildcard_bind_advertises_the_node_ip(ray_session, expected):
     cluster = Cluster.start(wildcard_config())
     try:
         infos = ray.get([w.info.remote() for w in cluster.workers.values()], timeout=30)
-        endpoints = {i.worker_id: i.kv_endpoint for i in infos if i.kv_endpoint is not None}
+        endpoints = {i.worker_id: i.kv_endpoints[0].endpoint for i in infos if i.kv_endpoints}
         assert set(endpoints) == {"decode-0"}
         client = cluster.client()
         for endpoint in [*endpoints.values(), client.sink]:

@@ -40,7 +40,7 @@ def test_garbage_is_counted_and_streams_go_on(plain_server):
     cluster, base_url = plain_server
     assert cluster.keys is None
     sink = cluster.clients[-1].sink  # the ingress's client
-    kv_endpoint = ray.get(cluster.workers["decode-0"].info.remote(), timeout=30).kv_endpoint
+    kv_endpoint = ray.get(cluster.workers["decode-0"].info.remote(), timeout=30).kv_endpoints[0].endpoint
     raw_push(sink, GARBAGE)
     raw_push(kv_endpoint, GARBAGE)
 
