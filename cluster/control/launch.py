@@ -43,6 +43,9 @@ class Cluster:
 
     @classmethod
     def start(cls, config: TandemConfig, address: str | None = None, ready_timeout_s: float = 300.0) -> "Cluster":
+        """`ready_timeout_s`: how long the workers may take, all told, to load and register (a loaded host
+        can take minutes to import torch)."""
+        ready_by = time.monotonic() + ready_timeout_s
         owns_ray = not ray.is_initialized()
         if owns_ray:
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -96,7 +99,7 @@ class Cluster:
             # Every worker has joined the collective group in its constructor: the unauthenticated
             # rendezvous store closes its port now rather than listening for the cluster's lifetime.
             del rendezvous
-            cluster.wait_registered(set(workers), timeout_s=30.0)
+            cluster.wait_registered(set(workers), timeout_s=max(30.0, ready_by - time.monotonic()))
         except BaseException:
             cluster.shutdown()
             raise

@@ -25,6 +25,7 @@ from cluster.frontend.http.ingress import Ingress, check_text
 from cluster.frontend.http.openapi import ChatCompletionResponse, CompletionResponse, ModelList, documented
 from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from cluster.frontend.http.streaming import chat_chunks, completion_chunks, sse
+from cluster.frontend.http.token_routes import add_token_routes
 from kv_transfer.curve import rejected_handshakes
 
 log = logging.getLogger("tandem.ingress")
@@ -35,11 +36,13 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
     app = FastAPI(title="tandem", version="0.1.0")
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError):
+    async def _api_error(request: Request, exc: ApiError):
+        _log_refusal(request, exc.status, exc.message)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):  # FastAPI's own: 404, 405, unparsable bodies
+    async def _http_error(request: Request, exc: StarletteHTTPException):  # FastAPI's own: 404, 405, unparsable bodies
+        _log_refusal(request, exc.status_code, str(exc.detail))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(ApiError(exc.status_code, str(exc.detail), None, kind).body(), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
@@ -55,15 +58,16 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
                             status_code=500)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
+    async def _invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":  # its loc is a byte offset, not a field
-            why = first.get("ctx", {}).get("error", "")
-            return JSONResponse(ApiError(400, f"the request body is not valid JSON ({why})", None).body(), status_code=400)
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = loc[0] if loc else None
-        return JSONResponse(ApiError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", param).body(),
-                            status_code=400)
+            error = ApiError(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', '')})")
+        else:
+            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+            error = ApiError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}",
+                             loc[0] if loc else None)
+        _log_refusal(request, 400, error.message)
+        return JSONResponse(error.body(), status_code=400)
 
     # API key first, then the body's bytes as they arrive: nobody gets a body read for free.
     app.add_middleware(BodyGuard, gate=ingress.gate, max_body_bytes=ingress.max_body_bytes)
@@ -104,10 +108,13 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
     @app.get("/v1/models", response_model=None, responses=documented(ModelList, 401))
     async def models(request: Request):
         ingress.gate.authenticate(request.headers.get("authorization"))
-        return {"object": "list", "data": [{"id": ingress.model_name, "object": "model", "created": 0, "owned_by": "tandem"}]}
+        return {"object": "list", "data": [{"id": ingress.model_name, "object": "model", "created": 0, "owned_by": "tandem",
+                                            "max_model_len": ingress.max_model_len}]}
+
+    add_token_routes(app, ingress)
 
     @app.post("/v1/completions", response_model=None,
-              responses=documented(CompletionResponse, 400, 401, 408, 413, 429, 500, 503, 504, streams=True))
+              responses=documented(CompletionResponse, 400, 401, 404, 408, 413, 429, 500, 503, 504, streams=True))
     async def completions(req: CompletionRequest, request: Request):
         arrival = time.perf_counter()
         tenant = ingress.gate.authenticate(request.headers.get("authorization"))
@@ -136,7 +143,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         return responses.completion_body(rid, ingress.model_name, choices, usage)
 
     @app.post("/v1/chat/completions", response_model=None,
-              responses=documented(ChatCompletionResponse, 400, 401, 408, 413, 429, 500, 503, 504, streams=True))
+              responses=documented(ChatCompletionResponse, 400, 401, 404, 408, 413, 429, 500, 503, 504, streams=True))
     async def chat(req: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         tenant = ingress.gate.authenticate(request.headers.get("authorization"))
@@ -166,6 +173,13 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         return responses.chat_body(rid, ingress.model_name, choices, usage, chunk=False)
 
     return app
+
+
+def _log_refusal(request: Request, status: int, message: str) -> None:
+    """Requests answered 4xx are the client's errors, but an operator needs to see them (a client sending
+    a wrong model name, a schema it cannot meet); 5xx are logged where they happen, with the traceback."""
+    if 400 <= status < 500:
+        log.info("%s %s -> %d: %s", request.method, request.url.path, status, message[:300])
 
 
 async def _ref(ref):

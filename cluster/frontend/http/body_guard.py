@@ -20,14 +20,15 @@ Send = Callable[[dict], Awaitable[None]]
 
 
 class BodyGuard:
-    def __init__(self, app, gate: Gate, max_body_bytes: int, prefix: str = "/v1/"):
+    def __init__(self, app, gate: Gate, max_body_bytes: int, prefixes: tuple[str, ...] = ("/v1/", "/tokenize",
+                                                                                            "/detokenize")):
         self.app = app
         self.gate = gate
         self.max_body_bytes = max_body_bytes
-        self.prefix = prefix
+        self.prefixes = prefixes  # the routes that read a body or serve the model; probes stay open
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefixes):
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}

@@ -218,7 +218,9 @@ class Ingress:
         return prompts
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """The conversation through the chat template, as token ids (call it off the event loop)."""
+        """The conversation through the chat template, as token ids (call it off the event loop). A
+        `developer` message is a system message under OpenAI's newer name: templates know only the old."""
+        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # a template that rejects the conversation is the client's error
@@ -233,9 +235,13 @@ class Ingress:
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise ApiError(400, f"{param} holds a token id outside the vocabulary [0, {self.vocab_size})", param)
 
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model",
+                           "not_found_error")
+
     def check_common(self, req, max_tokens: int | None) -> int:
-        if req.model != self.model_name:
-            raise ApiError(400, f"model {req.model!r} does not exist; this server serves {self.model_name!r}", "model")
+        self.check_model(req.model)
         if not 1 <= req.n <= self.caps.max_n:
             raise ApiError(400, f"n must be between 1 and {self.caps.max_n}", "n")
         req.check_limits(self.caps)

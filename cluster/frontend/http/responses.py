@@ -15,7 +15,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def completion_logprobs(tokenizer, entries: list, text_start: int) -> dict:
-    """The legacy completions logprobs object for [token_id, logprob, top] entries."""
+    """The legacy completions logprobs object for [token_id, logprob, top] entries. As OpenAI's, each
+    position's `top_logprobs` holds the `logprobs` most likely tokens and the sampled one (up to
+    logprobs + 1 entries; `logprobs: 0` gives the sampled token alone)."""
     tokens, offsets, offset = [], [], text_start
     for token_id, _, _ in entries:
         piece = tokenizer.decode([token_id])
@@ -25,9 +27,15 @@ def completion_logprobs(tokenizer, entries: list, text_start: int) -> dict:
     return {
         "tokens": tokens,
         "token_logprobs": [lp for _, lp, _ in entries],
-        "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in top} for _, _, top in entries],
+        "top_logprobs": [_with_sampled(tokenizer, token_id, lp, top) for token_id, lp, top in entries],
         "text_offset": offsets,
     }
+
+
+def _with_sampled(tokenizer, token_id: int, logprob: float, top: list) -> dict:
+    pieces = {tokenizer.decode([t]): lp for t, lp in top}
+    pieces.setdefault(tokenizer.decode([token_id]), logprob)
+    return pieces
 
 
 def chat_logprobs(tokenizer, entries: list) -> dict:

@@ -68,6 +68,7 @@ async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionR
                              arrival: float) -> AsyncIterator[dict]:
     model = ingress.model_name
     offsets: dict[int, int] = {}
+    prompt_total = sum(len(stream.prompt_token_ids) for stream, _ in opened)
     if req.echo:
         for i, text in enumerate(echo_texts):
             for s in range(req.n):
@@ -80,8 +81,9 @@ async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionR
             lp = responses.completion_logprobs(ingress.tokenizer, ev.logprobs, offsets.get(index, len(echo_texts[i])))
             offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets.get(index, 0)
         yield responses.completion_body(rid, model, [{"index": index, "text": ev.text, "logprobs": lp,
-                                                      "finish_reason": ev.finish_reason if ev.finished else None}], None)
-    if req.stream_options and req.stream_options.include_usage:
+                                                      "finish_reason": ev.finish_reason if ev.finished else None}],
+                                        _running_usage(ingress, req, prompt_total, [st for st, _ in opened]))
+    if _usage_wanted(req):
         completion = sum(len(r.token_ids) for stream, _ in opened for r in stream.results)
         cached = sum(stream.results[0].num_cached_tokens for stream, _ in opened)
         prompt = sum(len(stream.prompt_token_ids) for stream, _ in opened)
@@ -91,15 +93,31 @@ async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionR
 async def chat_chunks(ingress: Ingress, stream: RequestStream, sink, rid: str, req: ChatCompletionRequest,
                        arrival: float) -> AsyncIterator[dict]:
     model = ingress.model_name
-    for s in range(req.n):
-        yield responses.chat_body(rid, model, [{"index": s, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}], None, chunk=True)
+    started: set[int] = set()  # choices whose role went out: with their first token, as vLLM sends it
+    prompt = len(stream.prompt_token_ids)
     async for ev in ingress.events(stream, sink, arrival):
         lp = responses.chat_logprobs(ingress.tokenizer, ev.logprobs) if req.logprobs and ev.logprobs else None
         delta = {"content": ev.text} if ev.text or not ev.finished else {}
+        if ev.index not in started:
+            started.add(ev.index)
+            delta = {"role": "assistant", "content": ev.text}
         yield responses.chat_body(rid, model, [{"index": ev.index, "delta": delta, "logprobs": lp,
-                                                "finish_reason": ev.finish_reason if ev.finished else None}], None, chunk=True)
-    if req.stream_options and req.stream_options.include_usage:
+                                                "finish_reason": ev.finish_reason if ev.finished else None}],
+                                  _running_usage(ingress, req, prompt, [stream]), chunk=True)
+    if _usage_wanted(req):
         completion = sum(len(r.token_ids) for r in stream.results)
-        yield responses.chat_body(rid, model, [], ingress.usage(len(stream.prompt_token_ids), completion,
-                                                                  stream.results[0].num_cached_tokens), chunk=True)
+        yield responses.chat_body(rid, model, [], ingress.usage(prompt, completion, stream.results[0].num_cached_tokens),
+                                  chunk=True)
+
+
+def _usage_wanted(req) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def _running_usage(ingress: Ingress, req, prompt_tokens: int, streams: list[RequestStream]) -> dict | None:
+    """vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far."""
+    if not (_usage_wanted(req) and req.stream_options.continuous_usage_stats):
+        return None
+    completion = sum(len(r.token_ids) for s in streams for r in s.results)
+    cached = sum(s.results[0].num_cached_tokens for s in streams if s.results)
+    return ingress.usage(prompt_tokens, completion, cached)

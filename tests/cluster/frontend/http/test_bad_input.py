@@ -43,7 +43,7 @@ ROWS = [
     ("17 stop strings", CMPL, _body(CMPL, stop=[f"s{i}" for i in range(17)]), 400, "stop"),
     ("a 257-char stop string", CHAT, _body(CHAT, stop=["x" * 257]), 400, "stop"),
     ("1025 logit_bias entries", CMPL, _body(CMPL, logit_bias={str(i): 1.0 for i in range(1025)}), 400, "logit_bias"),
-    ("unknown model", CMPL, _body(CMPL, model="gpt-4"), 400, "model"),
+    ("unknown model", CMPL, _body(CMPL, model="gpt-4"), 404, "model"),
     ("no such path", "/v1/nothing", _body(CMPL), 404, None),
 ]
 

@@ -56,11 +56,11 @@ def server():
     thread.join(timeout=10)
 
 
-def _chunked_post(port: int, key: str | None, total: int) -> tuple[int, dict, int]:
+def _chunked_post(port: int, key: str | None, total: int, path: str = "/v1/completions") -> tuple[int, dict, int]:
     """POST `total` bytes chunked, stopping as soon as a response arrives; (status, body, bytes sent)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
                  "Transfer-Encoding: chunked\r\n\r\n".encode())
     sent = 0
     sock.setblocking(False)
@@ -98,10 +98,11 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def test_no_key_gets_401_before_the_body_is_read(server):
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/detokenize"])
+def test_no_key_gets_401_before_the_body_is_read(server, path):
     app, port = server
     before = _rss()
-    status, body, sent = _chunked_post(port, None, 1536 << 20)  # a 1.5 GB body, if anyone read it
+    status, body, sent = _chunked_post(port, None, 1536 << 20, path)  # a 1.5 GB body, if anyone read it
     assert status == 401 and body["error"]["type"] == "authentication_error"
     assert sent < 64 << 20  # the answer came long before the body would have been sent
     assert app.calls == 0

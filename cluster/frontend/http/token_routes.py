@@ -1,0 +1,62 @@
+"""vLLM's utility routes beside the OpenAI API: `/tokenize`, `/detokenize` and `/version`. Clients use
+them to count tokens against the context (`max_model_len`) and to map ids back to text."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.frontend.http.ingress import Ingress, check_text
+from cluster.frontend.http.openapi import DetokenizeResponse, TokenizeResponse, VersionResponse, documented
+from cluster.frontend.http.protocol import ApiError, ChatMessage
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None  # through the chat template, as chat completions would
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
+def add_token_routes(app: FastAPI, ingress: Ingress) -> None:
+    @app.post("/tokenize", response_model=None, responses=documented(TokenizeResponse, 400, 401, 404, 413))
+    async def tokenize(req: TokenizeRequest, request: Request):
+        ingress.gate.authenticate(request.headers.get("authorization"))
+        ingress.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+        if req.messages is not None:
+            messages = [m.model_dump() for m in req.messages]
+            check_text(json.dumps(messages, ensure_ascii=False), "messages")
+            ids = await asyncio.to_thread(ingress.chat_prompt, messages)
+        else:
+            check_text(req.prompt, "prompt")
+            ids = await asyncio.to_thread(ingress.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": ingress.max_model_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize", response_model=None, responses=documented(DetokenizeResponse, 400, 401, 404, 413))
+    async def detokenize(req: DetokenizeRequest, request: Request):
+        ingress.gate.authenticate(request.headers.get("authorization"))
+        ingress.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < ingress.vocab_size]
+        if bad:
+            raise ApiError(400, f"tokens holds ids outside the vocabulary [0, {ingress.vocab_size}): {bad[:8]}", "tokens")
+        return {"prompt": await asyncio.to_thread(ingress.tokenizer.decode, req.tokens)}
+
+    @app.get("/version", response_model=None, responses=documented(VersionResponse))
+    async def version():
+        try:
+            return {"version": importlib.metadata.version("tandem")}
+        except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing it
+            return {"version": "unknown"}

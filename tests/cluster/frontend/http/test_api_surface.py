@@ -1,0 +1,96 @@
+"""The parts of the OpenAI surface (and vLLM's extras) that clients lean on, with the official `openai`
+client against a live 1P+1D cluster: completions logprobs in OpenAI's shape (the sampled token always
+among the top ones), the `developer` role, usage in every chunk, /tokenize, /detokenize, /version,
+max_model_len in /v1/models, and 4xx answers in the log."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import openai
+import pytest
+
+from actors.engine.engine import Engine
+from tests.helpers.cluster import load
+from tests.helpers.http_server import MODEL
+
+
+@pytest.fixture(scope="module")
+def engine(server):
+    return Engine(load("local.yaml").engine_config())
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_top_logprobs_include_the_sampled_token(client):
+    # Sampled at temperature 1 with a seed: the sampled token is often outside the top 1.
+    out = client.completions.create(model=MODEL, prompt="Log probs", max_tokens=12, temperature=1.0, seed=5,
+                                    logprobs=1, extra_body={"ignore_eos": True})
+    info = out.choices[0].logprobs
+    assert all(1 <= len(top) <= 2 for top in info.top_logprobs)
+    assert all(top[token] == pytest.approx(lp) for token, lp, top in zip(info.tokens, info.token_logprobs,
+                                                                          info.top_logprobs))
+    assert any(len(top) == 2 for top in info.top_logprobs), "no sampled token outside the top 1 in 12: pick a seed"
+    zero = client.completions.create(model=MODEL, prompt="Log probs", max_tokens=3, temperature=0, logprobs=0,
+                                     extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert [list(top) for top in zero.top_logprobs] == [[t] for t in zero.tokens]
+
+
+def test_developer_role_is_a_system_message(client):
+    def ask(role):
+        return client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+                                              messages=[{"role": role, "content": "Be brief."},
+                                                        {"role": "user", "content": "Hello"}]).choices[0].message.content
+    assert ask("developer") == ask("system")
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_continuous_usage_stats(client, chat):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if chat:
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=6, temperature=0, stream=True, stream_options=options,
+                                                     extra_body={"ignore_eos": True}))
+    else:
+        chunks = list(client.completions.create(model=MODEL, prompt="Count", max_tokens=6, temperature=0, stream=True,
+                                                stream_options=options, extra_body={"ignore_eos": True}))
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6 and counts[0] >= 1
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+
+
+def test_tokenize_detokenize_version_and_models(server, engine):
+    url = server[1]
+    tok = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "Hello there"}).json()
+    assert tok["tokens"] == engine.tokenizer.encode("Hello there") and tok["count"] == len(tok["tokens"])
+    assert tok["max_model_len"] == engine.max_model_len
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(url + "/tokenize", json={"messages": messages}).json()
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == engine.tokenizer.encode(text, add_special_tokens=False)
+    back = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": tok["tokens"]}).json()
+    assert back["prompt"] == engine.tokenizer.decode(tok["tokens"])
+    bad = httpx.post(url + "/detokenize", json={"tokens": [1, 10 ** 9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(url + "/tokenize", json={"prompt": "x", "messages": messages})
+    assert both.status_code == 400
+    assert httpx.post(url + "/tokenize", json={"model": "gpt-17", "prompt": "x"}).status_code == 404
+    assert httpx.get(url + "/version").json()["version"]
+    (model,) = httpx.get(url + "/v1/models").json()["data"]
+    assert model["id"] == MODEL and model["max_model_len"] == engine.max_model_len
+
+
+def test_client_errors_are_logged(client, caplog):
+    with caplog.at_level(logging.INFO, logger="tandem.ingress"):
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="gpt-17", prompt="x")
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, prompt="x", top_p=0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "tandem.ingress"]
+    assert any("/v1/completions -> 404" in line and "gpt-17" in line for line in lines), lines
+    assert any("/v1/completions -> 400" in line and "top_p" in line for line in lines), lines
