@@ -134,7 +134,8 @@ class Batcher:
         if batch.preempted or len(self.running) >= self.max_num_seqs:
             return None
         if seq.num_computed_tokens == 0 and not self.kv.has(seq.seq_id):
-            cached = self.kv.get_computed_blocks(seq.seq_id, seq.all_token_ids, seq.cache_salt)
+            cached = self.kv.get_computed_blocks(seq.seq_id, seq.all_token_ids, seq.cache_salt,
+                                                 use_cache=not seq.scores_prompt)
             seq.num_computed_tokens = cached
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached

@@ -26,6 +26,7 @@ from actors.engine.kv.cache_manager import KVCacheManager
 from actors.engine.model.parallel import SINGLE, TPComm
 from actors.engine.model.runner import ModelRunner
 from actors.engine.outputs import CompletionOutput, EngineLoad, GenerationResult, RequestOutput, TokenLogprob
+from actors.engine import prompt_scores
 from actors.engine.postprocess import append_token
 from actors.engine.sampling import Sampler, SampleResult, SamplingRow, skip_draws
 from actors.engine.sequence import Sequence
@@ -173,7 +174,11 @@ class Engine(Disaggregation):
             tables.append(self.kv.block_table(seq.seq_id))
             if start + n == seq.num_tokens:
                 sample_rows.append(i)
-        logits = self.runner.execute(token_ids, query_lens, computed_lens, tables, sample_rows)
+        score_rows, scored = prompt_scores.score_rows(batch.seqs, batch.num_new_tokens)
+        logits = self.runner.execute(token_ids, query_lens, computed_lens, tables, sample_rows, score_rows)
+        if scored:
+            prompt_scores.record(scored, logits[len(sample_rows):])
+            logits = logits[: len(sample_rows)]
 
         block_size = self.config.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -252,10 +257,12 @@ class Engine(Disaggregation):
         logprobs = None
         if params.logprobs is not None:
             logprobs = [TokenLogprob(token, res.logprob, res.top_logprobs or [])]
+        # The prompt's logprobs go out once, with the first token (a fork's samples share its prompt's).
+        first = seq.index == 0 and len(seq.output_token_ids) == 1
         return RequestOutput(
             seq.request_id, seq.index, [token], new_text, seq.status,
             len(seq.prompt_token_ids), seq.num_cached_tokens or 0, logprobs, seq.stop_reason,
-            len(seq.output_token_ids), seq.first_scheduled_time,
+            len(seq.output_token_ids), seq.first_scheduled_time, seq.prompt_logprobs if first else None,
         )
 
     def _forget_if_done(self, request_id: str) -> None:

@@ -25,6 +25,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     num_output_tokens: int = 0  # output tokens of this sequence so far, these included
     first_scheduled_time: float | None = None  # wall clock of the sequence's first step
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when asked for
 
     @property
     def finished(self) -> bool:
@@ -72,8 +74,11 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def absorb(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         c = self.outputs[out.index]
         c.token_ids.extend(out.new_token_ids)
         c.text += out.new_text

@@ -195,8 +195,8 @@ class Sampler:
             logits, chosen = logits[wanted], chosen[wanted]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-        top_n = min(max(rows[i].params.logprobs for i in wanted), logprobs.shape[1])
-        top_values, top_ids = _top_n(logprobs, top_n) if top_n else ([[]] * len(wanted),) * 2
+        k = min(max(rows[i].params.logprobs for i in wanted), logprobs.shape[1])
+        top_values, top_ids = top_n(logprobs, k) if k else ([[]] * len(wanted),) * 2
         for j, i in enumerate(wanted):
             n = rows[i].params.logprobs
             results[i].logprob = picked[j]
@@ -233,7 +233,7 @@ def _flatten(row_ids: list[int], token_lists: list, device: torch.device) -> tup
     return row, torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long, device=device)
 
 
-def _top_n(logprobs: torch.Tensor, n: int) -> tuple[list[list[float]], list[list[int]]]:
+def top_n(logprobs: torch.Tensor, n: int) -> tuple[list[list[float]], list[list[int]]]:
     """The n best (value, id) per row, best first, ties to the lower id."""
     values, ids = logprobs.topk(n, dim=-1)
     # topk picks an arbitrary member of a tie; where the n-th value is tied with tokens left out,

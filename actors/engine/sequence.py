@@ -34,6 +34,15 @@ class Sequence:
     pending_forks: int = 0  # children still to fork off once the prompt is computed (n > 1)
     hand_off: bool = False  # prefill role: after the first token, hold the KV for a decode worker
     first_scheduled_time: float | None = None  # wall clock of its first step; None while it waits
+    # Prompt logprobs (params.prompt_logprobs): one entry per prompt token scored so far, None for the first.
+    prompt_logprobs: list | None = None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's logprobs are still to be computed: every prompt token must run, none from the cache.
+        Not once it has a token: they went out with the first (or, adopted or migrated, from elsewhere)."""
+        return (self.params.prompt_logprobs is not None and not self.output_token_ids
+                and len(self.prompt_logprobs or ()) < len(self.prompt_token_ids))
 
     @property
     def seq_id(self) -> tuple[str, int]:

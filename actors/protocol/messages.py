@@ -265,3 +265,4 @@ class TokenDelta:
     logprobs: list | None = None  # [[token_id, logprob, [[id, logprob], ...]], ...] when asked for
     times: StageTimes | None = None  # on the first and the last delta of an attempt only
     retryable: bool = False  # a FAILED delta the client may retry elsewhere (its worker was lost)
+    prompt_logprobs: list | None = None  # the first delta: one entry per prompt token (None for the first)

@@ -28,6 +28,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; 0: the chosen token only; N: chosen + top N
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (scored in prefill)
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -77,8 +78,10 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63 - 64):
             raise bad("seed", "must be an integer that fits in 64 bits")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "must be an integer in [0, 20], or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20):
+                raise bad(name, "must be an integer in [0, 20], or None")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "every stop string must be a non-empty string")
         if self.logit_bias is not None and any(

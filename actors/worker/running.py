@@ -23,9 +23,7 @@ class Running:
 
     def delta(self, out: RequestOutput, meter: WorkerMeter) -> TokenDelta:
         """The token delta of one engine output; stamps travel on the first and the last delta only."""
-        logprobs = None
-        if out.new_logprobs is not None:
-            logprobs = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.new_logprobs]
+        logprobs = _wire(out.new_logprobs)
         offset = out.num_output_tokens - len(out.new_token_ids)
         times = None
         if offset == 0 or out.finished:
@@ -38,4 +36,14 @@ class Running:
                 self.times = replace(self.times, finished=time.time())
             times = self.times
         return TokenDelta(self.request.attempt, out.index, offset, tuple(out.new_token_ids), out.status,
-                          out.num_prompt_tokens, out.num_cached_tokens, None, logprobs, times)
+                          out.num_prompt_tokens, out.num_cached_tokens, None, logprobs, times,
+                          prompt_logprobs=_wire(out.prompt_logprobs))
+
+
+def _wire(entries) -> list | None:
+    """Logprob entries as TokenDelta carries them: [token_id, logprob, [[id, logprob], ...]], and the rank
+    after them when known (None stays None)."""
+    if entries is None:
+        return None
+    return [None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+            + ([] if lp.rank is None else [lp.rank]) for lp in entries]

@@ -28,6 +28,7 @@ class SampleResult:
     error: str | None = None
     num_cached_tokens: int = 0
     logprobs: list = field(default_factory=list)  # [token_id, logprob, [[id, logprob], ...]] per token
+    prompt_logprobs: list | None = None  # the same per prompt token (None for the first), when asked for
 
     @property
     def finish_reason(self) -> str | None:
@@ -71,6 +72,8 @@ class _Sample:
         r.num_cached_tokens = d.num_cached_tokens
         if d.logprobs:
             r.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None and r.prompt_logprobs is None:  # a migrated attempt's are the same
+            r.prompt_logprobs = d.prompt_logprobs
         status = d.status
         text = ""
         if self._detok is not None and d.token_ids:

@@ -80,6 +80,7 @@ class KVCacheManager:
         token_ids: Sequence[int],
         cache_salt: str | None,
         block_hashes: Sequence[int] = (),
+        use_cache: bool = True,
     ) -> int:
         """Starts a new sequence's table with its longest cached prefix; returns the cached tokens.
 
@@ -88,13 +89,15 @@ class KVCacheManager:
         prompt or with caching disabled). Hit blocks are held (touched) until `free(seq_id)`; if
         the sequence then cannot get its slots and goes back to waiting, call `free(seq_id)`.
         `block_hashes`, if given, are the known hashes of the leading full blocks (e.g. from the
-        router's `hash_prompt_blocks`); they are trusted, not recomputed.
+        router's `hash_prompt_blocks`); they are trusted, not recomputed. `use_cache=False`: no hits (a
+        sequence that must compute every token, e.g. to score its prompt); its blocks are still cached
+        once computed.
         """
         if seq_id in self._seqs:
             raise RuntimeError(f"get_computed_blocks for sequence {seq_id!r}, which already has a table")
         seq = _SeqBlocks(first_keys=first_block_keys(cache_salt, self.model_id))
         self._seqs[seq_id] = seq
-        if not self.enable_prefix_caching or not token_ids:
+        if not self.enable_prefix_caching or not token_ids or not use_cache:
             return 0
         seq.hashes.extend(block_hashes[: len(token_ids) // self.block_size])
         extend_block_hashes(seq.hashes, token_ids, self.block_size, seq.first_keys)

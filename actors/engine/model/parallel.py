@@ -84,6 +84,7 @@ class StepPlan:
     block_tables: list[list[int]] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     copy: tuple[int, int] = (0, 0)
+    score_rows: list[int] = field(default_factory=list)
     payload: bytes = b""
 
 
@@ -127,7 +128,8 @@ class DistComm(TPComm):
         tables = plan.block_tables
         width = max((len(t) for t in tables), default=0)
         header = torch.tensor([_KINDS.index(plan.kind), len(plan.token_ids) or len(plan.payload),
-                               len(plan.query_lens), len(plan.sample_rows), width, *plan.copy], dtype=torch.int64)
+                               len(plan.query_lens), len(plan.sample_rows), width, *plan.copy, len(plan.score_rows)],
+                              dtype=torch.int64)
         dist.broadcast(header, src=0, group=self._plans)
         if plan.kind == "task":
             dist.broadcast(torch.frombuffer(bytearray(plan.payload), dtype=torch.uint8), src=0, group=self._plans)
@@ -135,28 +137,30 @@ class DistComm(TPComm):
             return
         padded = [t + [0] * (width - len(t)) for t in tables]
         body = torch.tensor(plan.token_ids + plan.query_lens + plan.computed_lens + plan.sample_rows
-                            + [b for t in padded for b in t] + [len(t) for t in tables], dtype=torch.int64)
+                            + [b for t in padded for b in t] + [len(t) for t in tables] + plan.score_rows,
+                            dtype=torch.int64)
         dist.broadcast(body, src=0, group=self._plans)
 
     def follow(self) -> StepPlan:
-        header = torch.empty(7, dtype=torch.int64)
+        header = torch.empty(8, dtype=torch.int64)
         dist.broadcast(header, src=0, group=self._plans)
-        kind, n_tokens, n_seqs, n_samples, width, src, dst = header.tolist()
+        kind, n_tokens, n_seqs, n_samples, width, src, dst, n_scores = header.tolist()
         if _KINDS[kind] == "task":
             payload = torch.empty(n_tokens, dtype=torch.uint8)
             dist.broadcast(payload, src=0, group=self._plans)
             return StepPlan("task", payload=payload.numpy().tobytes())
         if _KINDS[kind] != "forward":
             return StepPlan(_KINDS[kind], copy=(src, dst))
-        body = torch.empty(n_tokens + 3 * n_seqs + n_samples + n_seqs * width, dtype=torch.int64)
+        body = torch.empty(n_tokens + 3 * n_seqs + n_samples + n_seqs * width + n_scores, dtype=torch.int64)
         dist.broadcast(body, src=0, group=self._plans)
         values = body.tolist()
         cut = [n_tokens, n_seqs, n_seqs, n_samples, n_seqs * width]
         tokens, query_lens, computed_lens, sample_rows, flat = (
             values[sum(cut[:i]) : sum(cut[: i + 1])] for i in range(len(cut)))
-        lens = values[sum(cut):]
+        lens = values[sum(cut) : sum(cut) + n_seqs]
+        scores = values[sum(cut) + n_seqs :]
         tables = [flat[i * width : i * width + lens[i]] for i in range(n_seqs)]
-        return StepPlan("forward", tokens, query_lens, computed_lens, tables, sample_rows)
+        return StepPlan("forward", tokens, query_lens, computed_lens, tables, sample_rows, score_rows=scores)
 
     def agree(self, value) -> list:
         values = [None] * self.shard.size

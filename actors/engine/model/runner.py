@@ -62,20 +62,27 @@ class ModelRunner:
         computed_lens: list[int],
         block_tables: list[list[int]],
         sample_rows: list[int],
+        score_rows: list[int] = (),
     ) -> torch.Tensor:
-        """Forward the flat batch; return float32 logits [len(sample_rows), vocab] for the sampled sequences.
+        """Forward the flat batch; return float32 logits [len(sample_rows) + len(score_rows), vocab]: first
+        for the sampled sequences, then for the scored tokens.
 
         `sample_rows` are indexes into the batch's sequences; each samples at its last query token.
+        `score_rows` are indexes into the flat tokens whose logits are wanted too (prompt logprobs).
         """
-        self._lead(StepPlan("forward", token_ids, query_lens, computed_lens, block_tables, sample_rows))
-        return self._forward(token_ids, query_lens, computed_lens, block_tables, sample_rows)
+        self._lead(StepPlan("forward", token_ids, query_lens, computed_lens, block_tables, sample_rows,
+                            score_rows=list(score_rows)))
+        return self._forward(token_ids, query_lens, computed_lens, block_tables, sample_rows, score_rows)
 
-    def _forward(self, token_ids, query_lens, computed_lens, block_tables, sample_rows) -> torch.Tensor:
+    def _forward(self, token_ids, query_lens, computed_lens, block_tables, sample_rows, score_rows=()) -> torch.Tensor:
         batch = build_attention_batch(
             query_lens, computed_lens, block_tables, self.block_size, self.model.windows, self.device
         )
         ends = torch.tensor(query_lens).cumsum(0) - 1
-        sample_idx = ends[torch.tensor(sample_rows, dtype=torch.long)].to(self.device)
+        sample_idx = ends[torch.tensor(sample_rows, dtype=torch.long)]
+        if score_rows:
+            sample_idx = torch.cat([sample_idx, torch.tensor(list(score_rows), dtype=torch.long)])
+        sample_idx = sample_idx.to(self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return self.model(input_ids, batch, self.kv_caches, sample_idx)
 
@@ -90,7 +97,7 @@ class ModelRunner:
                 self._copy_block(*plan.copy)
             elif plan.kind == "forward":
                 self._forward(plan.token_ids, plan.query_lens, plan.computed_lens, plan.block_tables,
-                              plan.sample_rows)
+                              plan.sample_rows, plan.score_rows)
 
     def lead_task(self, payload: bytes) -> None:
         """Rank 0: the other ranks run this task of the worker's (rank 0 runs its own part itself)."""

@@ -118,10 +118,11 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
     async def completions(req: CompletionRequest, request: Request):
         arrival = time.perf_counter()
         tenant = ingress.gate.authenticate(request.headers.get("authorization"))
-        max_tokens = ingress.check_common(req, req.max_tokens)
+        # echo with max_tokens 0 scores the prompt only: one token is generated and not shown.
+        max_tokens = ingress.check_common(req, 1 if req.scores_only else req.max_tokens)
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise ApiError(400, "logprobs must be between 0 and 20", "logprobs")
-        params = req.sampling_params(max_tokens, req.logprobs)
+        params = req.sampling_params(max_tokens, req.logprobs, req.wanted_prompt_logprobs())
         prompts = await ingress.encode_prompts(req.prompt)
         opened = await ingress.open_all(prompts, params, tenant, req.timeout)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -134,10 +135,9 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         for i, (stream, sink) in enumerate(opened):
             for r in stream.results:
                 _raise_if_failed(r, ingress.own_deadline(sink))
-                lp = responses.completion_logprobs(ingress.tokenizer, r.logprobs, len(echo_texts[i])) if req.logprobs is not None else None
-                choices.append({"index": i * req.n + r.index, "text": echo_texts[i] + r.text, "logprobs": lp,
-                                "finish_reason": r.finish_reason})
-                completion_tokens += len(r.token_ids)
+                choices.append(responses.completion_choice(ingress.tokenizer, req, i * req.n + r.index, echo_texts[i],
+                                                           stream.prompt_token_ids, stream.results[0], r))
+                completion_tokens += 0 if req.scores_only else len(r.token_ids)
             cached += stream.results[0].num_cached_tokens
         usage = ingress.usage(sum(len(p) for p in prompts), completion_tokens, cached)
         return responses.completion_body(rid, ingress.model_name, choices, usage)
@@ -156,7 +156,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         prompt = await asyncio.to_thread(ingress.chat_prompt, messages)
         ingress.check_prompt(prompt, "messages")
         max_tokens = min(max_tokens, ingress.max_model_len - len(prompt))  # unset: the rest of the context
-        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs)
         ((stream, sink),) = await ingress.open_all([prompt], params, tenant, req.timeout)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -169,6 +169,9 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
             lp = responses.chat_logprobs(ingress.tokenizer, r.logprobs) if req.logprobs else None
             choices.append({"index": r.index, "message": {"role": "assistant", "content": r.text}, "logprobs": lp,
                             "finish_reason": r.finish_reason})
+            if req.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = responses.vllm_prompt_logprobs(ingress.tokenizer,
+                                                                                stream.results[0].prompt_logprobs)
         usage = ingress.usage(len(prompt), sum(len(r.token_ids) for r in stream.results), stream.results[0].num_cached_tokens)
         return responses.chat_body(rid, ingress.model_name, choices, usage, chunk=False)
 

@@ -84,7 +84,7 @@ class _Common(BaseModel):
             raise ApiError(400, f"logit_bias has {len(self.logit_bias)} entries; at most {limits.max_logit_bias} "
                            "are allowed", "logit_bias")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         bias = None
         if self.logit_bias:
             try:
@@ -100,7 +100,7 @@ class _Common(BaseModel):
             min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty or 1.0,
             frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
             logit_bias=bias, seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
         try:
             return SamplingParams(**values)
@@ -110,9 +110,19 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 with echo: score the prompt only
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's extra
+
+    @property
+    def scores_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        """How many top alternatives each prompt token's logprob needs (None: no prompt logprobs)."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
 
 class ChatMessage(BaseModel):
@@ -127,6 +137,7 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra
 
 
 def _param_of(message: str) -> str | None:

@@ -19,17 +19,61 @@ def completion_logprobs(tokenizer, entries: list, text_start: int) -> dict:
     position's `top_logprobs` holds the `logprobs` most likely tokens and the sampled one (up to
     logprobs + 1 entries; `logprobs: 0` gives the sampled token alone)."""
     tokens, offsets, offset = [], [], text_start
-    for token_id, _, _ in entries:
+    for token_id, *_ in entries:
         piece = tokenizer.decode([token_id])
         tokens.append(piece)
         offsets.append(offset)
         offset += len(piece)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp for _, lp, _ in entries],
-        "top_logprobs": [_with_sampled(tokenizer, token_id, lp, top) for token_id, lp, top in entries],
+        "token_logprobs": [lp for _, lp, *_ in entries],
+        "top_logprobs": [None if top is None else _with_sampled(tokenizer, token_id, lp, top)
+                         for token_id, lp, top, *_ in entries],
         "text_offset": offsets,
     }
+
+
+def completion_choice(tokenizer, req, index: int, echo_text: str, prompt_ids, first, result) -> dict:
+    """One choice of a whole completions response. `first`: sample 0's result (it carries the prompt's
+    logprobs); with `req.scores_only`, the generated token is not shown."""
+    entries = [] if req.scores_only else list(result.logprobs)
+    if req.echo and req.logprobs is not None:
+        entries = echoed_prompt_entries(prompt_ids, first.prompt_logprobs) + entries
+    choice = {"index": index, "text": echo_text + ("" if req.scores_only else result.text),
+              "logprobs": completion_logprobs(tokenizer, entries, 0 if req.echo else len(echo_text))
+              if req.logprobs is not None else None,
+              "finish_reason": "length" if req.scores_only else result.finish_reason}
+    if req.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, first.prompt_logprobs)
+    return choice
+
+
+def echoed_prompt_entries(prompt_ids, prompt_logprobs: list | None) -> list:
+    """The prompt's tokens as completion logprob entries (echo): [id, logprob, top], the first [id, None,
+    None]; without scores (none were asked for or came), every logprob None."""
+    entries = [[prompt_ids[0], None, None]]
+    for i, token in enumerate(prompt_ids[1:], start=1):
+        scored = prompt_logprobs[i] if prompt_logprobs and i < len(prompt_logprobs) else None
+        entries.append(scored[:3] if scored else [token, None, None])
+    return entries
+
+
+def vllm_prompt_logprobs(tokenizer, prompt_logprobs: list | None) -> list | None:
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} with the token itself and its top alternatives."""
+    if prompt_logprobs is None:
+        return None
+    out: list = []
+    for entry in prompt_logprobs:
+        if entry is None:
+            out.append(None)
+            continue
+        token, logprob, top, *rank = entry
+        ranked = {t: (lp, r) for r, (t, lp) in enumerate(top, start=1)}
+        ranked.setdefault(token, (logprob, rank[0] if rank else None))
+        out.append({str(t): {"logprob": lp, "rank": r, "decoded_token": tokenizer.decode([t])}
+                    for t, (lp, r) in ranked.items()})
+    return out
 
 
 def _with_sampled(tokenizer, token_id: int, logprob: float, top: list) -> dict:

@@ -69,13 +69,24 @@ async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionR
     model = ingress.model_name
     offsets: dict[int, int] = {}
     prompt_total = sum(len(stream.prompt_token_ids) for stream, _ in opened)
-    if req.echo:
-        for i, text in enumerate(echo_texts):
-            for s in range(req.n):
-                yield responses.completion_body(rid, model, [{"index": i * req.n + s, "text": text, "logprobs": None,
-                                                              "finish_reason": None}], None)
+    echoed: set[int] = set()
     async for i, ev in _merge([ingress.events(stream, sink, arrival) for stream, sink in opened]):
         index = i * req.n + ev.index
+        if req.echo and index not in echoed:
+            # The prompt goes out with the first token (when its logprobs, computed in prefill, exist too).
+            echoed.add(index)
+            stream = opened[i][0]
+            lp = None
+            if req.logprobs is not None:
+                entries = responses.echoed_prompt_entries(stream.prompt_token_ids, stream.results[0].prompt_logprobs)
+                lp = responses.completion_logprobs(ingress.tokenizer, entries, 0)
+            yield responses.completion_body(rid, model, [{"index": index, "text": echo_texts[i], "logprobs": lp,
+                                                          "finish_reason": None}], None)
+        if req.scores_only:
+            if ev.finished:
+                yield responses.completion_body(rid, model, [{"index": index, "text": "", "logprobs": None,
+                                                              "finish_reason": "length"}], None)
+            continue
         lp = None
         if req.logprobs is not None and ev.logprobs:
             lp = responses.completion_logprobs(ingress.tokenizer, ev.logprobs, offsets.get(index, len(echo_texts[i])))
@@ -84,7 +95,7 @@ async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionR
                                                       "finish_reason": ev.finish_reason if ev.finished else None}],
                                         _running_usage(ingress, req, prompt_total, [st for st, _ in opened]))
     if _usage_wanted(req):
-        completion = sum(len(r.token_ids) for stream, _ in opened for r in stream.results)
+        completion = 0 if req.scores_only else sum(len(r.token_ids) for stream, _ in opened for r in stream.results)
         cached = sum(stream.results[0].num_cached_tokens for stream, _ in opened)
         prompt = sum(len(stream.prompt_token_ids) for stream, _ in opened)
         yield responses.completion_body(rid, model, [], ingress.usage(prompt, completion, cached))
