@@ -139,6 +139,15 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class TokenizerInfoResponse(BaseModel):
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int
+
+
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]

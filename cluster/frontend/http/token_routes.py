@@ -1,5 +1,6 @@
-"""vLLM's utility routes beside the OpenAI API: `/tokenize`, `/detokenize` and `/version`. Clients use
-them to count tokens against the context (`max_model_len`) and to map ids back to text."""
+"""vLLM's utility routes beside the OpenAI API: `/tokenize`, `/detokenize`, `/tokenizer_info` and
+`/version`. Clients use them to count tokens against the context (`max_model_len`), to map ids back to
+text, and (lm-eval's remote tokenizer) to tokenize exactly as the server does."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.frontend.http.ingress import Ingress, check_text
-from cluster.frontend.http.openapi import DetokenizeResponse, TokenizeResponse, VersionResponse, documented
+from cluster.frontend.http.openapi import (
+    DetokenizeResponse, TokenizeResponse, TokenizerInfoResponse, VersionResponse, documented,
+)
 from cluster.frontend.http.protocol import ApiError, ChatMessage
 
 
@@ -53,6 +56,13 @@ def add_token_routes(app: FastAPI, ingress: Ingress) -> None:
         if bad:
             raise ApiError(400, f"tokens holds ids outside the vocabulary [0, {ingress.vocab_size}): {bad[:8]}", "tokens")
         return {"prompt": await asyncio.to_thread(ingress.tokenizer.decode, req.tokens)}
+
+    @app.get("/tokenizer_info", response_model=None, responses=documented(TokenizerInfoResponse, 401))
+    async def tokenizer_info(request: Request):
+        ingress.gate.authenticate(request.headers.get("authorization"))
+        tok = ingress.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "chat_template": tok.chat_template, "model_max_length": ingress.max_model_len}
 
     @app.get("/version", response_model=None, responses=documented(VersionResponse))
     async def version():

@@ -1,7 +1,7 @@
 """The parts of the OpenAI surface (and vLLM's extras) that clients lean on, with the official `openai`
 client against a live 1P+1D cluster: completions logprobs in OpenAI's shape (the sampled token always
-among the top ones), the `developer` role, usage in every chunk, /tokenize, /detokenize, /version,
-max_model_len in /v1/models, and 4xx answers in the log."""
+among the top ones), the `developer` role, usage in every chunk, /tokenize, /detokenize,
+/tokenizer_info, /version, max_model_len in /v1/models, and 4xx answers in the log."""
 
 from __future__ import annotations
 
@@ -81,6 +81,8 @@ def test_tokenize_detokenize_version_and_models(server, engine):
     assert both.status_code == 400
     assert httpx.post(url + "/tokenize", json={"model": "gpt-17", "prompt": "x"}).status_code == 404
     assert httpx.get(url + "/version").json()["version"]
+    info = httpx.get(url + "/tokenizer_info").json()
+    assert info["eos_token"] == engine.tokenizer.eos_token and info["model_max_length"] == engine.max_model_len
     (model,) = httpx.get(url + "/v1/models").json()["data"]
     assert model["id"] == MODEL and model["max_model_len"] == engine.max_model_len
 
