@@ -71,6 +71,8 @@ class Disaggregation:
         del self._reservations[request_id]
         seq = self._new_sequence(request_id, 0, list(prompt_ids), params, cache_salt)
         seq.output_token_ids.append(first_token)
+        if seq.grammar is not None and not seq.grammar.accept(first_token):  # its walk continues from here
+            raise ValueError(f"request {request_id!r}: the first token does not match its structured output")
         seq.num_computed_tokens = len(prompt_ids)
         seq.num_cached_tokens = num_cached_tokens
         if seq.generator is not None:

@@ -4,9 +4,10 @@ Callers: `add_request` (raises ValueError on bad input, touching nothing else), 
 new tokens and finish state of every sequence touched), `abort` (idempotent, frees blocks at once),
 and the offline `generate`. The engine is single-threaded and knows nothing of Ray.
 
-Why one file of ~340 lines: it is the one owner of a worker's requests and sequences (forks and
+Why one file of ~380 lines: it is the one owner of a worker's requests and sequences (forks and
 window releases included); the hand-off and adoption of disaggregated serving (`disaggregation.py`),
-stop conditions (`postprocess.py`) and request checks (`validation.py`) live beside it.
+stop conditions (`postprocess.py`), request checks (`validation.py`), prompt logprobs
+(`prompt_scores.py`) and structured-output grammars (`structured.py`) live beside it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from actors.engine import prompt_scores
 from actors.engine.postprocess import append_token
 from actors.engine.sampling import Sampler, SampleResult, SamplingRow, skip_draws
 from actors.engine.sequence import Sequence
+from actors.engine.structured import Grammars
 from actors.engine.text.detokenizer import IncrementalDetokenizer
 from actors.engine.text.tokenizer import has_tokenizer, load_tokenizer, model_eos_token_ids
 from actors.engine.validation import RequestLimits, validate_request
@@ -101,6 +103,8 @@ class Engine(Disaggregation):
             if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in output_prefix):
                 raise ValueError(f"output_prefix holds a token id outside the vocabulary [0, {self.vocab_size})")
             first.output_token_ids.extend(output_prefix)
+            if first.grammar is not None and not all(first.grammar.accept(t) for t in output_prefix):
+                raise ValueError("output_prefix does not match the request's structured output")
             if first.generator is not None:
                 skip_draws(first.generator, params, len(output_prefix))
             if first.detokenizer is not None:
@@ -127,7 +131,19 @@ class Engine(Disaggregation):
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
             )
-        return Sequence(request_id, index, prompt_ids, params, cache_salt, generator, detok)
+        seq = Sequence(request_id, index, prompt_ids, params, cache_salt, generator, detok)
+        seq.grammar = self._grammar(params)
+        return seq
+
+    def _grammar(self, params: SamplingParams):
+        """A fresh walk of the request's structured-output grammar (None without one)."""
+        if params.structured_output is None:
+            return None
+        if self.sampler.grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer, and this model directory has none")
+            self.sampler.grammars = Grammars(self.tokenizer, self.vocab_size)
+        return self.sampler.grammars.start(params.structured_output)
 
     def abort(self, request_id: str) -> bool:
         """Cancel every sample of a request and free its blocks now; False if it is not here. A
@@ -195,7 +211,7 @@ class Engine(Disaggregation):
             for s in [seq, *self._fork(seq)]:
                 samplers.append(s)
                 logit_rows.append(row)
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in samplers]
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, s.grammar) for s in samplers]
         if logit_rows != list(range(len(sample_rows))):
             logits = logits[torch.tensor(logit_rows)]
         results = self.sampler(logits, rows)

@@ -15,6 +15,10 @@ def append_token(seq: Sequence, token: int, eos_token_ids: set[int], max_model_l
     """Append `token` to `seq`; returns the finished status (None: it goes on) and the new text.
     Sets `seq.stop_reason` to the stop string or stop token that ended it."""
     seq.output_token_ids.append(token)
+    if seq.grammar is not None and not seq.grammar.accept(token):
+        # The mask allowed only tokens the grammar takes, so this is a bug: end the output where it is.
+        seq.stop_reason = "structured output: the grammar refused a sampled token"
+        return RequestStatus.FINISHED_STOPPED, ""
     if seq.status == RequestStatus.PREFILLING:
         seq.status = RequestStatus.DECODING
     params = seq.params
@@ -31,6 +35,8 @@ def append_token(seq: Sequence, token: int, eos_token_ids: set[int], max_model_l
             status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, token
         elif token in eos_token_ids and not params.ignore_eos:
             status = RequestStatus.FINISHED_STOPPED
+    if status is None and seq.grammar is not None and seq.grammar.terminated:
+        status = RequestStatus.FINISHED_STOPPED  # the output is complete: it took the grammar's stop token
     if status is None and (n_out >= params.max_tokens or seq.num_tokens >= max_model_len):
         status = RequestStatus.FINISHED_LENGTH
     if status is not None and seq.detokenizer is not None and not isinstance(seq.stop_reason, str):

@@ -3,7 +3,8 @@
 The engine calls `Sampler(logits, rows)` once per step with one logits row per sequence. Each row
 goes through, in this order:
 
-  1. hard constraints: `allowed_token_ids` (everything else -inf), then `logit_bias` added, then,
+  1. hard constraints: the structured-output grammar's mask (structured.py), `allowed_token_ids`
+     (everything else -inf), then `logit_bias` added, then,
      while fewer than `min_tokens` tokens were generated, EOS and `stop_token_ids` set to -inf;
   2. penalties: `repetition_penalty` over prompt + output tokens (a positive logit is divided by it,
      a negative one multiplied), then OpenAI `frequency_penalty` / `presence_penalty` over output
@@ -38,6 +39,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far
     generator: torch.Generator | None  # the request's own generator when params.seed is set, else None
+    grammar: object | None = None  # its structured-output GrammarState (structured.py), if any
 
 
 @dataclass(slots=True)
@@ -72,12 +74,14 @@ class Sampler:
     column of the logits is a candidate token. Unseeded rows draw from one generator seeded by `seed`.
     """
 
-    def __init__(self, vocab_size: int, eos_token_ids: Collection[int], seed: int = 0):
+    def __init__(self, vocab_size: int, eos_token_ids: Collection[int], seed: int = 0, grammars=None):
+        """`grammars`: the engine's structured-output `Grammars` (None until a request needs one)."""
         if any(not 0 <= t < vocab_size for t in eos_token_ids):
             raise ValueError(f"eos_token_ids {sorted(eos_token_ids)} must lie in [0, vocab_size={vocab_size})")
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self.seed = seed
+        self.grammars = grammars
         self._generators: dict[torch.device, torch.Generator] = {}  # for unseeded rows, one per device
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
@@ -103,9 +107,11 @@ class Sampler:
     def adjust_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Hard constraints then penalties (steps 1-2 above); returns `logits` itself when none apply."""
         device, vocab = logits.device, logits.shape[1]
-        allowed, biased, banned, repeated, counted = [], [], [], [], []
+        allowed, biased, banned, repeated, counted, masked = [], [], [], [], [], []
         for i, row in enumerate(rows):
             p = row.params
+            if row.grammar is not None:
+                masked.append(i)
             if p.allowed_token_ids is not None:
                 allowed.append(i)
             if p.logit_bias:
@@ -116,10 +122,12 @@ class Sampler:
                 repeated.append(i)
             if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
                 counted.append(i)
-        if not (allowed or biased or banned or repeated or counted):
+        if not (allowed or biased or banned or repeated or counted or masked):
             return logits
 
         x = logits.float().clone()
+        if masked:
+            self.grammars.mask(x, masked, [rows[i].grammar for i in masked])
         if allowed:
             r, t = _flatten(allowed, [rows[i].params.allowed_token_ids for i in allowed], device)
             mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
@@ -212,7 +220,8 @@ def _untouched(row: SamplingRow) -> bool:
     """True when adjust_logits would leave this row's logits as they are."""
     p = row.params
     return (
-        p.allowed_token_ids is None
+        row.grammar is None
+        and p.allowed_token_ids is None
         and not p.logit_bias
         and len(row.output_token_ids) >= p.min_tokens
         and p.repetition_penalty == 1.0

@@ -36,6 +36,7 @@ class Sequence:
     first_scheduled_time: float | None = None  # wall clock of its first step; None while it waits
     # Prompt logprobs (params.prompt_logprobs): one entry per prompt token scored so far, None for the first.
     prompt_logprobs: list | None = None
+    grammar: object | None = None  # its structured-output GrammarState (structured.py), when params ask for one
 
     @property
     def scores_prompt(self) -> bool:

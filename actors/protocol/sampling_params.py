@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from actors.protocol.structured_output import StructuredOutput
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; 0: the chosen token only; N: chosen + top N
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (scored in prefill)
+    structured_output: StructuredOutput | None = None  # what the output must match (a grammar mask per token)
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:

@@ -122,7 +122,8 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         max_tokens = ingress.check_common(req, 1 if req.scores_only else req.max_tokens)
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise ApiError(400, "logprobs must be between 0 and 20", "logprobs")
-        params = req.sampling_params(max_tokens, req.logprobs, req.wanted_prompt_logprobs())
+        params = req.sampling_params(max_tokens, req.logprobs, req.wanted_prompt_logprobs(),
+                                     await ingress.structured_output(req))
         prompts = await ingress.encode_prompts(req.prompt)
         opened = await ingress.open_all(prompts, params, tenant, req.timeout)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -156,7 +157,8 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         prompt = await asyncio.to_thread(ingress.chat_prompt, messages)
         ingress.check_prompt(prompt, "messages")
         max_tokens = min(max_tokens, ingress.max_model_len - len(prompt))  # unset: the rest of the context
-        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs)
+        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs,
+                                     await ingress.structured_output(req))
         ((stream, sink),) = await ingress.open_all([prompt], params, tenant, req.timeout)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:

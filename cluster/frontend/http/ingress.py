@@ -16,8 +16,10 @@ from typing import AsyncIterator
 
 import ray
 
+from actors.engine.structured import GrammarError, Grammars
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.structured_output import StructuredOutput
 from cluster.frontend.client import AdmissionRejected, TandemClient
 from cluster.frontend.http import responses
 from cluster.frontend.http.gate import Gate
@@ -73,6 +75,7 @@ class Ingress:
         self.gate = gate
         self.vocab_size = vocab_size
         self.metrics = IngressMetrics()
+        self._grammars: Grammars | None = None  # compiles structured outputs to check them (made on first use)
         self._emits: dict[str, dict[int, list[float]]] = {}
 
     def own_deadline(self, sink: _LoopSink) -> bool:
@@ -234,6 +237,21 @@ class Ingress:
             raise ApiError(400, f"{param} has {len(ids)} tokens; this model's context is {self.max_model_len}", param)
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise ApiError(400, f"{param} holds a token id outside the vocabulary [0, {self.vocab_size})", param)
+
+    async def structured_output(self, req) -> StructuredOutput | None:
+        """The request's structured output, compiled here first (off the event loop) so that a schema,
+        regex or grammar that does not compile is a 400 naming it, before anything is admitted."""
+        asked = req.structured_output()
+        if asked is None:
+            return None
+        spec, param = asked
+        if self._grammars is None:
+            self._grammars = await asyncio.to_thread(Grammars, self.tokenizer, self.vocab_size)
+        try:
+            await asyncio.to_thread(self._grammars.compile, spec)
+        except GrammarError as exc:
+            raise ApiError(400, f"{param}: {exc}", param) from None
+        return spec
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

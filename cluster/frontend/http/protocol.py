@@ -8,9 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import json
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.structured_output import StructuredOutput
 
 
 class ApiError(Exception):
@@ -42,6 +45,19 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Common(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do: clients send vendor extras. No float
     # may be Infinity or NaN (JSON has neither; Python's parser accepts both).
@@ -68,6 +84,40 @@ class _Common(BaseModel):
     timeout: float | None = Field(None, gt=0, description="seconds before the request ends as timed out; it can "
                                    "only shorten the server's own deadline")
     best_of: int | None = None
+    # Structured output: OpenAI's response_format, vLLM's guided_* extras and its newer structured_outputs.
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
+
+    def structured_output(self) -> tuple[StructuredOutput, str] | None:
+        """What the output must match, and the parameter that asked for it; a 400 for two at once."""
+        asked = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append((StructuredOutput("json_object"), "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ApiError(400, "response_format json_schema needs a json_schema with a schema", "response_format")
+            asked.append((StructuredOutput("json_schema", json.dumps(rf.json_schema.schema_)), "response_format"))
+        extras = {f"guided_{k}": getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")}
+        for key, value in (self.structured_outputs or {}).items():  # vLLM >= 0.10's spelling of the same
+            if key in ("json", "regex", "choice", "grammar") and value is not None:
+                extras[f"structured_outputs.{key}"] = value
+        for name, value in extras.items():
+            if value is None:
+                continue
+            kind = name.rsplit("_", 1)[-1].rsplit(".", 1)[-1]
+            try:
+                spec = _spec_text(kind, value)
+            except (TypeError, ValueError) as exc:
+                raise ApiError(400, f"{name}: {exc}", name) from None
+            asked.append((StructuredOutput("json_schema" if kind == "json" else kind, spec), name))
+        if len(asked) > 1:
+            raise ApiError(400, f"give one structured output, not {', '.join(n for _, n in asked)}", asked[1][1])
+        return asked[0] if asked else None
 
     def check_limits(self, limits: RequestCaps) -> None:
         """What one request may ask for, beyond what a valid one needs (each a 400 naming the field)."""
@@ -84,7 +134,8 @@ class _Common(BaseModel):
             raise ApiError(400, f"logit_bias has {len(self.logit_bias)} entries; at most {limits.max_logit_bias} "
                            "are allowed", "logit_bias")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         bias = None
         if self.logit_bias:
             try:
@@ -101,6 +152,7 @@ class _Common(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
             logit_bias=bias, seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured_output=structured,
         )
         try:
             return SamplingParams(**values)
@@ -138,6 +190,23 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM's extra
+
+
+def _spec_text(kind: str, value) -> str:
+    """A guided_* value as StructuredOutput's spec text."""
+    if kind == "json":
+        if isinstance(value, str):
+            value = json.loads(value)
+        if not isinstance(value, dict):
+            raise ValueError("must be a JSON schema object")
+        return json.dumps(value)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ValueError("must be a non-empty list of non-empty strings")
+        return json.dumps(value)
+    if not isinstance(value, str) or not value:
+        raise ValueError("must be a non-empty string")
+    return value
 
 
 def _param_of(message: str) -> str | None:
