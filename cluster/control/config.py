@@ -111,6 +111,10 @@ class IngressSection(_Strict):
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8000, gt=0, lt=65536, description="HTTP port")
     served_model_name: str | None = Field(None, description="the `model` clients send; null: the model directory's name")
+    chat_template: str | None = Field(None, description="a Jinja chat template file used instead of the model's "
+                                      "(e.g. configs/templates/chatml-tools.jinja for tools on a ChatML model)")
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None, description="how tool calls are read back from the model's answer (tool_choice auto needs one)")
     max_n: int = Field(16, gt=0, description="largest `n` a request may ask for")
     max_prompts: int = Field(64, gt=0, description="most prompts in one /v1/completions request")
     max_sequences: int = Field(256, gt=0, description="most sequences (n x prompts) one request may start")

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.protocol.request_status import RequestStatus
 from cluster.control.scheduler_state import SchedulerState
-from cluster.frontend.http import responses
+from cluster.frontend.http import responses, tool_calls
 from cluster.frontend.http.body_guard import BodyGuard
 from cluster.frontend.http.ingress import Ingress, check_text
 from cluster.frontend.http.openapi import ChatCompletionResponse, CompletionResponse, ModelList, documented
@@ -152,25 +152,34 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
             req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise ApiError(400, "top_logprobs must be between 0 and 20", "top_logprobs")
-        messages = [m.model_dump() for m in req.messages]
+        tools, forced = tool_calls.plan(req, ingress.tool_call_parser)
+        structured = await ingress.structured_output(req)
+        if forced is not None:
+            if structured is not None:
+                raise ApiError(400, "tool_choice required or named cannot be combined with a structured output",
+                               "tool_choice")
+            structured = await ingress.check_structured(forced, "tools")
+        messages = tool_calls.template_messages([m.model_dump() for m in req.messages])
         check_text(json.dumps(messages, ensure_ascii=False), "messages")
-        prompt = await asyncio.to_thread(ingress.chat_prompt, messages)
+        prompt = await asyncio.to_thread(ingress.chat_prompt, messages, tools)
         ingress.check_prompt(prompt, "messages")
         max_tokens = min(max_tokens, ingress.max_model_len - len(prompt))  # unset: the rest of the context
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs,
-                                     await ingress.structured_output(req))
+                                     structured)
         ((stream, sink),) = await ingress.open_all([prompt], params, tenant, req.timeout)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        # With tools offered, an answer is read whole (it may be a call): `calls` turns it into a message.
+        calls = (lambda text: tool_calls.parse(text, ingress.tool_call_parser, forced is not None)) if tools else None
         if req.stream:
-            return sse(chat_chunks(ingress, stream, sink, rid, req, arrival),
+            return sse(chat_chunks(ingress, stream, sink, rid, req, arrival, calls),
                         lambda: ingress.finish(stream, sink, arrival))
         await _run_unless_disconnected(request, ingress, [(stream, sink)], arrival)
         choices = []
         for r in stream.results:
             _raise_if_failed(r, ingress.own_deadline(sink))
             lp = responses.chat_logprobs(ingress.tokenizer, r.logprobs) if req.logprobs else None
-            choices.append({"index": r.index, "message": {"role": "assistant", "content": r.text}, "logprobs": lp,
-                            "finish_reason": r.finish_reason})
+            message, finish = responses.chat_message(r.text, r.finish_reason, calls)
+            choices.append({"index": r.index, "message": message, "logprobs": lp, "finish_reason": finish})
             if req.prompt_logprobs is not None:
                 choices[-1]["prompt_logprobs"] = responses.vllm_prompt_logprobs(ingress.tokenizer,
                                                                                 stream.results[0].prompt_logprobs)

@@ -60,7 +60,7 @@ class Ingress:
     def __init__(self, client: TandemClient, model_name: str, max_model_len: int, gate: Gate, vocab_size: int,
                  caps: RequestCaps = RequestCaps(),
                  max_body_bytes: int = 1 << 20, queue_size: int = 4096, request_timeout_s: float = 600.0,
-                 hide_cache_hits: bool = False):
+                 hide_cache_hits: bool = False, chat_template: str | None = None, tool_call_parser: str | None = None):
         self.client = client
         self.tokenizer = client.tokenizer
         self.model_name = model_name
@@ -75,6 +75,8 @@ class Ingress:
         self.gate = gate
         self.vocab_size = vocab_size
         self.metrics = IngressMetrics()
+        self.chat_template = chat_template  # None: the model's own
+        self.tool_call_parser = tool_call_parser
         self._grammars: Grammars | None = None  # compiles structured outputs to check them (made on first use)
         self._emits: dict[str, dict[int, list[float]]] = {}
 
@@ -220,12 +222,13 @@ class Ingress:
             self.check_prompt(p, "prompt")
         return prompts
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The conversation through the chat template, as token ids (call it off the event loop). A
         `developer` message is a system message under OpenAI's newer name: templates know only the old."""
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.chat_template,
+                                                      tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # a template that rejects the conversation is the client's error
             raise ApiError(400, f"messages: {exc}", "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -244,7 +247,10 @@ class Ingress:
         asked = req.structured_output()
         if asked is None:
             return None
-        spec, param = asked
+        return await self.check_structured(*asked)
+
+    async def check_structured(self, spec: StructuredOutput, param: str) -> StructuredOutput:
+        """Compile `spec` (off the event loop); a 400 naming `param` when it does not."""
         if self._grammars is None:
             self._grammars = await asyncio.to_thread(Grammars, self.tokenizer, self.vocab_size)
         try:

@@ -179,8 +179,25 @@ class CompletionRequest(_Common):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, passed back in the conversation
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: FunctionDef
 
 
 class ChatCompletionRequest(_Common):
@@ -190,6 +207,9 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM's extra
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def _spec_text(kind: str, value) -> str:

@@ -90,6 +90,18 @@ def chat_logprobs(tokenizer, entries: list) -> dict:
     return {"content": [{**item(t, lp), "top_logprobs": [item(i, l) for i, l in top]} for t, lp, top in entries]}
 
 
+def chat_message(text: str, finish_reason: str | None, calls) -> tuple[dict, str | None]:
+    """An assistant message and its finish reason; `calls` (text -> (content, tool calls)) when tools
+    were offered."""
+    if calls is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, found = calls(text)
+    message = {"role": "assistant", "content": content}
+    if not found:
+        return message, finish_reason
+    return {**message, "tool_calls": found}, "tool_calls"
+
+
 def completion_body(request_id: str, model: str, choices: list[dict], usage_: dict | None) -> dict:
     body = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices}

@@ -45,9 +45,16 @@ def build_ingress(cluster: Cluster, host: str = "127.0.0.1", ingress: IngressSec
     tenants = check_exposure(i, host)
     gate = Gate(tenant_limits(tenants, i.default_tokens_per_minute))
     caps = RequestCaps(i.max_n, i.max_prompts, i.max_sequences, i.max_stop_strings, i.max_stop_chars, i.max_logit_bias)
+    template = None
+    if i.chat_template is not None:
+        try:
+            template = Path(i.chat_template).read_text()
+        except OSError as exc:
+            raise ValueError(f"ingress.chat_template: cannot read {i.chat_template!r}: {exc.strerror}") from None
     return Ingress(cluster.client(), served_model_name(cluster), max_len, gate, hf["vocab_size"], caps=caps,
                    max_body_bytes=i.max_body_bytes, queue_size=i.stream_queue_tokens,
-                   request_timeout_s=i.request_timeout_s, hide_cache_hits=not tenants and host not in LOOPBACK)
+                   request_timeout_s=i.request_timeout_s, hide_cache_hits=not tenants and host not in LOOPBACK,
+                   chat_template=template, tool_call_parser=i.tool_call_parser)
 
 
 def make_server(cluster: Cluster, host: str, port: int, ingress: IngressSection | None = None) -> uvicorn.Server:

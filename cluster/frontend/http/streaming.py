@@ -102,11 +102,17 @@ async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionR
 
 
 async def chat_chunks(ingress: Ingress, stream: RequestStream, sink, rid: str, req: ChatCompletionRequest,
-                       arrival: float) -> AsyncIterator[dict]:
+                       arrival: float, calls=None) -> AsyncIterator[dict]:
+    """`calls`: tools were offered, so each choice's answer is read whole (it may be a tool call) and goes
+    out in one chunk, with its tool calls in OpenAI's streamed shape."""
     model = ingress.model_name
     started: set[int] = set()  # choices whose role went out: with their first token, as vLLM sends it
     prompt = len(stream.prompt_token_ids)
     async for ev in ingress.events(stream, sink, arrival):
+        if calls is not None:
+            if ev.finished:
+                yield _tool_chunk(ingress, rid, stream.results[ev.index], calls)
+            continue
         lp = responses.chat_logprobs(ingress.tokenizer, ev.logprobs) if req.logprobs and ev.logprobs else None
         delta = {"content": ev.text} if ev.text or not ev.finished else {}
         if ev.index not in started:
@@ -119,6 +125,14 @@ async def chat_chunks(ingress: Ingress, stream: RequestStream, sink, rid: str, r
         completion = sum(len(r.token_ids) for r in stream.results)
         yield responses.chat_body(rid, model, [], ingress.usage(prompt, completion, stream.results[0].num_cached_tokens),
                                   chunk=True)
+
+
+def _tool_chunk(ingress: Ingress, rid: str, result, calls) -> dict:
+    message, finish = responses.chat_message(result.text, result.finish_reason, calls)
+    if "tool_calls" in message:
+        message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+    return responses.chat_body(rid, ingress.model_name, [{"index": result.index, "delta": message, "logprobs": None,
+                                                          "finish_reason": finish}], None, chunk=True)
 
 
 def _usage_wanted(req) -> bool:

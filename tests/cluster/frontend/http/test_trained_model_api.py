@@ -1,10 +1,13 @@
 """The API features that need a model that follows instructions, on SmolLM2-135M-Instruct (colocated,
-one worker) through the official `openai` client: `response_format` json_object gives a JSON object the
-model fills in itself (unconstrained, the same model wraps its JSON in a markdown fence)."""
+one worker, the shipped chatml-tools template and the hermes parser) through the official `openai`
+client and LangChain: `response_format` json_object gives a JSON object the model fills in itself
+(unconstrained, the same model wraps its JSON in a markdown fence); tool_choice `required` and a named
+function always return a call that parses, streamed too; a tool result continues the conversation."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import openai
 import pytest
@@ -13,6 +16,16 @@ from tests.helpers.cluster import load
 from tests.helpers.http_server import serving
 
 SERVED = "smollm2"
+TEMPLATE = Path(__file__).resolve().parents[4] / "configs" / "templates" / "chatml-tools.jinja"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +34,7 @@ def smollm2_server(ray_session, smollm2_dir):
     config = config.model_copy(update={
         "model": config.model.model_copy(update={"path": "builtin:smollm2"}),
         "colocated": config.colocated.model_copy(update={"replicas": 1}),
+        "ingress": config.ingress.model_copy(update={"chat_template": str(TEMPLATE), "tool_call_parser": "hermes"}),
     })
     with serving(config) as live:
         yield live
@@ -40,3 +54,49 @@ def test_json_object(client):
     assert isinstance(value, dict) and value
     free = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=60, temperature=0)
     assert free.choices[0].message.content != out.choices[0].message.content
+
+
+@pytest.mark.parametrize("choice, name", [("required", None), ({"type": "function", "function": {"name": "get_time"}},
+                                                                "get_time")])
+def test_required_and_named_tool_choice_always_parse(client, choice, name):
+    out = client.chat.completions.create(model=SERVED, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                         max_tokens=80, temperature=0)
+    choice0 = out.choices[0]
+    assert choice0.finish_reason == "tool_calls" and choice0.message.content is None
+    (call,) = choice0.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in ({"get_weather", "get_time"} if name is None else {name})
+    arguments = json.loads(call.function.arguments)
+    assert isinstance(arguments["city"], str)
+    streamed = list(client.chat.completions.create(model=SERVED, messages=ASK, tools=[WEATHER, TIME],
+                                                   tool_choice=choice, max_tokens=80, temperature=0, stream=True))
+    deltas = [d for c in streamed if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
+        [(0, call.function.name, call.function.arguments)]
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "tool_calls"
+
+
+def test_a_tool_result_continues_the_conversation(client):
+    first = client.chat.completions.create(model=SERVED, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=80, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "sunny"})},
+    ]
+    answer = client.chat.completions.create(model=SERVED, messages=messages, tools=[WEATHER], max_tokens=40,
+                                            temperature=0)
+    message = answer.choices[0].message
+    assert message.content or message.tool_calls  # "auto": an answer, or another well-formed call
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_langchain_bind_tools(smollm2_server):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=SERVED, base_url=smollm2_server[1] + "/v1", api_key="unused", temperature=0,
+                     max_tokens=80, max_retries=0)
+    reply = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("What is the weather like in Paris?")
+    (call,) = reply.tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
