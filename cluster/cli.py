@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.bench_engine import add_arguments as add_bench_engine
 
     add_bench_engine(bench_sub.add_parser("engine", help="offline engine throughput vs HF (and vLLM)"))
+    from experiments.bench_structured import add_arguments as add_bench_structured
+
+    add_bench_structured(bench_sub.add_parser("structured", help="the structured-output grammar mask's cost per step"))
     from experiments.bench_cluster import add_arguments as add_bench_cluster
 
     add_bench_cluster(bench_sub.add_parser("cluster", help="cluster stack overhead: TPOT and idle TTFT vs the engine"))

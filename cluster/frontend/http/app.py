@@ -7,7 +7,6 @@ cancels its response (streamed or not), and the request is aborted in the cluste
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -17,13 +16,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.protocol.request_status import RequestStatus
 from cluster.control.scheduler_state import SchedulerState
-from cluster.frontend.http import responses, tool_calls
+from cluster.frontend.http import responses
 from cluster.frontend.http.body_guard import BodyGuard
-from cluster.frontend.http.ingress import Ingress, check_text
+from cluster.frontend.http.chat_request import prepare_chat
+from cluster.frontend.http.ingress import Ingress
+from cluster.frontend.http.lifecycle import ClientGone, raise_if_failed, run_unless_disconnected
 from cluster.frontend.http.openapi import ChatCompletionResponse, CompletionResponse, ModelList, documented
 from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from cluster.frontend.http.responses_api import add_responses_route
 from cluster.frontend.http.streaming import chat_chunks, completion_chunks, sse
 from cluster.frontend.http.token_routes import add_token_routes
 from kv_transfer.curve import rejected_handshakes
@@ -47,8 +48,8 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         return JSONResponse(ApiError(exc.status_code, str(exc.detail), None, kind).body(), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(_ClientGone)
-    async def _client_gone(_: Request, __: _ClientGone):
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, __: ClientGone):
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
     @app.exception_handler(Exception)
@@ -112,6 +113,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
                                             "max_model_len": ingress.max_model_len}]}
 
     add_token_routes(app, ingress)
+    add_responses_route(app, ingress)
 
     @app.post("/v1/completions", response_model=None,
               responses=documented(CompletionResponse, 400, 401, 404, 408, 413, 429, 500, 503, 504, streams=True))
@@ -131,11 +133,11 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         if req.stream:
             return sse(completion_chunks(ingress, opened, rid, req, echo_texts, arrival),
                         lambda: [ingress.finish(st, sk, arrival) for st, sk in opened])
-        await _run_unless_disconnected(request, ingress, opened, arrival)
+        await run_unless_disconnected(request, ingress, opened, arrival)
         choices, completion_tokens, cached = [], 0, 0
         for i, (stream, sink) in enumerate(opened):
             for r in stream.results:
-                _raise_if_failed(r, ingress.own_deadline(sink))
+                raise_if_failed(r, ingress.own_deadline(sink))
                 choices.append(responses.completion_choice(ingress.tokenizer, req, i * req.n + r.index, echo_texts[i],
                                                            stream.prompt_token_ids, stream.results[0], r))
                 completion_tokens += 0 if req.scores_only else len(r.token_ids)
@@ -148,35 +150,17 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
     async def chat(req: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         tenant = ingress.gate.authenticate(request.headers.get("authorization"))
-        max_tokens = ingress.check_common(
-            req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-            raise ApiError(400, "top_logprobs must be between 0 and 20", "top_logprobs")
-        tools, forced = tool_calls.plan(req, ingress.tool_call_parser)
-        structured = await ingress.structured_output(req)
-        if forced is not None:
-            if structured is not None:
-                raise ApiError(400, "tool_choice required or named cannot be combined with a structured output",
-                               "tool_choice")
-            structured = await ingress.check_structured(forced, "tools")
-        messages = tool_calls.template_messages([m.model_dump() for m in req.messages])
-        check_text(json.dumps(messages, ensure_ascii=False), "messages")
-        prompt = await asyncio.to_thread(ingress.chat_prompt, messages, tools)
-        ingress.check_prompt(prompt, "messages")
-        max_tokens = min(max_tokens, ingress.max_model_len - len(prompt))  # unset: the rest of the context
-        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs,
-                                     structured)
-        ((stream, sink),) = await ingress.open_all([prompt], params, tenant, req.timeout)
+        chat = await prepare_chat(ingress, req)
+        prompt, calls = chat.prompt, chat.calls
+        ((stream, sink),) = await ingress.open_all([prompt], chat.params, tenant, req.timeout)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        # With tools offered, an answer is read whole (it may be a call): `calls` turns it into a message.
-        calls = (lambda text: tool_calls.parse(text, ingress.tool_call_parser, forced is not None)) if tools else None
         if req.stream:
             return sse(chat_chunks(ingress, stream, sink, rid, req, arrival, calls),
                         lambda: ingress.finish(stream, sink, arrival))
-        await _run_unless_disconnected(request, ingress, [(stream, sink)], arrival)
+        await run_unless_disconnected(request, ingress, [(stream, sink)], arrival)
         choices = []
         for r in stream.results:
-            _raise_if_failed(r, ingress.own_deadline(sink))
+            raise_if_failed(r, ingress.own_deadline(sink))
             lp = responses.chat_logprobs(ingress.tokenizer, r.logprobs) if req.logprobs else None
             message, finish = responses.chat_message(r.text, r.finish_reason, calls)
             choices.append({"index": r.index, "message": message, "logprobs": lp, "finish_reason": finish})
@@ -198,41 +182,3 @@ def _log_refusal(request: Request, status: int, message: str) -> None:
 
 async def _ref(ref):
     return await ref
-
-
-class _ClientGone(Exception):
-    pass
-
-
-async def _run_unless_disconnected(request: Request, ingress: Ingress, opened: list, arrival: float) -> None:
-    """Run non-streamed requests to their end, unless the client hangs up first: then abort them at once
-    (a client that left must not keep the cluster generating for nobody)."""
-    async def run() -> None:
-        for stream, sink in opened:
-            async for _ in ingress.events(stream, sink, arrival):
-                pass
-
-    async def hung_up() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, gone = asyncio.ensure_future(run()), asyncio.ensure_future(hung_up())
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not work.done():
-        work.cancel()
-        for stream, sink in opened:  # whatever has not started its events yet ends here too
-            ingress.finish(stream, sink, arrival)
-        raise _ClientGone()
-    work.result()
-
-
-def _raise_if_failed(result, own_timeout: bool) -> None:
-    """`own_timeout`: the request's `timeout` set its deadline (a 408, the client's choice), not the
-    server's request_timeout_s (a 504)."""
-    if result.status == RequestStatus.TIMED_OUT:
-        raise ApiError(408 if own_timeout else 504, result.error or "the request ran past its deadline", None, "timeout")
-    if result.finish_reason == "error":
-        raise ApiError(500, f"the request failed in the cluster: {result.error}", None, "server_error")

@@ -56,7 +56,7 @@ def _stream_problems(path: str, text: str, cut_short: bool) -> list[str]:
 def test_no_input_gives_a_server_error(keyed_server):
     api = schemathesis.openapi.from_url(keyed_server[1] + "/openapi.json")
     ops = [op for op in api.get_all_operations() if op.ok().method in ("post", "get")]
-    assert len(ops) == 10  # health, ready, metrics, models, completions, chat, and vLLM's tokenize, detokenize,
+    assert len(ops) == 11  # health, ready, metrics, models, completions, chat, responses, and vLLM's tokenize, detokenize,
     # tokenizer_info, version
     failures, statuses = [], {}
     for result in ops:

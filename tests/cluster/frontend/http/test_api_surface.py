@@ -5,6 +5,7 @@ among the top ones), the `developer` role, usage in every chunk, /tokenize, /det
 
 from __future__ import annotations
 
+import json
 import logging
 
 import httpx
@@ -96,3 +97,27 @@ def test_client_errors_are_logged(client, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "tandem.ingress"]
     assert any("/v1/completions -> 404" in line and "gpt-17" in line for line in lines), lines
     assert any("/v1/completions -> 400" in line and "top_p" in line for line in lines), lines
+
+
+def test_responses_api(client, engine):
+    """OpenAI's Responses API for text, whole and streamed, with instructions and a json_schema format."""
+    out = client.responses.create(model=MODEL, input="Hello there", instructions="Be brief.", max_output_tokens=8,
+                                  temperature=0)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert out.output_text == chat.choices[0].message.content and out.status == "incomplete"
+    assert out.usage.output_tokens == 8 and out.usage.input_tokens == chat.usage.prompt_tokens
+    events = list(client.responses.create(model=MODEL, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Hello there"}]}], instructions="Be brief.", max_output_tokens=8,
+        temperature=0, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == out.output_text
+    assert events[-1].response.output_text == out.output_text
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    structured = client.responses.create(model=MODEL, input="Answer", max_output_tokens=20, temperature=0,
+                                         text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+    assert json.loads(structured.output_text)["ok"] in (True, False)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_1")
+    assert bad.value.body["param"] == "previous_response_id"

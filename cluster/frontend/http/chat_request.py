@@ -1,0 +1,46 @@
+"""A chat request made ready to run: its checks, its tools, its structured output, the conversation
+through the chat template, and its sampling parameters. Chat completions and the Responses API (which
+is turned into a chat request) share it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+from actors.protocol.sampling_params import SamplingParams
+from cluster.frontend.http import tool_calls
+from cluster.frontend.http.ingress import Ingress, check_text
+from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest
+
+
+@dataclass
+class PreparedChat:
+    prompt: list[int]
+    params: SamplingParams
+    calls: Callable[[str], tuple] | None  # tools were offered: reads an answer into (content, tool calls)
+
+
+async def prepare_chat(ingress: Ingress, req: ChatCompletionRequest) -> PreparedChat:
+    max_tokens = ingress.check_common(
+        req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise ApiError(400, "top_logprobs must be between 0 and 20", "top_logprobs")
+    tools, forced = tool_calls.plan(req, ingress.tool_call_parser)
+    structured = await ingress.structured_output(req)
+    if forced is not None:
+        if structured is not None:
+            raise ApiError(400, "tool_choice required or named cannot be combined with a structured output",
+                           "tool_choice")
+        structured = await ingress.check_structured(forced, "tools")
+    messages = tool_calls.template_messages([m.model_dump() for m in req.messages])
+    check_text(json.dumps(messages, ensure_ascii=False), "messages")
+    prompt = await asyncio.to_thread(ingress.chat_prompt, messages, tools)
+    ingress.check_prompt(prompt, "messages")
+    max_tokens = min(max_tokens, ingress.max_model_len - len(prompt))  # unset: the rest of the context
+    params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs,
+                                 structured)
+    # With tools offered, an answer is read whole (it may be a call).
+    calls = (lambda text: tool_calls.parse(text, ingress.tool_call_parser, forced is not None)) if tools else None
+    return PreparedChat(prompt, params, calls)
