@@ -22,6 +22,18 @@ class PreparedChat:
     calls: Callable[[str], tuple] | None  # tools were offered: reads an answer into (content, tool calls)
 
 
+def _text_content(message: dict) -> dict:
+    """Content given as parts ([{"type": "text", "text": ...}], as vLLM's benchmark and many clients send it)
+    becomes one string: chat templates concatenate content as text."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
+        kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content})
+        raise ApiError(400, f"messages: only text content parts are served (got {', '.join(kinds)})", "messages")
+    return {**message, "content": "".join(p["text"] for p in content)}
+
+
 async def prepare_chat(ingress: Ingress, req: ChatCompletionRequest) -> PreparedChat:
     max_tokens = ingress.check_common(
         req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
@@ -34,7 +46,7 @@ async def prepare_chat(ingress: Ingress, req: ChatCompletionRequest) -> Prepared
             raise ApiError(400, "tool_choice required or named cannot be combined with a structured output",
                            "tool_choice")
         structured = await ingress.check_structured(forced, "tools")
-    messages = tool_calls.template_messages([m.model_dump() for m in req.messages])
+    messages = tool_calls.template_messages([_text_content(m.model_dump()) for m in req.messages])
     check_text(json.dumps(messages, ensure_ascii=False), "messages")
     prompt = await asyncio.to_thread(ingress.chat_prompt, messages, tools)
     ingress.check_prompt(prompt, "messages")

@@ -41,6 +41,17 @@ def test_completion_top_logprobs_include_the_sampled_token(client):
     assert [list(top) for top in zero.top_logprobs] == [[t] for t in zero.tokens]
 
 
+def test_text_content_parts(client, server):
+    """Content as a list of text parts (vLLM's chat benchmark sends it so) is the same text; other parts are a 400."""
+    def ask(content):
+        return client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+                                              messages=[{"role": "user", "content": content}]).choices[0].message.content
+    assert ask([{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]) == ask("Hello")
+    with pytest.raises(openai.BadRequestError) as bad:
+        ask([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
+    assert "only text content parts" in bad.value.body["message"] and bad.value.body["param"] == "messages"
+
+
 def test_developer_role_is_a_system_message(client):
     def ask(role):
         return client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
