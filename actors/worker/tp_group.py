@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import socket
 import threading
 from datetime import timedelta
@@ -60,10 +61,27 @@ class TPRank:
         self.ends = HandoffEnds(spec, runner.kv_caches, (runner.model.total_kv_heads, runner.model.kv_heads_by_rank),
                                 runner.comm)
         self.ends.join()
+        done = threading.Event()
+        threading.Thread(target=self._watch_receiver, args=(done,), name="kv-receiver-watch", daemon=True).start()
         try:
             runner.follow(on_task=self.ends.run_task)
         finally:
+            done.set()
             self.ends.close()
+
+    def _watch_receiver(self, done: threading.Event) -> None:
+        """A rank whose KV receiving thread died could never land its heads again, and every handoff to
+        the group would wait out its lease: the rank ends instead, and the group restarts as one worker."""
+        receiver = self.ends.receiver
+        while receiver is not None and not done.wait(1.0):
+            if not receiver.alive:
+                log.error("tensor-parallel rank %d: its KV receiver died; ending the rank", self.rank)
+                os._exit(70)
+
+    def kill_kv_receiver(self) -> None:
+        """Chaos hook (faults.py's kill_kv_receiver, on this rank): its receiving thread stops."""
+        if self.ends is not None and self.ends.receiver is not None:
+            self.ends.receiver.close()
 
     def kv_bytes(self) -> tuple[int, int]:
         """KV page bytes this rank has sent and received (answered while `run` runs: a threaded actor)."""

@@ -139,6 +139,51 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class ResponseOutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list
+
+
+class ResponseMessage(BaseModel):
+    type: Literal["message"]
+    id: str
+    status: Literal["in_progress", "completed"]
+    role: Literal["assistant"]
+    content: list[ResponseOutputText]
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """A /v1/responses body (and the `response` of its first and last stream events)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[ResponseMessage]
+    output_text: str
+    usage: ResponseUsage | None
+
+
+class ResponseStreamEvent(BaseModel):
+    """One event of a streamed /v1/responses answer; the fields beside these depend on its type."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["response.created", "response.output_item.added", "response.content_part.added",
+                  "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+                  "response.output_item.done", "response.completed"]
+    sequence_number: int
+    response: ResponseObject | None = None
+    item: ResponseMessage | None = None
+
+
 class TokenizerInfoResponse(BaseModel):
     tokenizer_class: str
     eos_token: str | None

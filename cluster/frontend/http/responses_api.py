@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from cluster.frontend.http.chat_request import prepare_chat
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.lifecycle import raise_if_failed, run_unless_disconnected
-from cluster.frontend.http.openapi import documented
+from cluster.frontend.http.openapi import ResponseObject, documented
 from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest
 from cluster.frontend.http.streaming import sse
 
@@ -84,8 +84,8 @@ def _message(msg_id: str, text: str, status: str) -> dict:
 
 
 def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
-    @app.post("/v1/responses", response_model=None, responses=documented(None, 400, 401, 404, 408, 413, 429, 500,
-                                                                         503, 504, streams=True))
+    @app.post("/v1/responses", response_model=None, responses=documented(ResponseObject, 400, 401, 404, 408, 413, 429,
+                                                                         500, 503, 504, streams=True))
     async def create_response(req: ResponsesRequest, request: Request):
         arrival = time.perf_counter()
         tenant = ingress.gate.authenticate(request.headers.get("authorization"))

@@ -120,3 +120,31 @@ def test_losing_a_decode_rank_migrates_the_streams(ray_session, kv4_model):
         wait_until_idle(cluster, timeout_s=30)
     finally:
         cluster.shutdown()
+
+
+def test_a_rank_whose_kv_receiver_dies_restarts_the_group(ray_session, kv4_model):
+    """Rank 1 of a TP=2 decode group loses its receiving thread: the rank ends, the group restarts as one
+    worker, and handoffs land again (before, every one would have waited out its lease)."""
+    prompts, params = workload(4)
+    config = _config(kv4_model, 1, 2)
+    expected, _ = _expected(config, prompts, params)
+    cluster = Cluster.start(config)
+    try:
+        worker = cluster.workers["decode-0"]
+        incarnation = ray.get(worker.info.remote(), timeout=30).incarnation
+        (rank1,) = ray.get(worker.tensor_parallel_ranks.remote(), timeout=30)
+        ray.get(rank1.kill_kv_receiver.remote(), timeout=30)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if ray.get(worker.info.remote(), timeout=30).incarnation != incarnation:
+                    break
+            except ray.exceptions.RayActorError:
+                pass  # restarting
+            assert time.monotonic() < deadline, "the group did not restart"
+            time.sleep(0.2)
+        got = cluster.client().generate(prompts, params, timeout_s=240)
+        assert [r[0].token_ids for r in got] == expected
+        wait_until_idle(cluster, timeout_s=30)
+    finally:
+        cluster.shutdown()
