@@ -3,6 +3,7 @@ for every worker and the scheduler to be idle with their integrity checked."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -50,3 +51,12 @@ def wait_until_idle(cluster: Cluster, timeout_s: float = 10.0) -> dict:
         if idle or time.monotonic() > deadline:
             return state
         time.sleep(0.05)
+
+
+def generate_in_background(cluster: Cluster, prompts, params, timeout_s: float = 240.0) -> tuple[threading.Thread, dict]:
+    """Run the requests from a thread (a test meanwhile breaks something); `out["got"]` holds the results
+    once the thread has ended."""
+    client, out = cluster.client(), {}
+    runner = threading.Thread(target=lambda: out.update(got=client.generate(prompts, params, timeout_s=timeout_s)))
+    runner.start()
+    return runner, out

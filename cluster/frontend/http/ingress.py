@@ -252,7 +252,8 @@ class Ingress:
     async def check_structured(self, spec: StructuredOutput, param: str) -> StructuredOutput:
         """Compile `spec` (off the event loop); a 400 naming `param` when it does not."""
         if self._grammars is None:
-            self._grammars = await asyncio.to_thread(Grammars, self.tokenizer, self.vocab_size)
+            made = await asyncio.to_thread(Grammars, self.tokenizer, self.vocab_size)
+            self._grammars = self._grammars or made  # another request may have made one meanwhile
         try:
             await asyncio.to_thread(self._grammars.compile, spec)
         except GrammarError as exc:

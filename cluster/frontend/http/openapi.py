@@ -165,7 +165,7 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"]
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
     output: list[ResponseMessage]
     output_text: str
@@ -178,7 +178,7 @@ class ResponseStreamEvent(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: Literal["response.created", "response.output_item.added", "response.content_part.added",
                   "response.output_text.delta", "response.output_text.done", "response.content_part.done",
-                  "response.output_item.done", "response.completed"]
+                  "response.output_item.done", "response.completed", "response.incomplete", "response.failed"]
     sequence_number: int
     response: ResponseObject | None = None
     item: ResponseMessage | None = None

@@ -72,10 +72,19 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def _response(rid: str, msg_id: str, model: str, text: str, status: str, usage: dict | None) -> dict:
-    output = [] if status == "in_progress" else [_message(msg_id, text, "completed")]
+    output = [_message(msg_id, text, "completed")] if status in ("completed", "incomplete") else []
     return {"id": rid, "object": "response", "created_at": int(time.time()), "status": status, "model": model,
             "output": output, "output_text": text, "error": None, "incomplete_details": None,
             "usage": usage, "parallel_tool_calls": False, "tool_choice": "none", "tools": []}
+
+
+def _finished(rid: str, msg_id: str, model: str, result, usage: dict) -> dict:
+    """The response of a finished answer: incomplete when max_output_tokens cut it."""
+    status = "incomplete" if result.finish_reason == "length" else "completed"
+    body = _response(rid, msg_id, model, result.text, status, usage)
+    if status == "incomplete":
+        body["incomplete_details"] = {"reason": "max_output_tokens"}
+    return body
 
 
 def _message(msg_id: str, text: str, status: str) -> dict:
@@ -112,7 +121,13 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
                     if ev.text:
                         yield {"type": "response.output_text.delta", "sequence_number": next(seq), "item_id": msg_id,
                                "output_index": 0, "content_index": 0, "delta": ev.text, "logprobs": []}
-                raise_if_failed(stream.results[0], False)
+                try:
+                    raise_if_failed(stream.results[0], ingress.own_deadline(sink))
+                except ApiError as exc:  # after the 200: the API's own failure event, not a cut stream
+                    failed = _response(rid, msg_id, ingress.model_name, stream.results[0].text, "failed", usage())
+                    failed["error"] = {"code": exc.kind, "message": exc.message}
+                    yield {"type": "response.failed", "sequence_number": next(seq), "response": failed}
+                    return
                 text = stream.results[0].text
                 yield {"type": "response.output_text.done", "sequence_number": next(seq), "item_id": msg_id,
                        "output_index": 0, "content_index": 0, "text": text, "logprobs": []}
@@ -120,14 +135,10 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
                        "output_index": 0, "content_index": 0, "part": {"type": "output_text", "text": text, "annotations": []}}
                 yield {"type": "response.output_item.done", "sequence_number": next(seq), "output_index": 0,
                        "item": _message(msg_id, text, "completed")}
-                yield {"type": "response.completed", "sequence_number": next(seq),
-                       "response": _response(rid, msg_id, ingress.model_name, text, "completed", usage())}
+                final = _finished(rid, msg_id, ingress.model_name, stream.results[0], usage())
+                yield {"type": f"response.{final['status']}", "sequence_number": next(seq), "response": final}
             return sse(events(), lambda: ingress.finish(stream, sink, arrival))
         await run_unless_disconnected(request, ingress, [(stream, sink)], arrival)
         result = stream.results[0]
         raise_if_failed(result, ingress.own_deadline(sink))
-        status = "incomplete" if result.finish_reason == "length" else "completed"
-        body = _response(rid, msg_id, ingress.model_name, result.text, status, usage())
-        if status == "incomplete":
-            body["incomplete_details"] = {"reason": "max_output_tokens"}
-        return body
+        return _finished(rid, msg_id, ingress.model_name, result, usage())

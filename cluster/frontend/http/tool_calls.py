@@ -74,9 +74,12 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 def parse(text: str, parser: str | None, forced: bool) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of an answer. `forced`: the grammar made it one JSON call."""
+    """(content, tool_calls) of an answer. `forced`: the grammar made it one JSON call, unless max_tokens
+    cut it short: then there is no call, and the text is the answer (its finish reason says "length")."""
     if forced:
-        call = json.loads(text)
+        call = _json_object(text)
+        if call is None:
+            return text, []
         return None, [_call(call["name"], call["arguments"])]
     if parser == "hermes":
         calls = []

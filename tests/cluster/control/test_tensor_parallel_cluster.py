@@ -6,7 +6,6 @@ whole groups, placement groups included."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 
 import pytest
@@ -15,7 +14,7 @@ import ray
 from actors.engine.engine import Engine
 from cluster.control.config import TandemConfig
 from cluster.control.launch import Cluster
-from tests.helpers.cluster import load, wait_until_idle, workload
+from tests.helpers.cluster import generate_in_background, load, wait_until_idle, workload
 
 
 def _tp_config(size: int, replicas: int = 1, **engine) -> TandemConfig:
@@ -58,10 +57,7 @@ def test_losing_a_rank_restarts_the_group_and_streams_migrate(ray_session):
         (worker,) = cluster.workers.values()
         (rank1,) = ray.get(worker.tensor_parallel_ranks.remote(), timeout=30)
         incarnation = ray.get(worker.info.remote(), timeout=30).incarnation
-        client = cluster.client()
-        out: dict = {}
-        runner = threading.Thread(target=lambda: out.update(got=client.generate(prompts, params, timeout_s=240)))
-        runner.start()
+        runner, out = generate_in_background(cluster, prompts, params)
         deadline = time.monotonic() + 60
         while True:  # mid-stream: decoding, nothing left to prefill
             stats = ray.get(worker.check_integrity.remote(), timeout=30)

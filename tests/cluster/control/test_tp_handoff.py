@@ -7,7 +7,6 @@ TP=2 decode group is killed mid-stream: the streams migrate and finish with the 
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 
 import pytest
@@ -17,7 +16,7 @@ from actors.engine.engine import Engine
 from actors.engine.model.parallel import TPShard
 from cluster.control.config import TandemConfig
 from cluster.control.launch import Cluster
-from tests.helpers.cluster import load, wait_until_idle, workload
+from tests.helpers.cluster import generate_in_background, load, wait_until_idle, workload
 from tests.helpers.models import make_hf_model
 
 HEAD_DIM, LAYERS, BLOCK = 16, 2, 16  # of the 4-KV-head model below
@@ -98,10 +97,7 @@ def test_losing_a_decode_rank_migrates_the_streams(ray_session, kv4_model):
         worker = cluster.workers["decode-0"]
         (rank1,) = ray.get(worker.tensor_parallel_ranks.remote(), timeout=30)
         incarnation = ray.get(worker.info.remote(), timeout=30).incarnation
-        client = cluster.client()
-        out: dict = {}
-        runner = threading.Thread(target=lambda: out.update(got=client.generate(prompts, params, timeout_s=240)))
-        runner.start()
+        runner, out = generate_in_background(cluster, prompts, params)
         deadline = time.monotonic() + 60
         while ray.get(worker.check_integrity.remote(), timeout=30).running < 3:  # mid-stream on the decode group
             assert time.monotonic() < deadline, "the requests never reached the decode worker"

@@ -9,20 +9,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
-from tests.helpers.cluster import load, wait_until_idle
+from tests.helpers.cluster import wait_until_idle
 from tests.helpers.http_server import MODEL
-
-
-@pytest.fixture(scope="module")
-def engine(server):
-    return Engine(load("local.yaml").engine_config())
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0)
 
 
 def idle(server):

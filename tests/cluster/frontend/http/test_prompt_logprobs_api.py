@@ -5,18 +5,10 @@ prompt token's logprob equals transformers' (the first is null), with or without
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 import torch
 
-from actors.engine.engine import Engine
-from tests.helpers.cluster import load
 from tests.helpers.http_server import MODEL
-
-
-@pytest.fixture(scope="module")
-def engine(server):
-    return Engine(load("local.yaml").engine_config())
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +22,6 @@ def reference(engine):
             lp = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
         return [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
     return logprobs
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0)
 
 
 CONTEXT = "The capital of France is a city that many people visit every year, and its name is"
