@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.bench_link import add_arguments as add_bench_link
 
     add_bench_link(bench_sub.add_parser("link", help="TTFT vs the prefill -> decode link's rate on the namespaced cluster (root)"))
+    from experiments.fleet.bench_control_plane import add_arguments as add_bench_control_plane
+
+    add_bench_control_plane(bench_sub.add_parser(
+        "control-plane", help="the scheduler with N simulated workers: admissions/s, decision time p50/p99"))
     from experiments.loadgen.cli import add_arguments as add_bench_serve
 
     add_bench_serve(bench_sub.add_parser("serve", help="open-loop load against an OpenAI-compatible server: latency, SLO goodput"))

@@ -1,9 +1,12 @@
 """Every message that crosses a process, typed. Who sends what:
 
 client -> scheduler   `GenerateRequest` (submit); answer `Admitted` | `Rejected`; abort(request id)
-scheduler -> worker   `WorkerRequest` (submit, reserve -> `KvReservation`); release/abort(`AttemptId`)
-worker -> scheduler   `WorkerInfo` + `LiveRequest`s (register), `WorkerReport` (every heartbeat),
-                      handoff_done(`AttemptId`, prefill worker id)
+client -> scheduler   a client's submits of one tick in one `submit_many` call (answers stream back)
+worker -> scheduler   `WorkerInfo` + `LiveRequest`s (register), `WorkerReport` (every heartbeat; a
+                      process hosting many workers sends its reports in one `reports` call),
+                      handoff_done(`AttemptId`, prefill worker id) or `HandedOff` in the next report
+scheduler -> worker   `WorkerRequest`s to submit or to reserve for (-> `KvReservation`), release/abort
+                      (`AttemptId`), batched per tick and worker process: worker_commands.py
 prefill -> decode     `HandoffNote` inside the KV transfer header (kv_transfer carries it as bytes)
 inside a tensor-parallel worker: see tp_messages.py
 worker -> client      `TokenDelta` batches over zmq (`actors.protocol.codec`)
@@ -193,6 +196,14 @@ class TransferSample:
 
 
 @dataclass(frozen=True)
+class HandedOff:
+    """A decode worker adopted an attempt's pages: its prefill worker may free its copy."""
+
+    attempt: AttemptId
+    prefill_worker: str
+
+
+@dataclass(frozen=True)
 class WorkerReport:
     worker_id: str
     stats: WorkerStats
@@ -201,6 +212,7 @@ class WorkerReport:
     first_token_waits: tuple[FirstTokenWait, ...] = ()
     received: tuple[AttemptId, ...] = ()  # attempts submitted to this worker since its last report
     transfers: tuple[TransferSample, ...] = ()  # decode: handoffs that landed since the last report
+    handed_off: tuple[HandedOff, ...] = ()  # decode: adopted since the last report (else `handoff_done` each)
 
 
 class LivePhase(enum.Enum):

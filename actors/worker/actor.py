@@ -10,7 +10,7 @@ The roles (prefill, decode, colocated) are described with `WorkerSpec` (spec.py)
 State: `_running` (attempts in the engine, by engine id) and the handoff table (reservations and
 holds) are this worker's; the engine owns its blocks and queues behind its methods.
 
-Why one file of ~400 lines: every engine-thread command (submit, adopt, abort, hand-off, expiry,
+Why one file of ~410 lines: every engine-thread command (submit, adopt, abort, hand-off, expiry,
 failure, report) is a short method on the one thread that may touch the engine; splitting them would
 put that rule in several places. Reports are built by meter.py, the data-plane ends by kv_handoff.py,
 a tensor-parallel group's other ranks live in tp_group.py, the chaos hooks are named in faults.py.
@@ -42,9 +42,11 @@ from actors.protocol.messages import (
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.token_stream import TokenPublisher
 from actors.protocol.tp_messages import KvSendPlan, PieceEvent
-from actors.worker.faults import check_fault
+from actors.protocol.worker_commands import ReleaseAttempt, ReserveBlocks, SubmitAttempt, WorkerCommand
+from actors.worker.faults import apply_fault, check_fault
 from actors.worker.handoff_table import HandoffTable, LeaseKind
 from actors.worker.kv_handoff import HandoffEnds
+from actors.worker.mailbox import addressed, answers
 from actors.worker.meter import WorkerMeter
 from actors.worker.running import Running, engine_id
 from actors.worker.scheduler_link import SchedulerLink
@@ -125,10 +127,23 @@ class Worker:
         self._put(self._do_submit, (request, time.time()))
 
     def reserve(self, request: WorkerRequest) -> KvReservation | None:
+        return self.reserve_many((ReserveBlocks(self.spec.worker_id, request),))[0]
+
+    def reserve_many(self, asks: tuple[ReserveBlocks, ...]) -> tuple[KvReservation | None, ...]:
+        """The scheduler's reservations of one tick, answered in order (None: no room, or it failed)."""
         delay = self._faults.get("slow_reserve")
         if delay:
             time.sleep(delay)
-        return self._call(self._handoffs.reserve, (request, engine_id(request.attempt)))
+        return answers([self._ask(self._handoffs.reserve, (ask.request, engine_id(ask.request.attempt)))
+                        if addressed(self.spec.worker_id, ask) else None for ask in asks], _CALL_TIMEOUT_S)
+
+    def deliver(self, commands: tuple[WorkerCommand, ...]) -> None:
+        """The scheduler's fire-and-forget commands of one tick."""
+        for command in (c for c in commands if addressed(self.spec.worker_id, c)):
+            if isinstance(command, SubmitAttempt):
+                self.submit(command.request)
+            else:
+                (self.release if isinstance(command, ReleaseAttempt) else self.abort)(command.attempt)
 
     def release(self, attempt: AttemptId) -> None:
         self._put(self._handoffs.release, attempt)
@@ -140,13 +155,14 @@ class Worker:
         return self._call(self._do_integrity, None)
 
     @ray.method(concurrency_group="watch")
-    def watch(self) -> None:
+    def watch(self, worker_id: str | None = None) -> None:
         """Returns only at shutdown. The scheduler keeps one call pending, in a thread group of its
-        own: it fails the moment this process dies, long before the heartbeat timeout."""
+        own: it fails the moment this process dies, long before the heartbeat timeout. (`worker_id`:
+        which worker of the process; a process hosts one real worker.)"""
         self._stop.wait()
 
     @ray.method(concurrency_group="watch")
-    def incarnation(self) -> str:
+    def incarnation(self, worker_id: str | None = None) -> str:
         """Which process answers: lets the scheduler tell a dropped watch call from a dead worker."""
         return self._incarnation
 
@@ -162,9 +178,11 @@ class Worker:
         self._inbox.put((handler, arg, None))
 
     def _call(self, handler, arg):
-        future: Future = Future()
-        self._inbox.put((handler, arg, future))
-        return future.result(timeout=_CALL_TIMEOUT_S)
+        return self._ask(handler, arg).result(timeout=_CALL_TIMEOUT_S)
+
+    def _ask(self, handler, arg) -> Future:
+        self._inbox.put((handler, arg, future := Future()))
+        return future
 
     # ---- the engine thread ----
 
@@ -289,14 +307,7 @@ class Worker:
             self._engine.abort(key)
 
     def _do_fault(self, fault: str | None, delay_s: float) -> None:
-        if fault == "kill_kv_receiver" and self._receiver is not None:  # rank 0's
-            self._receiver.close()
-            return
-        if fault is None:
-            self._faults.clear()
-        else:
-            self._faults[fault] = delay_s
-        self._handoffs.hold_writes(self._faults.get("hold_kv_writes"))
+        apply_fault(self._faults, fault, delay_s, self._receiver, self._handoffs)
 
     def _do_integrity(self, _) -> WorkerStats:
         self._engine.check_integrity()

@@ -16,3 +16,15 @@ FAULTS = {
 def check_fault(fault: str | None) -> None:
     if fault is not None and fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+
+
+def apply_fault(faults: dict[str, float], fault: str | None, delay_s: float, receiver, handoffs) -> None:
+    """On the engine thread: set (or, with None, clear) a fault in `faults`."""
+    if fault == "kill_kv_receiver" and receiver is not None:  # rank 0's
+        receiver.close()
+        return
+    if fault is None:
+        faults.clear()
+    else:
+        faults[fault] = delay_s
+    handoffs.hold_writes(faults.get("hold_kv_writes"))

@@ -79,6 +79,10 @@ class LinkCosts:
     def __init__(self, default_bytes_per_s: float):
         self._default_per_byte = 1.0 / default_bytes_per_s
         self._links: dict[tuple[str, str], LinkFit] = {}
+        self._into: dict[str, set[str]] = {}  # decode worker -> prefill workers with a fit into it
+        # Mean (latency, seconds per byte) of the fits into a decode worker ("" : of all), until one changes.
+        self._means: dict[str, tuple[float, float]] = {}
+        self._swept = 0.0
 
     def observe(self, decode_worker: str, samples: tuple[TransferSample, ...], now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -86,26 +90,58 @@ class LinkCosts:
             if not (sample.nbytes > 0 and math.isfinite(sample.seconds) and sample.seconds >= 0):
                 continue  # a report is trusted for its counts, not for physics
             fit = self._links.setdefault((sample.prefill_worker, decode_worker), LinkFit())
+            self._into.setdefault(decode_worker, set()).add(sample.prefill_worker)
             fit.add(sample.nbytes, sample.seconds, now)
+            self._changed(decode_worker)
 
     def seconds(self, prefill_worker: str, decode_worker: str, nbytes: int, now: float | None = None) -> float:
         self._drop_stale(time.monotonic() if now is None else now)
         fit = self._links.get((prefill_worker, decode_worker))
         if fit is not None:
             return _cost(fit, nbytes)
-        peers = [f for (_, dst), f in self._links.items() if dst == decode_worker] or list(self._links.values())
-        if not peers:
+        mean = self._mean(decode_worker if self._into.get(decode_worker) else "")
+        if mean is None:
             return nbytes * self._default_per_byte
-        return sum(_cost(f, nbytes) for f in peers) / len(peers)
+        return mean[0] + nbytes * mean[1]
+
+    def _mean(self, decode_worker: str) -> tuple[float, float] | None:
+        """Kept until a fit into it changes: read per candidate per request, it must not scan the links."""
+        mean = self._means.get(decode_worker)
+        if mean is None:
+            fits = ([self._links[(src, decode_worker)] for src in self._into[decode_worker]] if decode_worker
+                    else list(self._links.values()))
+            if not fits:
+                return None
+            lines = [f.line() for f in fits]
+            mean = self._means[decode_worker] = (sum(x for x, _ in lines) / len(lines),
+                                                 sum(y for _, y in lines) / len(lines))
+        return mean
+
+    def _changed(self, decode_worker: str) -> None:
+        self._means.pop(decode_worker, None)
+        self._means.pop("", None)
 
     def forget(self, worker_id: str) -> None:
         """A worker that is gone or restarted: a replacement may sit on another host."""
         for link in [link for link in self._links if worker_id in link]:
-            del self._links[link]
+            self._drop(link)
 
     def _drop_stale(self, now: float) -> None:
+        if now - self._swept < 1.0:  # a sweep per second is enough for a 30 s staleness, and O(1) per call
+            return
+        self._swept = now
         for link in [link for link, fit in self._links.items() if now - fit.updated > _STALE_S]:
-            del self._links[link]
+            self._drop(link)
+
+    def _drop(self, link: tuple[str, str]) -> None:
+        src, dst = link
+        del self._links[link]
+        into = self._into.get(dst)
+        if into is not None:
+            into.discard(src)
+            if not into:
+                del self._into[dst]
+        self._changed(dst)
 
     def estimates(self) -> dict[str, LinkEstimate]:
         """By "prefill->decode"."""
@@ -116,6 +152,9 @@ class LinkCosts:
         return out
 
     def check_integrity(self) -> None:
+        into = {(src, dst) for dst, sources in self._into.items() for src in sources}
+        if into != set(self._links):
+            raise RuntimeError(f"link costs: the per-decode index differs from the links by {sorted(into ^ set(self._links))}")
         for link, fit in self._links.items():
             latency, per_byte = fit.line()
             assert fit.weight > 0 and fit.samples > 0, f"link {link} has no samples"

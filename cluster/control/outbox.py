@@ -1,6 +1,7 @@
-"""What the scheduler tells workers and clients. Every call is fire-and-forget and idempotent where it
+"""What the scheduler tells workers and clients. Every command is fire-and-forget and idempotent where it
 lands (a worker ignores an abort or release for an attempt it does not hold), so a lost or repeated
-call costs nothing but the lease that would have ended it anyway."""
+command costs nothing but the lease that would have ended it anyway. Commands to workers travel
+batched per tick (worker_mail.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ from actors.protocol.ids import AttemptId
 from actors.protocol.messages import TokenDelta
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.token_stream import TokenPublisher
+from actors.protocol.worker_commands import AbortAttempt, ReleaseAttempt, WorkerCommand
 from cluster.control.registry import WorkerRegistry
 from cluster.control.scheduler_state import Tracked
+from cluster.control.worker_mail import WorkerMail
 from kv_transfer.curve import CurveKeys
 
 
 class Outbox:
-    def __init__(self, registry: WorkerRegistry, curve_keys: CurveKeys | None):
-        self._registry = registry
+    def __init__(self, registry: WorkerRegistry, mail: WorkerMail, curve_keys: CurveKeys | None):
+        self._registry, self.mail = registry, mail
         # Only to tell a client its request failed with a lost worker.
         self._publisher = TokenPublisher(keys=curve_keys)
 
@@ -25,9 +28,13 @@ class Outbox:
             self.abort_on(wid, tracked.attempt)
 
     def abort_on(self, worker_id: str, attempt: AttemptId) -> None:
+        self.send(worker_id, AbortAttempt(worker_id, attempt))
+
+    def send(self, worker_id: str, command: WorkerCommand) -> None:
+        """To a registered worker (a command for one that is gone has nobody to do it)."""
         entry = self._registry.get(worker_id)
         if entry is not None:
-            entry.handle.abort.remote(attempt)
+            self.mail.send(entry.handle, command)
 
     def release_prefill(self, tracked: Tracked) -> None:
         """The decode side adopted the pages: the prefill worker frees its held copy."""
@@ -38,7 +45,7 @@ class Outbox:
     def release_on(self, worker_id: str, attempt: AttemptId, role: str | None = None) -> None:
         entry = self._registry.get(worker_id)
         if entry is not None and (role is None or entry.view.role == role):
-            entry.handle.release.remote(attempt)
+            self.mail.send(entry.handle, ReleaseAttempt(worker_id, attempt))
 
     def tell_client(self, tracked: Tracked, message: str, retryable: bool = True) -> None:
         delta = TokenDelta(tracked.attempt, 0, 0, (), RequestStatus.FAILED, len(tracked.request.prompt_token_ids), 0,

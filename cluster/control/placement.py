@@ -5,11 +5,17 @@ committed to requests in flight), cache-aware prefill routing (cluster/control/r
 shedding on the predicted time to first token (cluster/control/ttft_guard.py). The scheduler carries a
 `Placement` out; whatever it awaits meanwhile, it checks the plan's workers are still the same before
 it commits (`still_valid`).
+
+Per request it weighs every worker of a small pool (up to `CANDIDATES`), as the policies in routing.py
+define; in a bigger pool only the candidates: the least-loaded prefill workers and the decode workers
+with the most uncommitted KV (kept in order as reports and commitments change, worker_order.py), and the
+workers holding the deepest cached prefix of the prompt (prefix_index.py). So a decision costs the same
+at 16 workers as at 512. Whether any decode worker has room is still exact: the one with the most
+uncommitted KV is always a candidate.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -22,6 +28,10 @@ from cluster.control.request_table import RequestTable
 from cluster.control.routing import PrefillPlan, WorkerView, pick_decode, plan_prefill, predicted_ttft
 from cluster.control.scheduler_state import SchedulerSettings
 from cluster.control.ttft_guard import TtftGuard
+from cluster.control.worker_order import WorkerOrder
+
+CANDIDATES = 16  # a pool this small is weighed whole, per request
+SAMPLED = 8  # in a bigger one: the best this many by load or room, and as many deepest prefix holders
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,22 @@ class Placer:
         self._registry, self._table, self._index, self._guard, self._links = registry, table, index, guard, links
         self._turn = itertools.count()
         self.shed = 0
+        self._queued = WorkerOrder()  # prefill (and colocated) workers, least queued prompt tokens first
+        self._room = WorkerOrder()  # decode (and colocated) workers, most uncommitted KV first
+        registry.on_change = table.on_change = self._refresh
+
+    def _refresh(self, worker_id: str) -> None:
+        """A worker's load, room or standing changed: its place in the orders follows."""
+        entry = self._registry.get(worker_id)
+        view = None if entry is None else self._registry.view(entry.view.role, worker_id)
+        if view is None:  # gone, or draining
+            self._queued.discard(worker_id)
+            self._room.discard(worker_id)
+            return
+        if view.role != "decode":
+            self._queued.set(worker_id, view.queued_prefill_tokens)
+        if view.role != "prefill":
+            self._room.set(worker_id, self._table.committed(worker_id) - view.num_blocks)
 
     @property
     def pool(self) -> str:
@@ -60,18 +86,17 @@ class Placer:
         """A placement, a rejection (shed), or None: no worker has room now (try again later)."""
         prompt_len = len(request.prompt_token_ids)
         if self.s.mode == "colocated":
-            pool = self.views_with_room("colocated")
-            fits = [v for v in pool if v.free_blocks >= blocks_needed]
+            fits = [v for v in self._with_room("colocated", hashes) if v.free_blocks >= blocks_needed]
             if not fits:
                 return None
             plan = plan_prefill(self.s.routing, fits, self._cached(fits, hashes), prompt_len, 0.0,
-                                self.typical_cost(pool), next(self._turn))
+                                self.typical_cost("colocated"), next(self._turn))
             return self._shed(plan, arrived) or self._placement(plan.worker_id, plan, local=True)
 
-        decode = pick_decode(self.views_with_room("decode"), blocks_needed)
+        decode = pick_decode(self._with_room("decode", ()), blocks_needed)
         if decode is None:
             return None
-        prefill_pool = self._registry.views("prefill")
+        prefill_pool = self._prefill_candidates(hashes)
         cached = self._cached(prefill_pool + [decode], hashes)
         if prefill_pool:
             # Whole blocks travel, cached or not: the decode worker has none of them.
@@ -81,10 +106,10 @@ class Placer:
                           for p in prefill_pool}
             local_ok = self.s.local_prefill
             plan = plan_prefill(self.s.routing, prefill_pool, cached, prompt_len, transfer_s,
-                                self.typical_cost(prefill_pool), next(self._turn),
+                                self.typical_cost("prefill"), next(self._turn),
                                 local=decode if local_ok else None, local_penalty=self.s.local_prefill_penalty)
         else:
-            cost = predicted_ttft(decode, prompt_len, cached[decode.worker_id], self.typical_cost([decode]), 0.0)
+            cost = predicted_ttft(decode, prompt_len, cached[decode.worker_id], self.typical_cost("decode"), 0.0)
             plan = PrefillPlan(decode.worker_id, True, cached[decode.worker_id], cost)
         shed = self._shed(plan, arrived)
         if shed is not None:
@@ -98,29 +123,48 @@ class Placer:
 
     def still_valid(self, placement: Placement) -> bool:
         """Every worker the plan names is still registered as the same process and takes work."""
-        return all(self._registry.is_current(wid, inc) and wid not in self._registry.draining()
+        return all(self._registry.is_current(wid, inc) and not self._registry.is_draining(wid)
                    for wid, inc in placement.incarnations)
 
-    def views_with_room(self, role: str) -> list[WorkerView]:
-        """The role's workers with `free_blocks` = KV not committed to requests in flight.
+    def _with_room(self, role: str, hashes: list[int]) -> list[WorkerView]:
+        """The role's candidates (every worker of a small pool), with `free_blocks` = KV not committed to
+        requests in flight.
 
         Admission commits prompt + max_tokens x n per request (policy `prompt_plus_max_tokens`), so a
         request admitted now can always finish; the workers' own free counts lag and include cache."""
-        return [dataclasses.replace(v, free_blocks=v.num_blocks - self._table.committed(v.worker_id))
-                for v in self._registry.views(role)]
+        if self._registry.pool_size(role) <= CANDIDATES:
+            views = self._registry.views(role)
+        else:
+            ids = self._room.best(SAMPLED) + self._index.deepest_holders(hashes, SAMPLED)
+            if role == "colocated":  # it prefills too: the least loaded are candidates as well
+                ids += self._queued.best(SAMPLED)
+            views = [v for wid in dict.fromkeys(ids) if (v := self._registry.view(role, wid)) is not None]
+        committed = self._table.committed
+        return [WorkerView(v.worker_id, v.role, v.num_blocks - committed(v.worker_id), v.num_blocks,
+                           v.queued_prefill_tokens, v.running, v.waiting, v.prefill_s_per_token) for v in views]
 
-    def typical_cost(self, pool: list[WorkerView]) -> float:
+    def _prefill_candidates(self, hashes: list[int]) -> list[WorkerView]:
+        if self._registry.pool_size("prefill") <= CANDIDATES:
+            return self._registry.views("prefill")
+        ids = self._queued.best(SAMPLED) + self._index.deepest_holders(hashes, SAMPLED)
+        return [v for wid in dict.fromkeys(ids) if (v := self._registry.view("prefill", wid)) is not None]
+
+    def typical_cost(self, role: str) -> float:
         """Per-token prefill cost for a worker not measured yet: its pool's mean, else the configured one.
 
         Workers of one pool run the same model on the same hardware, so a fresh worker is as fast as
         its measured peers; a pessimistic guess would keep all traffic on the first measured worker."""
-        measured = [v.prefill_s_per_token for v in pool if v.prefill_s_per_token is not None]
-        return sum(measured) / len(measured) if measured else self.s.prefill_s_per_token
+        measured = self._registry.mean_prefill_cost(role)
+        return measured if measured is not None else self.s.prefill_s_per_token
+
+    def check_integrity(self) -> None:
+        self._queued.check_integrity()
+        self._room.check_integrity()
 
     def retry_after_s(self) -> float:
         # Room frees as running requests finish: estimate from the queued prefill work on the pool.
         views = self._registry.views(self.pool)
-        return max(1.0, sum(v.queued_prefill_tokens for v in views) * self.typical_cost(views))
+        return max(1.0, sum(v.queued_prefill_tokens for v in views) * self.typical_cost(self.pool))
 
     def step_s(self, worker_id: str) -> float | None:
         entry = self._registry.get(worker_id)

@@ -6,6 +6,7 @@ block pools use, so a hash here means the same tokens there.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 from actors.protocol.kv_events import AllCleared, BlockRemoved, BlockStored
@@ -38,6 +39,19 @@ class PrefixIndex:
                 break
             n += 1
         return n
+
+    def size(self) -> int:
+        """(block hash, worker) pairs held."""
+        return sum(len(v) for v in self._by_worker.values())
+
+    def deepest_holders(self, block_hashes: list[int], k: int) -> list[str]:
+        """Up to `k` workers holding the deepest block of `block_hashes` that any worker holds: the ones
+        with the longest cached prefix, found in O(blocks) whatever the number of workers."""
+        for h in reversed(block_hashes):
+            holders = self._holders.get(h)
+            if holders:
+                return list(itertools.islice(holders, k))
+        return []
 
     def _discard(self, worker_id: str, block_hash: int) -> None:
         holders = self._holders.get(block_hash)

@@ -26,6 +26,9 @@ log = logging.getLogger("tandem.scheduler")
 class WorkerRegistry:
     def __init__(self, heartbeat_timeout_s: float, on_lost: Callable[[str, str], None]):
         self._workers: dict[str, WorkerEntry] = {}
+        self._pools: dict[str, dict[str, WorkerView]] = {}  # role -> views of its workers that take work
+        self._sums: dict[str, tuple[int, int, float | None]] = {}  # role -> (blocks, largest, mean cost), cached
+        self.on_change: Callable[[str], None] = lambda worker_id: None  # a worker's view or standing changed
         self._lost: dict[str, str] = {}  # worker id -> incarnation declared dead
         self._draining: set[str] = set()  # no new work; what they serve finishes
         self._heartbeat_timeout_s = heartbeat_timeout_s
@@ -43,7 +46,43 @@ class WorkerRegistry:
 
     def views(self, role: str) -> list[WorkerView]:
         """The role's workers that take new work."""
-        return [w.view for wid, w in self._workers.items() if w.view.role == role and wid not in self._draining]
+        return list(self._pools.get(role, {}).values())
+
+    def view(self, role: str, worker_id: str) -> WorkerView | None:
+        """The worker's view if it is of `role` and takes new work."""
+        return self._pools.get(role, {}).get(worker_id)
+
+    def pool_size(self, role: str) -> int:
+        return len(self._pools.get(role, ()))
+
+    def pool_blocks(self, role: str) -> int:
+        """KV blocks of the role's workers that take work, in all."""
+        return self._pool_sums(role)[0]
+
+    def largest(self, role: str) -> int:
+        """The most KV blocks one of the role's workers has (0: none takes work)."""
+        return self._pool_sums(role)[1]
+
+    def mean_prefill_cost(self, role: str) -> float | None:
+        """The measured per-token prefill cost, averaged over the role's workers that have one."""
+        return self._pool_sums(role)[2]
+
+    def _pool_sums(self, role: str) -> tuple[int, int, float | None]:
+        # Cached until a worker joins, leaves or reports other numbers: read per request, changed rarely.
+        sums = self._sums.get(role)
+        if sums is None:
+            views = self.views(role)
+            costs = [v.prefill_s_per_token for v in views if v.prefill_s_per_token is not None]
+            sums = self._sums[role] = (sum(v.num_blocks for v in views), max((v.num_blocks for v in views), default=0),
+                                       sum(costs) / len(costs) if costs else None)
+        return sums
+
+    def add_queued(self, worker_id: str, tokens: int) -> None:
+        """Prompt tokens just sent to the worker: queued there until its next report says otherwise."""
+        entry = self._workers.get(worker_id)
+        if entry is not None:
+            entry.view.queued_prefill_tokens += tokens
+            self.on_change(worker_id)
 
     def is_current(self, worker_id: str, incarnation: str) -> bool:
         """Still registered as the same process (not forgotten, not replaced by its restarted self)."""
@@ -57,6 +96,9 @@ class WorkerRegistry:
             return known, False
         view = WorkerView(info.worker_id, info.role, info.num_blocks, info.num_blocks)
         entry = self._workers[info.worker_id] = WorkerEntry(handle, info, view)
+        self._pools.setdefault(info.role, {})[info.worker_id] = view
+        self._sums.pop(info.role, None)
+        self.on_change(info.worker_id)
         asyncio.get_running_loop().create_task(self._watch_process(info.worker_id, info.incarnation, handle))
         return entry, True
 
@@ -72,23 +114,46 @@ class WorkerRegistry:
         entry.last_seen = time.monotonic()
         entry.stats = stats
         v = entry.view
+        if v.num_blocks != stats.num_blocks or v.prefill_s_per_token != stats.prefill_s_per_token:
+            self._sums.pop(v.role, None)
         v.free_blocks, v.num_blocks = stats.free_blocks, stats.num_blocks
         v.running, v.waiting = stats.running, stats.waiting
         v.queued_prefill_tokens = stats.queued_prefill_tokens
         v.prefill_s_per_token = stats.prefill_s_per_token
+        self.on_change(stats.worker_id)
         return True
 
     def drain(self, worker_id: str) -> None:
-        if worker_id not in self._workers:
+        entry = self._workers.get(worker_id)
+        if entry is None:
             raise ValueError(f"unknown worker {worker_id!r}")
         self._draining.add(worker_id)
+        self._leave_pool(entry)
+
+    def is_draining(self, worker_id: str) -> bool:
+        return worker_id in self._draining
 
     def draining(self) -> list[str]:
         return sorted(self._draining)
 
     def remove(self, worker_id: str) -> WorkerEntry | None:
         self._draining.discard(worker_id)
-        return self._workers.pop(worker_id, None)
+        entry = self._workers.pop(worker_id, None)
+        if entry is not None:
+            self._leave_pool(entry)
+        return entry
+
+    def _leave_pool(self, entry: WorkerEntry) -> None:
+        role, wid = entry.view.role, entry.info.worker_id
+        if self._pools.get(role, {}).pop(wid, None) is not None:
+            self._sums.pop(role, None)
+        self.on_change(wid)
+
+    def check_integrity(self) -> None:
+        pools = {(role, wid) for role, views in self._pools.items() for wid in views}
+        taking = {(e.view.role, wid) for wid, e in self._workers.items() if wid not in self._draining}
+        if pools != taking:
+            raise RuntimeError(f"registry: pools {sorted(pools ^ taking)} differ from the workers that take work")
 
     # ---- liveness ----
 
@@ -108,12 +173,12 @@ class WorkerRegistry:
         for workers that hang while alive)."""
         while True:
             try:
-                await handle.watch.remote()
+                await handle.watch.remote(wid)
                 return  # a clean shutdown
             except ray.exceptions.RayError:
                 pass
             try:  # a call can fail while the process lives (a busy host): ask which process answers
-                alive = await asyncio.wait_for(handle.incarnation.remote(), 2.0) == incarnation
+                alive = await asyncio.wait_for(handle.incarnation.remote(wid), 2.0) == incarnation
             except (ray.exceptions.RayError, asyncio.TimeoutError):
                 alive = False
             if not alive:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from typing import Callable
 
 from actors.protocol.ids import AttemptId
 from cluster.control.scheduler_state import Tracked
@@ -21,6 +22,7 @@ _ABORTS_KEPT = 100_000
 
 class RequestTable:
     def __init__(self) -> None:
+        self.on_change: Callable[[str], None] = lambda worker_id: None  # a worker's committed KV changed
         self._requests: dict[str, Tracked] = {}
         self._committed: dict[str, int] = {}  # worker id -> KV blocks promised to requests in flight
         self._by_tenant: dict[str | None, int] = {}  # cache salt -> the same blocks, summed by tenant
@@ -57,6 +59,7 @@ class RequestTable:
         self._committed[tracked.decode_id] = self._committed.get(tracked.decode_id, 0) + tracked.blocks
         tenant = tracked.request.cache_salt
         self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + tracked.blocks
+        self.on_change(tracked.decode_id)
         return old
 
     def reclaim(self, attempt: AttemptId | str, failed: bool, cancelled: bool = False) -> Tracked | None:
@@ -73,6 +76,7 @@ class RequestTable:
         self._by_tenant[tenant] -= tracked.blocks
         if not self._by_tenant[tenant]:
             del self._by_tenant[tenant]
+        self.on_change(tracked.decode_id)
         if failed:
             self.failed += 1
         elif cancelled:

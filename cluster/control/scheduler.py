@@ -31,7 +31,7 @@ import time
 
 import ray
 
-from actors.engine.kv.block_hash import hash_prompt_blocks
+from actors.engine.kv.block_hash import PrefixHasher
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import (
     Admitted,
@@ -47,7 +47,9 @@ from actors.protocol.messages import (
     WorkerRequest,
 )
 from actors.protocol.request_status import RequestStatus
+from actors.protocol.worker_commands import AbortAttempt, ReserveBlocks, SubmitAttempt
 from cluster.control.adoption import adopt_live
+from cluster.control.decision_clock import ControlPlaneStats, DecisionClock
 from cluster.control.incarnation import Incarnation
 from cluster.control.link_costs import LinkCosts
 from cluster.control.outbox import Outbox
@@ -58,6 +60,7 @@ from cluster.control.request_table import RequestTable
 from cluster.control.scheduler_state import SchedulerCounters, SchedulerSettings, SchedulerState, Tracked
 from cluster.control.tenant_shares import TenantShares
 from cluster.control.ttft_guard import TtftGuard
+from cluster.control.worker_mail import WorkerMail
 from kv_transfer.curve import CurveKeys
 
 log = logging.getLogger("tandem.scheduler")
@@ -70,11 +73,13 @@ class Scheduler:
         self._registry = WorkerRegistry(settings.heartbeat_timeout_s, self._worker_gone)
         self._table = RequestTable()
         self._index = PrefixIndex()
+        self._hasher = PrefixHasher(settings.block_size, settings.model_id)
         self._guard = TtftGuard(settings.max_predicted_ttft_s)
         self._links = LinkCosts(settings.transfer_bytes_per_s)
         self._placer = Placer(settings, self._registry, self._table, self._index, self._guard, self._links)
         self._shares = TenantShares(self._table, self._registry, settings.max_queued)
-        self._out = Outbox(self._registry, settings.curve_keys)
+        self._out = Outbox(self._registry, WorkerMail(_CALL_TIMEOUT_S), settings.curve_keys)
+        self._clock = DecisionClock()
         self._incarnation = Incarnation(settings.heartbeat_timeout_s)
         self._admitting: set[str] = set()  # request ids whose submit is being decided now
         self._watchdog: asyncio.Task | None = None
@@ -110,6 +115,13 @@ class Scheduler:
 
     async def report(self, report: WorkerReport) -> bool:
         """False tells the worker this scheduler does not know it: it registers again."""
+        return self._take_report(report)
+
+    async def reports(self, batch: tuple[WorkerReport, ...]) -> tuple[bool, ...]:
+        """The reports of every worker one process hosts, in one call."""
+        return tuple([self._take_report(report) for report in batch])
+
+    def _take_report(self, report: WorkerReport) -> bool:
         if not self._registry.observe(report.stats):
             return False
         self._index.apply(report.worker_id, report.kv_events)
@@ -121,9 +133,14 @@ class Scheduler:
                 tracked.sent_at = None
         for done in report.finished:
             self._reclaim(done.attempt, failed=done.status == RequestStatus.FAILED)
+        for adopted in report.handed_off:
+            self._handed_off(adopted.attempt, adopted.prefill_worker)
         return True
 
     async def handoff_done(self, attempt: AttemptId, prefill_worker: str) -> None:
+        self._handed_off(attempt, prefill_worker)
+
+    def _handed_off(self, attempt: AttemptId, prefill_worker: str) -> None:
         tracked = self._table.current(attempt)
         if tracked is None or tracked.prefill is None:
             # Not tracked (this scheduler restarted since, or the attempt ended): the prefill worker
@@ -188,6 +205,15 @@ class Scheduler:
 
     # ---- requests ----
 
+    async def submit_many(self, requests: tuple[GenerateRequest, ...]):
+        """A client's submits of one tick: the answers stream back as `(index, answer)` tuples, as they
+        are decided, so a request that waits for room does not hold back the others' answers."""
+        tasks = {asyncio.ensure_future(self.submit(r)): i for i, r in enumerate(requests)}
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            yield tuple((tasks[t], _answer(t)) for t in done)
+
     async def submit(self, request: GenerateRequest) -> Admitted | Rejected:
         """Admit and route one request (or the next attempt of a migrated one)."""
         if request.retried and not request.output_prefix:
@@ -214,8 +240,12 @@ class Scheduler:
         worker until its own deadline, since one that Ray restarts is back in seconds."""
         self._submitted += 1
         self._admitting.add(request.request_id)
+        arrived = time.perf_counter()
         try:
-            return await self._submit_once(request, patient)
+            answer = await self._submit_once(request, patient)
+            if isinstance(answer, Admitted):
+                self._clock.decided(time.perf_counter() - arrived)
+            return answer
         finally:
             self._admitting.discard(request.request_id)
 
@@ -244,20 +274,18 @@ class Scheduler:
             wait_s = max(wait_s, request.deadline - time.time())
         deadline = arrived + wait_s
         blocks_needed = self._placer.blocks_needed(request)
-        hashes = hash_prompt_blocks(list(request.prompt_token_ids), self.s.block_size, request.cache_salt,
-                                    self.s.model_id)
+        hashes = self._hasher(request.prompt_token_ids, request.cache_salt)
         pool = self._placer.pool
         while True:
-            views = self._registry.views(pool)
-            if views and blocks_needed > max(v.num_blocks for v in views):
-                biggest = max(v.num_blocks for v in views)
+            workers, biggest = self._registry.pool_size(pool), self._registry.largest(pool)
+            if workers and blocks_needed > biggest:
                 return self._reject(f"the request needs {blocks_needed} KV blocks (prompt + max_tokens x n); the "
                                     f"largest {pool} worker has {biggest}: lower max_tokens or n", None)
             too_big = self._shares.too_big(request, blocks_needed, pool)
             if too_big is not None:
                 self._rejected += 1
                 return too_big
-            if views and self._shares.fits(request, blocks_needed, pool):
+            if workers and self._shares.fits(request, blocks_needed, pool):
                 placed = self._placer.place(request, hashes, blocks_needed, arrived)
                 if isinstance(placed, Rejected):
                     self._rejected += 1
@@ -267,7 +295,7 @@ class Scheduler:
                     if answer is not None:
                         return answer
             if time.monotonic() >= deadline:
-                if not self._registry.views(pool):
+                if not self._registry.pool_size(pool):
                     return self._reject(f"no {pool} worker is ready", 5.0, unavailable=True)
                 if not self._shares.fits(request, blocks_needed, pool):
                     self._rejected += 1
@@ -286,8 +314,8 @@ class Scheduler:
             # another request of the tenant admitted.
             if (reservation is None or not self._placer.still_valid(placement)
                     or not self._shares.fits(request, blocks, self._placer.pool)):
-                if reservation is not None:
-                    decode.handle.abort.remote(attempt)  # the handle reserved on, even if since replaced
+                if reservation is not None:  # to the handle reserved on, even if since replaced
+                    self._out.mail.send(decode.handle, AbortAttempt(placement.decode_id, attempt))
                 return None
             dest = KvDestination(placement.decode_id, decode.info.kv_endpoints, reservation)
         if placement.local and self.s.mode != "colocated":
@@ -302,19 +330,20 @@ class Scheduler:
         if placement.prefill is not None and placement.prefill.worker_id == prefill_id:
             self._guard.expect(attempt, placement.prefill, self._placer.step_s(prefill_id))
         target = self._registry.get(prefill_id)
-        target.handle.submit.remote(WorkerRequest(attempt, request, dest))
-        target.view.queued_prefill_tokens += len(request.prompt_token_ids) - (
-            placement.prefill.cached_tokens if placement.prefill is not None and not placement.local else 0)
+        self._out.mail.send(target.handle, SubmitAttempt(prefill_id, WorkerRequest(attempt, request, dest)))
+        self._registry.add_queued(prefill_id, len(request.prompt_token_ids) - (
+            placement.prefill.cached_tokens if placement.prefill is not None and not placement.local else 0))
         cached = placement.prefill.cached_tokens if placement.prefill is not None else 0
         return Admitted(prefill_id, placement.decode_id, cached, placement.local, self._incarnation.epoch)
 
     async def _reserve(self, handle, request: WorkerRequest, worker_id: str) -> KvReservation | None:
         try:
-            return await asyncio.wait_for(handle.reserve.remote(request), _CALL_TIMEOUT_S)
+            return await self._out.mail.reserve(handle, ReserveBlocks(worker_id, request))
         except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
             # The worker is dying or restarting: try again (elsewhere) until the admission deadline.
             log.warning("reserve on %s failed: %s", worker_id, exc)
-            handle.abort.remote(request.attempt)  # in case the reservation landed after all
+            # In case the reservation landed after all.
+            self._out.mail.send(handle, AbortAttempt(worker_id, request.attempt))
             return None
 
     async def abort(self, request_id: str) -> bool:
@@ -367,9 +396,24 @@ class Scheduler:
             self._registry.draining(), len(self._table), self._table.committed_blocks(), counters,
             self._table.tenant_blocks(), self._links.estimates())
 
+    async def control_stats(self, reset: bool = False) -> ControlPlaneStats:
+        """Decision times and the control plane's own costs (`tandem bench control-plane`)."""
+        return self._clock.stats(reset, len(self._table), self._index.size(), len(self._registry.ids()),
+                                 self._out.mail)
+
     async def check_integrity(self) -> SchedulerState:
         self._index.check_integrity()
+        self._registry.check_integrity()
+        self._placer.check_integrity()
         self._shares.check_integrity()
         self._links.check_integrity()
         self._table.check_integrity(self._registry.ids())
         return await self.state()
+
+
+def _answer(task: asyncio.Task) -> Admitted | Rejected:
+    try:
+        return task.result()
+    except Exception as exc:  # a bug in one admission must not cost the batch's other answers
+        log.exception("admitting a request failed")
+        return Rejected(f"internal error while admitting the request: {type(exc).__name__}: {exc}", None)

@@ -21,7 +21,7 @@ class TenantShares:
 
     def kv_limit(self, request: GenerateRequest, pool: str) -> int | None:
         """The most KV blocks the request's tenant may hold on `pool` (None: no limit)."""
-        pool_blocks = sum(v.num_blocks for v in self._registry.views(pool))
+        pool_blocks = self._registry.pool_blocks(pool)
         if request.kv_share is None or not pool_blocks:
             return None  # no workers yet: admission waits for them, and then knows the share
         return int(request.kv_share * pool_blocks)

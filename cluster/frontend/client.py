@@ -29,6 +29,7 @@ import zmq
 from actors.protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, decode_deltas
 from actors.protocol.messages import Admitted, AdmittedBy, Forgotten, GenerateRequest, Rejected
 from actors.protocol.sampling_params import SamplingParams
+from cluster.frontend.submit_batcher import SubmitBatcher
 from cluster.frontend.request_stream import (
     MigrationRefused,
     RequestStream,
@@ -89,6 +90,7 @@ class TandemClient:
         self._thread = threading.Thread(target=self._receive, name="tandem-client-sink", daemon=True)
         self._thread.start()
         self._audit_s = audit_s
+        self._submits = SubmitBatcher(scheduler)
         threading.Thread(target=self._audit_loop, name="tandem-client-audit", daemon=True).start()
 
     @classmethod
@@ -204,14 +206,14 @@ class TandemClient:
         return self._admitted(request, q, answer)
 
     async def asubmit(self, request: GenerateRequest, deltas, timeout_s: float = 60.0) -> Submitted:
-        """`submit` for an event loop; `deltas` needs only a thread-safe `put`."""
+        """`submit` for an event loop; `deltas` needs only a thread-safe `put`. Submits of one loop tick
+        travel to the scheduler in one call (submit_batcher.py)."""
         q = self._listen(request, deltas)
         give_up_at = time.monotonic() + timeout_s
         try:
             while True:
                 try:
-                    answer = await asyncio.wait_for(_awaitable(self.scheduler.submit.remote(request)),
-                                                    give_up_at - time.monotonic())
+                    answer = await asyncio.wait_for(self._submits.submit(request), give_up_at - time.monotonic())
                     break
                 except ray.exceptions.RayActorError:
                     if time.monotonic() + _RESEND_S >= give_up_at:
@@ -329,7 +331,3 @@ class TandemClient:
         with self._lock:
             self._queues.pop(request_id, None)
             self._epochs.pop(request_id, None)
-
-
-async def _awaitable(ref):
-    return await ref

@@ -130,3 +130,33 @@ def hash_prompt_blocks(
     hashes = list(start_hashes) if start_hashes else []
     extend_block_hashes(hashes, token_ids, block_size, first_block_keys(cache_salt, model_id))
     return hashes
+
+
+class PrefixHasher:
+    """`hash_prompt_blocks` for one model, remembering recent blocks: prompts that share a system prompt
+    hash its blocks once, not once per request (the router hashes every prompt it routes).
+
+    The same chain of `hash_block` calls, so the hashes equal `hash_prompt_blocks`' exactly."""
+
+    def __init__(self, block_size: int, model_id: str, capacity: int = 1 << 18):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self._block_size, self._model_id, self._capacity = block_size, model_id, capacity
+        self._memo: dict[tuple, int] = {}
+
+    def __call__(self, token_ids: Sequence[int], cache_salt: str | None) -> list[int]:
+        tokens = tuple(token_ids)
+        bs, memo = self._block_size, self._memo
+        hashes: list[int] = []
+        parent = None
+        for i in range(len(tokens) // bs):
+            block = tokens[i * bs:(i + 1) * bs]
+            key = (parent, block) if i else (None, block, cache_salt)
+            h = memo.get(key)
+            if h is None:
+                if len(memo) >= self._capacity:
+                    memo.clear()  # (rare; a cold start costs one uncached prompt per system prompt)
+                h = memo[key] = hash_block(parent, block, first_block_keys(cache_salt, self._model_id) if i == 0 else ())
+            hashes.append(h)
+            parent = h
+        return hashes

@@ -1,0 +1,194 @@
+"""One Ray actor (one process) hosting many simulated workers, each with its own identity.
+
+Seen from the scheduler each is a worker like any other: it registers itself with this actor's handle,
+reports (the host sends all its workers' reports in one `reports` call per heartbeat), is watched
+(`watch(worker_id)` fails when it dies), and takes the batched commands of worker_commands.py. Handoff
+notes travel host to host over zmq (PUSH to the decode worker's advertised endpoint, one PULL socket
+per host), token deltas to the client's sink over zmq, as a real worker's do. `kill` ends chosen
+workers as a crash would: they stop reporting and answering, and their watch fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+import uuid
+
+import msgspec
+import ray
+import zmq
+
+from actors.engine.kv.block_hash import PrefixHasher
+from actors.protocol.codec import encode
+from actors.protocol.messages import KvReservation
+from actors.protocol.token_stream import TokenPublisher
+from actors.protocol.worker_commands import ReleaseAttempt, ReserveBlocks, SubmitAttempt, WorkerCommand
+from experiments.fleet.sim_worker import SimPages, SimSpec, SimWorker
+from kv_transfer.drops import DropCounter
+
+log = logging.getLogger("tandem.sim")
+
+
+class WorkerGone(RuntimeError):
+    """A simulated worker's process "died": what its pending watch call raises."""
+
+
+class SimHost:
+    def __init__(self, workers: list[tuple[str, str]], spec: SimSpec, scheduler, model_id: str,
+                 heartbeat_s: float = 0.05, host: str = "127.0.0.1"):
+        self._spec, self._scheduler, self._heartbeat_s = spec, scheduler, heartbeat_s
+        self._context = zmq.Context.instance()
+        self._pull = self._context.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{host}')}"
+        self._pushes: dict[str, zmq.Socket] = {}
+        self._pages = msgspec.msgpack.Decoder(SimPages)
+        self.drops = DropCounter("sim_pages")
+        self._publisher = TokenPublisher(self._context)
+        hasher = PrefixHasher(spec.block_size, model_id)
+        self._workers = {wid: SimWorker(wid, role, spec, self.endpoint, uuid.uuid4().hex, hasher)
+                         for wid, role in workers}
+        self._gone: dict[str, asyncio.Event] = {}
+        self._loop_task: asyncio.Task | None = None
+        self.steps = self.failed_steps = 0
+        self.late_s = 0.0  # summed lateness of steps against the step clock: the host's own overload
+
+    async def start(self) -> str:
+        """Register every worker and start stepping; the host's page endpoint."""
+        handle = ray.get_runtime_context().current_actor
+        await asyncio.gather(*(self._scheduler.register.remote(w.info(), handle, w.live())
+                               for w in self._workers.values()))
+        self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        return self.endpoint
+
+    # ---- the scheduler's calls ----
+
+    async def deliver(self, commands: tuple[WorkerCommand, ...]) -> None:
+        now, wall = time.monotonic(), time.time()
+        for command in commands:
+            worker = self._alive(command.worker_id)
+            if worker is None:
+                continue
+            if isinstance(command, SubmitAttempt):
+                worker.submit(command.request, now, wall)
+            elif isinstance(command, ReleaseAttempt):
+                worker.release(command.attempt)
+            else:
+                worker.abort(command.attempt)
+
+    async def reserve_many(self, asks: tuple[ReserveBlocks, ...]) -> tuple[KvReservation | None, ...]:
+        now = time.monotonic()
+        return tuple(w.reserve(ask.request, now) if (w := self._alive(ask.worker_id)) else None for ask in asks)
+
+    async def watch(self, worker_id: str) -> None:
+        gone = self._gone.setdefault(worker_id, asyncio.Event())
+        if self._alive(worker_id) is not None:
+            await gone.wait()
+        raise WorkerGone(f"simulated worker {worker_id} died")
+
+    async def incarnation(self, worker_id: str) -> str | None:
+        worker = self._alive(worker_id)
+        return None if worker is None else worker.incarnation
+
+    # ---- for the benchmark and tests ----
+
+    async def kill(self, worker_ids: list[str]) -> None:
+        for wid in worker_ids:
+            self._workers[wid].alive = False
+            self._gone.setdefault(wid, asyncio.Event()).set()
+
+    async def check_integrity(self) -> dict:
+        for worker in self._workers.values():
+            if worker.alive:
+                worker.check_integrity()
+        return {"steps": self.steps, "failed_steps": self.failed_steps, "late_s": self.late_s,
+                "dropped": self.drops.snapshot()}
+
+    def _alive(self, worker_id: str) -> SimWorker | None:
+        worker = self._workers.get(worker_id)
+        return worker if worker is not None and worker.alive else None
+
+    # ---- the step clock ----
+
+    async def _run(self) -> None:
+        next_step = next_report = time.monotonic()
+        while True:
+            try:
+                self._step()
+            except Exception:  # one bad step must not stop the host's workers for good
+                self.failed_steps += 1
+                log.exception("simulated host step failed")
+            now = time.monotonic()
+            if now >= next_report:
+                self._report()
+                next_report = now + self._heartbeat_s
+            next_step += self._spec.step_s
+            delay = next_step - time.monotonic()
+            if delay < 0:
+                self.late_s -= delay
+                next_step = time.monotonic()
+            await asyncio.sleep(max(delay, 0.0))
+
+    def _step(self) -> None:
+        now, wall = time.monotonic(), time.time()
+        self._take_pages(wall)
+        deltas: dict[str, list] = {}
+        sends: list[tuple[str, SimPages]] = []
+        for worker in self._workers.values():
+            if worker.alive:
+                worker.step(now, wall, deltas, sends)
+        for sink, batch in deltas.items():
+            self._publisher.publish(sink, batch)
+        for endpoint, pages in sends:
+            self._push(endpoint, encode(pages))
+        self.steps += 1
+
+    def _take_pages(self, wall: float) -> None:
+        while True:
+            try:
+                payload = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                pages = self._pages.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self.drops.drop("malformed", exc)
+                continue
+            worker = self._alive(pages.decode_worker)
+            if worker is None:
+                self.drops.drop("no_worker", pages.lease_id)
+                continue
+            worker.pages(pages, wall)
+
+    def _push(self, endpoint: str, payload: bytes) -> None:
+        sock = self._pushes.get(endpoint)
+        if sock is None:
+            sock = self._pushes[endpoint] = self._context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+        try:
+            sock.send(payload, zmq.NOBLOCK)
+        except zmq.Again:
+            self.drops.drop("full", endpoint)
+
+    def _report(self) -> None:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        alive = [w for w in self._workers.values() if w.alive]
+        if not alive:
+            return
+        reply = self._scheduler.reports.remote(tuple(w.report(rss) for w in alive))
+        asyncio.get_running_loop().create_task(self._known(reply, [w.worker_id for w in alive]))
+
+    async def _known(self, reply, worker_ids: list[str]) -> None:
+        """A worker the scheduler does not know (it restarted, or gave up on it) registers again."""
+        try:
+            known = await reply
+        except ray.exceptions.RayError:
+            return  # the scheduler is down or restarting: keep reporting until it answers
+        handle = ray.get_runtime_context().current_actor
+        for wid, ok in zip(worker_ids, known):
+            worker = self._alive(wid)
+            if not ok and worker is not None:
+                self._scheduler.register.remote(worker.info(), handle, worker.live())

@@ -1,0 +1,121 @@
+"""The scheduler with fleets of simulated workers (experiments/fleet/): the same scheduler, protocol and
+client as a real cluster, at worker counts this box cannot start for real."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import ray
+
+from actors.engine.kv.block_hash import PrefixHasher, hash_prompt_blocks
+from actors.protocol.request_status import RequestStatus
+from actors.protocol.sampling_params import SamplingParams
+from cluster.control.worker_order import WorkerOrder
+from cluster.frontend.client import TandemClient
+from experiments.fleet.bench_control_plane import PromptMix
+from experiments.fleet.fleet import Fleet, fleet_settings
+
+
+def test_worker_order_reads_the_smallest_keys_as_they_change():
+    rng = random.Random(0)
+    order, keys = WorkerOrder(), {}
+    for step in range(5000):
+        wid = f"w{rng.randrange(300)}"
+        if rng.random() < 0.1:
+            order.discard(wid)
+            keys.pop(wid, None)
+        else:
+            keys[wid] = rng.randrange(50)
+            order.set(wid, keys[wid])
+        if step % 97 == 0:
+            k = rng.randrange(1, 20)
+            expected = [w for _, w in sorted((key, w) for w, key in keys.items())[:k]]
+            assert order.best(k) == expected
+            order.check_integrity()
+    assert len(order._heap) <= 4 * len(keys) + 65  # stale entries are compacted away
+
+
+def test_prefix_hasher_equals_the_block_hash_chain():
+    rng = random.Random(1)
+    hasher = PrefixHasher(16, "m", capacity=64)  # small: the memo is cleared along the way
+    system = [rng.randrange(5000) for _ in range(160)]
+    for i in range(200):
+        prompt = system[:rng.randrange(161)] + [rng.randrange(5000) for _ in range(rng.randrange(40))]
+        salt = rng.choice([None, "", "tenant"])
+        assert hasher(prompt, salt) == hash_prompt_blocks(prompt, 16, salt, "m")
+
+
+def _until_settled(fleet: Fleet, timeout_s: float = 30.0) -> None:
+    """The last finish reports reach the scheduler a heartbeat after the last tokens reach the client."""
+    deadline = time.monotonic() + timeout_s
+    while ray.get(fleet.scheduler.state.remote(), timeout=30).in_flight and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    sample = PromptMix(system_prompts=4, system_tokens=64, user_tokens=16).sampler(random.Random(seed))
+    return [list(sample()) for _ in range(n)]
+
+
+def test_fleet_of_64_serves_every_request_with_batched_calls(ray_session):
+    fleet = Fleet.start(64, per_host=32)
+    client = TandemClient(fleet.scheduler)
+    try:
+        results = client.generate(_prompts(200, seed=2), SamplingParams(max_tokens=6, ignore_eos=True), timeout_s=120)
+        for samples in results:
+            assert samples[0].status == RequestStatus.FINISHED_LENGTH and len(samples[0].token_ids) == 6
+        _until_settled(fleet)
+        stats = ray.get(fleet.scheduler.control_stats.remote(), timeout=30)
+        assert stats.admitted == 200 and stats.in_flight == 0
+        assert stats.prefix_index_entries > 0  # the workers' KV events reached the index
+        assert stats.worker_commands > stats.worker_calls  # several commands per call: batched
+        fleet.check_integrity()
+        state = ray.get(fleet.scheduler.state.remote(), timeout=30)
+        assert sum(state.committed_blocks.values()) == 0
+        cached = sum(s[0].num_cached_tokens for s in results)
+        assert cached > 0  # shared system prompts were routed to workers holding them
+    finally:
+        client.close()
+        fleet.shutdown()
+
+
+def test_a_tenth_of_256_workers_dying_at_once_loses_no_request(ray_session):
+    """One host process killed (16 workers: Ray sees the process die) and 10 workers of other hosts
+    stopped (their reports stop: the heartbeat path) at the same moment, under load. Every request ends:
+    re-routed (a prefill that never handed off), migrated by its client (output already streamed), or
+    failed with an error; none hangs, the tokens of every finished one are all there, and the scheduler's
+    and every live host's books balance."""
+    fleet = Fleet.start(256, per_host=16, settings=fleet_settings(heartbeat_timeout_s=3.0))
+    client = TandemClient(fleet.scheduler)
+    results: list = []
+    params = SamplingParams(max_tokens=60, ignore_eos=True)  # ~1.2 s of decoding: in flight at the kill
+    try:
+        runner = threading.Thread(target=lambda: results.extend(client.generate(_prompts(600, seed=3), params,
+                                                                                 timeout_s=240)))
+        runner.start()
+        time.sleep(1.5)
+        lost = fleet.kill_host(3)
+        others = [wid for wid, (host, _) in sorted(fleet.workers.items()) if host != 3]
+        stopped = random.Random(4).sample(others, 10)
+        fleet.kill(stopped)
+        lost += stopped
+        runner.join(timeout=300)
+        assert not runner.is_alive(), "a request hung"
+        assert len(results) == 600
+        finished = [s[0] for s in results if s[0].status == RequestStatus.FINISHED_LENGTH]
+        failed = [s[0] for s in results if s[0].status != RequestStatus.FINISHED_LENGTH]
+        assert all(len(s.token_ids) == 60 for s in finished)
+        assert all(s.error for s in failed), [s.status for s in failed]
+        assert len(finished) >= 0.9 * len(results), [s.error for s in failed][:5]
+        state = ray.get(fleet.scheduler.state.remote(), timeout=30)
+        assert not set(lost) & set(state.workers)
+        assert state.counters.workers_lost == len(lost) == 26
+        _until_settled(fleet)
+        fleet.check_integrity(dead_hosts={3})
+        state = ray.get(fleet.scheduler.state.remote(), timeout=30)
+        assert state.in_flight == 0 and sum(state.committed_blocks.values()) == 0
+    finally:
+        client.close()
+        fleet.shutdown()
