@@ -8,6 +8,7 @@
 - `TenantShares`: no tenant holds more than its share of the KV or of the admission queue (tenant_shares.py)
 - `Incarnation`: epoch, attempt ids, what a restart forgot (incarnation.py); `Outbox`: calls to workers and
   clients (outbox.py); `adopt_live`: rebuilding requests a worker announces (adoption.py)
+- `DecisionClock`: how long decisions take and what the control plane costs (decision_clock.py)
 
 An async actor: every method runs on one event loop, so its state needs no locks, but an `await` lets
 anything happen: after one, a placement is checked again (`still_valid`) before it is committed.
@@ -17,9 +18,14 @@ the prompt's blocks on the decode worker, then send the attempt to the prefill w
 destination. When the decode worker has adopted the pages it calls `handoff_done`, and the prefill
 worker is told to release its hold. Every terminal path runs one idempotent reclaim.
 
-Why ~370 lines: what is left here are the Ray entry points and the paths that await (admission,
-reservation, re-routing after a loss), which must re-check state after each await in one place; every
-decision taken without an await lives in the owners above.
+Calls to workers leave batched per tick (worker_mail.py), a client's submits of one tick arrive in one
+`submit_many`, a process hosting many workers sends their reports in one `reports`: one Ray call costs
+about what one placement does, so at thousands of requests per second the calls, not the decisions,
+would be the scheduler's work.
+
+Why ~420 lines: what is left here are the Ray entry points (single and batched) and the paths that
+await (admission, reservation, re-routing after a loss), which must re-check state after each await in
+one place; every decision taken without an await lives in the owners above.
 """
 
 from __future__ import annotations
