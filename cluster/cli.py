@@ -150,16 +150,15 @@ def _generate_on_cluster(args: argparse.Namespace, params) -> int:
 
     from actors.engine.text.tokenizer import load_tokenizer
     from cluster.control.config import TandemConfig
-    from cluster.control.launch import NAMESPACE, SCHEDULER_NAME
+    from cluster.control.launch import NAMESPACE, find_schedulers
     from cluster.frontend.client import TandemClient
 
     config = TandemConfig.from_file(args.config or _DEFAULT_CONFIG)
     ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
-    try:
-        scheduler = ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
-    except ValueError:
-        raise ValueError(f"no tandem cluster at Ray address {args.address!r}: start one with `tandem serve`") from None
-    client = TandemClient.connect(scheduler, load_tokenizer(config.engine_config().model), host=config.transfer.host)
+    schedulers = find_schedulers()
+    if not schedulers:
+        raise ValueError(f"no tandem cluster at Ray address {args.address!r}: start one with `tandem serve`")
+    client = TandemClient.connect(schedulers, load_tokenizer(config.engine_config().model), host=config.transfer.host)
     try:
         out = client.generate([_prompt(args, client.tokenizer, config)], params)[0][0]
     finally:

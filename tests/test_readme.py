@@ -283,7 +283,7 @@ def live(tmp_path_factory):
 def _check_outputs(cmd: str, output: str, where: Where) -> None:
     """`--out PATH` holds valid JSON; a bench command ends with its one-line summary naming its JSON."""
     written = re.findall(r"--out (\S+)", cmd)
-    if bench := re.match(r"tandem bench (\w+)", cmd):
+    if bench := re.match(r"tandem bench ([\w-]+)", cmd):
         summary = re.search(rf"^tandem bench {bench.group(1)}: .*; wrote (\S+)", output, re.M)
         assert summary, f"{cmd}: no one-line summary naming its JSON:\n{output[-6000:]}"
         written.append(summary.group(1))

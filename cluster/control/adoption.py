@@ -28,6 +28,7 @@ def adopt_live(table: RequestTable, placer: Placer, outbox: Outbox, entry, item:
         tracked = Tracked(item.request.request, attempt, set(), decode_id, placer.blocks_needed(item.request.request))
         table.commit(tracked)
     tracked.workers.add(wid)
+    tracked.awaiting_pages = role == "decode" and item.phase is LivePhase.RESERVED
     if role == "prefill":
         tracked.prefill = PrefillPlan(wid, False, 0, 0.0)
     elif item.phase is LivePhase.RUNNING and tracked.prefill is not None and tracked.prefill.worker_id != wid:

@@ -77,6 +77,10 @@ class SchedulerSection(_Strict):
     heartbeat_timeout_s: float = Field(
         10.0, gt=0, description="a worker whose engine loop is silent this long is declared dead (or hung) and routed around"
     )
+    shards: int = Field(
+        1, ge=1, description="scheduler actors, each with its share of every pool; the ingress sends a request to "
+        "the shard its prompt's first tokens hash to (requests sharing a system prompt meet on one). More than one "
+        "only when one scheduler cannot keep up (`tandem bench control-plane --shards`)")
 
 
 class TransferSection(_Strict):
@@ -209,6 +213,10 @@ class TandemConfig(_Strict):
             raise ValueError("mode disaggregated needs prefill.replicas >= 1 and decode.replicas >= 1")
         if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ValueError("mode colocated needs colocated.replicas >= 1")
+        short = [role for role, pool in self.pools().items() if pool.replicas < self.scheduler.shards]
+        if short:
+            raise ValueError(f"scheduler.shards {self.scheduler.shards} needs at least that many replicas in every "
+                             f"pool (each shard has its own workers); {', '.join(short)} has fewer")
         split = [role for role, pool in self.pools().items() if pool.tensor_parallel_size > 1]
         if split and self.transfer.backend == "collective":
             raise ValueError("tensor_parallel_size > 1 needs transfer.backend zmq (a rank's process holds one "

@@ -1,4 +1,5 @@
-"""Start (or join) Ray, create the scheduler actor and the worker pools from config, tear them down."""
+"""Start (or join) Ray, create the scheduler actor (or its shards) and the worker pools from config, tear
+them down."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from actors.worker.actor import worker_actor
 from actors.worker.spec import WorkerSpec
 from cluster.control.config import TandemConfig
 from cluster.control.scheduler import Scheduler, SchedulerSettings
+from cluster.control.scheduler_state import SchedulerState
 from cluster.frontend.client import TandemClient
 from kv_transfer.collective_transport import host_rendezvous
 from kv_transfer.curve import CurveKeys
@@ -25,14 +27,34 @@ from kv_transfer.curve import CurveKeys
 log = logging.getLogger("tandem.launch")
 NAMESPACE = "tandem"
 SCHEDULER_NAME = "tandem-scheduler"
+_MAX_SHARDS_LOOKED_UP = 64
+
+
+def shard_name(index: int) -> str:
+    """Shard 0 keeps the name a one-scheduler cluster has."""
+    return SCHEDULER_NAME if index == 0 else f"{SCHEDULER_NAME}-{index}"
+
+
+def find_schedulers() -> list:
+    """The running cluster's scheduler shards, in order ([] when none runs in this Ray namespace)."""
+    found = []
+    for index in range(_MAX_SHARDS_LOOKED_UP):
+        try:
+            found.append(ray.get_actor(shard_name(index), namespace=NAMESPACE))
+        except ValueError:
+            break
+    return found
 
 
 class Cluster:
     def __init__(self, config: TandemConfig, scheduler, workers: dict, owns_ray: bool, model_dir: str,
                  keys: CurveKeys | None = None):
+        """`scheduler`: the scheduler actor, or the list of its shards."""
         self.config = config
         self.keys = keys  # the data plane's CURVE keys (None: `transfer.encryption: none`)
-        self.scheduler = scheduler
+        self.schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+        self.scheduler = self.schedulers[0]
+        self._shard_of: dict[str, int] = {}  # worker id -> the shard it registers with
         self.workers = workers  # worker id -> actor handle
         self.groups: dict[str, PlacementGroup] = {}  # tensor-parallel worker id -> its ranks' placement group
         self._owns_ray = owns_ray
@@ -72,9 +94,9 @@ class Cluster:
             transfer_bytes_per_s=config.scheduler.transfer_bytes_per_s,
             heartbeat_timeout_s=config.scheduler.heartbeat_timeout_s, curve_keys=keys,
         )
-        _clear_orphaned_scheduler()
-        scheduler = ray.remote(Scheduler).options(
-            name=SCHEDULER_NAME, namespace=NAMESPACE, num_cpus=0,
+        _clear_orphaned_schedulers()
+        schedulers = [ray.remote(Scheduler).options(
+            name=shard_name(index), namespace=NAMESPACE, num_cpus=0,
             # Detached and restarted by Ray: a restarted scheduler starts empty and rebuilds its view as
             # the workers, finding their reports unanswered, register again with their live requests.
             lifetime="detached", max_restarts=-1,
@@ -82,7 +104,7 @@ class Cluster:
             # stall every admission. Hard: a soft affinity was seen placing it on a worker host (1 in 4
             # tries on an idle 4-node cluster); if this node dies, the ingress died with it.
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote(settings)
+        ).remote(settings) for index in range(config.scheduler.shards)]
         workers = {}
         world_size = sum(p.replicas for p in config.pools().values())
         collective_init = rendezvous = None
@@ -90,7 +112,7 @@ class Cluster:
             # Hosted here rather than by rank 0, which may land on any node: this node's address is known.
             rendezvous, collective_init = host_rendezvous(config.transfer.host)
         rank = itertools.count()
-        cluster = cls(config, scheduler, workers, owns_ray, engine.model, keys)
+        cluster = cls(config, schedulers, workers, owns_ray, engine.model, keys)
         for role, pool in config.pools().items():
             for _ in range(pool.replicas):
                 cluster.spawn_worker(role, collective_init=collective_init, rank=next(rank), world_size=world_size)
@@ -111,7 +133,9 @@ class Cluster:
         """Create one worker of a pool (it registers itself); returns its id. Ids are never reused, so a
         new worker cannot collide with the name of one still being torn down."""
         pool = self.config.pools()[role]
-        worker_id = f"{role}-{next(self._indices[role])}"
+        index = next(self._indices[role])
+        worker_id = f"{role}-{index}"
+        shard = self._shard_of[worker_id] = index % len(self.schedulers)  # every shard gets its share of each pool
         spec = WorkerSpec(
             worker_id=worker_id, role=role,
             engine=dataclasses.replace(self._engine, device="cuda" if pool.num_gpus > 0 else "cpu"),
@@ -134,8 +158,12 @@ class Cluster:
             # reservation for the same request id is applied first.
             max_concurrency=1,
             max_restarts=-1,  # a dead worker comes back and re-registers itself
-        ).remote(spec, self.scheduler)
+        ).remote(spec, self.schedulers[shard])
         return worker_id
+
+    def scheduler_of(self, worker_id: str):
+        """The scheduler shard the worker registers with."""
+        return self.schedulers[self._shard_of.get(worker_id, 0)]
 
     def _rank_bundles(self, worker_id: str, pool) -> PlacementGroup:
         """A tensor-parallel worker's placement group: one bundle per rank, all on one node (STRICT_PACK),
@@ -162,8 +190,9 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                known = set(ray.get(self.scheduler.state.remote(), timeout=timeout_s).workers)
-            except ray.exceptions.RayActorError:  # the scheduler is restarting
+                known = {wid for state in ray.get([s.state.remote() for s in self.schedulers], timeout=timeout_s)
+                         for wid in state.workers}
+            except ray.exceptions.RayActorError:  # a scheduler is restarting
                 known = set()
             if worker_ids <= known:
                 return
@@ -173,7 +202,7 @@ class Cluster:
 
     def client(self) -> TandemClient:
         tokenizer = load_tokenizer(self.model_dir) if has_tokenizer(self.model_dir) else None
-        client = TandemClient(self.scheduler, tokenizer, host=self.config.transfer.host, keys=self.keys)
+        client = TandemClient(self.schedulers, tokenizer, host=self.config.transfer.host, keys=self.keys)
         self.clients.append(client)
         return client
 
@@ -181,8 +210,9 @@ class Cluster:
         """Every worker's and the scheduler's invariants (raises on a violation); returns their stats as
         a plain report for people and tests: {"workers": {id: stats}, "scheduler": state}."""
         stats = ray.get([w.check_integrity.remote() for w in self.workers.values()], timeout=timeout_s)
-        scheduler = ray.get(self.scheduler.check_integrity.remote(), timeout=timeout_s)
-        return {"workers": {s.worker_id: s.as_dict() for s in stats}, "scheduler": scheduler.as_dict()}
+        shards = ray.get([s.check_integrity.remote() for s in self.schedulers], timeout=timeout_s)
+        return {"workers": {s.worker_id: s.as_dict() for s in stats},
+                "scheduler": SchedulerState.merged(shards).as_dict()}
 
     def shutdown(self) -> None:
         for client in self.clients:
@@ -193,18 +223,20 @@ class Cluster:
             log.warning("worker shutdown: %s", exc)
         for worker_id in list(self.workers):
             self.stop_worker(worker_id)
-        ray.kill(self.scheduler, no_restart=True)
+        for scheduler in self.schedulers:
+            ray.kill(scheduler, no_restart=True)
         if self._owns_ray:
             ray.shutdown()
 
 
-def _clear_orphaned_scheduler() -> None:
+def _clear_orphaned_schedulers() -> None:
     """A detached scheduler outlives a `tandem serve` that crashed; with no workers left it is an
     orphan and goes. One that still has workers belongs to a running cluster: refuse to start."""
-    try:
-        stale = ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
-    except ValueError:
-        return
+    for index, stale in enumerate(find_schedulers()):
+        _clear_orphan(stale, shard_name(index))
+
+
+def _clear_orphan(stale, name: str) -> None:
     try:
         workers = ray.get(stale.state.remote(), timeout=10).workers
     except Exception:  # dead or stuck: nothing to keep
@@ -216,7 +248,7 @@ def _clear_orphaned_scheduler() -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
-            ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+            ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
             return
         time.sleep(0.05)

@@ -102,6 +102,10 @@ class RequestTable:
         self.cancelled += 1
         return True
 
+    def orphaned(self) -> list[Tracked]:
+        """Requests rebuilt from a decode worker's reservation that no prefill worker claimed (adoption.py)."""
+        return [t for t in self._requests.values() if t.awaiting_pages and t.prefill is None]
+
     def touching(self, worker_id: str) -> list[Tracked]:
         return [t for t in self._requests.values() if worker_id in t.workers or t.decode_id == worker_id]
 

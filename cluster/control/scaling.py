@@ -59,7 +59,7 @@ def _scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float, d
     for role, n in replicas.items():
         removed += sorted(_ids(cluster, role), key=_index)[n:]
     for wid in removed:  # all stop taking work first, then each drains
-        ray.get(cluster.scheduler.drain.remote(wid), timeout=30)
+        ray.get(cluster.scheduler_of(wid).drain.remote(wid), timeout=30)
     for wid in removed:
         _drain_and_stop(cluster, wid, drain_timeout_s)
     cluster.config = _with_replicas(cluster.config, {role: _count(cluster, role) for role in replicas})
@@ -82,7 +82,7 @@ def _wait_ready(cluster: Cluster, worker_ids: list[str], timeout_s: float) -> No
 def _drain_and_stop(cluster: Cluster, worker_id: str, timeout_s: float) -> None:
     handle = cluster.workers[worker_id]
     deadline = time.monotonic() + timeout_s
-    while not _idle(handle) or not ray.get(cluster.scheduler.remove.remote(worker_id), timeout=30):
+    while not _idle(handle) or not ray.get(cluster.scheduler_of(worker_id).remove.remote(worker_id), timeout=30):
         if time.monotonic() > deadline:
             log.warning("worker %s still busy after %.0fs of draining: stopping it anyway", worker_id, timeout_s)
             break

@@ -63,6 +63,7 @@ from cluster.control.placement import Placement, Placer
 from cluster.control.prefix_index import PrefixIndex
 from cluster.control.registry import WorkerRegistry
 from cluster.control.request_table import RequestTable
+from cluster.control.room_waiters import RoomWaiters
 from cluster.control.scheduler_state import SchedulerCounters, SchedulerSettings, SchedulerState, Tracked
 from cluster.control.tenant_shares import TenantShares
 from cluster.control.ttft_guard import TtftGuard
@@ -71,6 +72,7 @@ from kv_transfer.curve import CurveKeys
 
 log = logging.getLogger("tandem.scheduler")
 _CALL_TIMEOUT_S = 30.0
+_ANSWER_GAP_S = 0.002
 
 
 class Scheduler:
@@ -86,8 +88,10 @@ class Scheduler:
         self._shares = TenantShares(self._table, self._registry, settings.max_queued)
         self._out = Outbox(self._registry, WorkerMail(_CALL_TIMEOUT_S), settings.curve_keys)
         self._clock = DecisionClock()
+        self._waiters = RoomWaiters()
         self._incarnation = Incarnation(settings.heartbeat_timeout_s)
         self._admitting: set[str] = set()  # request ids whose submit is being decided now
+        self._orphans_dropped = False
         self._watchdog: asyncio.Task | None = None
         self._confirmations: asyncio.Task | None = None
         self._lost_submits = 0  # attempts sent to a live worker that never confirmed them
@@ -105,6 +109,7 @@ class Scheduler:
             self._registry.remove(info.worker_id)
         entry, new = self._registry.add(info, handle)
         if new:
+            self._waiters.joined()
             log.info("registered %s worker %s (%d live requests)", info.role, info.worker_id, len(live))
         if self._registry.was_declared_lost(info):
             # Declared dead during a stall: its requests were re-routed or failed since; stop its copies.
@@ -148,6 +153,8 @@ class Scheduler:
 
     def _handed_off(self, attempt: AttemptId, prefill_worker: str) -> None:
         tracked = self._table.current(attempt)
+        if tracked is not None:
+            tracked.awaiting_pages = False  # (a reservation rebuilt after a restart got its pages after all)
         if tracked is None or tracked.prefill is None:
             # Not tracked (this scheduler restarted since, or the attempt ended): the prefill worker
             # still holds the pages.
@@ -192,6 +199,7 @@ class Scheduler:
         of this attempt reached the client: it is placed again."""
         while True:
             await asyncio.sleep(min(0.5, self.s.heartbeat_timeout_s / 4))
+            self._drop_orphans()
             now = time.monotonic()
             for tracked in self._table.unconfirmed(older_than=now - self.s.heartbeat_timeout_s):
                 target = tracked.prefill.worker_id if tracked.prefill is not None else tracked.decode_id
@@ -215,8 +223,11 @@ class Scheduler:
         """A client's submits of one tick: the answers stream back as `(index, answer)` tuples, as they
         are decided, so a request that waits for room does not hold back the others' answers."""
         tasks = {asyncio.ensure_future(self.submit(r)): i for i, r in enumerate(requests)}
-        pending = set(tasks)
+        done, pending = await asyncio.wait(set(tasks), return_when=asyncio.FIRST_COMPLETED)
+        yield tuple((tasks[t], _answer(t)) for t in done)  # at once: the client's next batch waits for it
         while pending:
+            # Each streamed answer costs about a Ray call: the rest go out in chunks a few ms apart.
+            await asyncio.sleep(_ANSWER_GAP_S)
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             yield tuple((tasks[t], _answer(t)) for t in done)
 
@@ -233,8 +244,9 @@ class Scheduler:
         admitted it already, and then its worker announces it once this one has settled. Until then the
         request waits; if it is known by then, its admission is answered again instead of run twice."""
         rid = request.request_id
-        while (not self._incarnation.settled() and rid not in self._table) or rid in self._admitting:
+        while (not self._incarnation.settled() and not self._claimed(rid)) or rid in self._admitting:
             await asyncio.sleep(0.05)  # (the first send may still be admitting, if only its answer was lost)
+        self._drop_orphans()
         tracked = self._table.get(request.request_id)  # re-read after the awaits
         if tracked is None or tracked.request.sink != request.sink:
             return None
@@ -307,7 +319,7 @@ class Scheduler:
                     self._rejected += 1
                     return self._shares.over_share(request, blocks_needed, pool, self._placer.retry_after_s())
                 return self._reject("no worker has room for the request's KV", self._placer.retry_after_s())
-            await asyncio.sleep(0.01)
+            await self._waiters.wait(arrived, deadline - time.monotonic())
 
     async def _carry_out(self, request: GenerateRequest, placement: Placement, blocks: int) -> Admitted | None:
         """Commit and send out a placement; None when it no longer holds (try placing again)."""
@@ -364,7 +376,28 @@ class Scheduler:
         worker announced since this one started were lost with the old scheduler (queued in it, or on a
         worker that died while no scheduler could notice): the client migrates them. Answered only once
         every live worker has had time to register again (twice the heartbeat timeout)."""
-        return self._incarnation.forgotten(admitted, self._table)
+        self._drop_orphans()
+        return self._incarnation.forgotten(admitted, {a.request_id for a in admitted if self._claimed(a.request_id)})
+
+    def _claimed(self, request_id: str) -> bool:
+        """Tracked, and not only as a reservation rebuilt after a restart that no prefill worker has claimed
+        (yet): such a request is neither known nor lost until this incarnation settles."""
+        tracked = self._table.get(request_id)
+        return tracked is not None and not (tracked.awaiting_pages and tracked.prefill is None)
+
+    def _drop_orphans(self) -> None:
+        """Once settled, a reservation a decode worker announced whose prompt no prefill worker announced
+        will never get its pages: the scheduler that placed it died before sending the prompt, or the
+        prefill worker died in the same window. It is reclaimed (the reservation aborted); its client's
+        audit then finds the request lost and migrates it, or its resent submit is admitted afresh.
+        Read before either answers: an orphan answered as "known" would wait for its lease instead."""
+        if self._orphans_dropped or not self._incarnation.settled():
+            return
+        self._orphans_dropped = True
+        for tracked in self._table.orphaned():
+            log.warning("request %s: reserved on %s but no prefill worker holds its prompt; dropped",
+                        tracked.attempt, tracked.decode_id)
+            self._reclaim(tracked.attempt, failed=True)
 
     def _reclaim(self, attempt: AttemptId, failed: bool, skip: str | None = None, cancelled: bool = False) -> bool:
         """Every terminal path ends here; a second call for the same attempt, or a report about an older
@@ -372,6 +405,7 @@ class Scheduler:
         tracked = self._table.reclaim(attempt, failed, cancelled)
         if tracked is None:
             return False
+        self._waiters.freed()
         self._abort_on_workers(tracked, skip)
         return True
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import GenerateRequest, WorkerInfo, WorkerStats
@@ -53,6 +53,8 @@ class Tracked:
     # When the attempt was sent to the worker that computes its prompt, until that worker's report
     # confirms it arrived (None: confirmed, or rebuilt from a worker that holds it).
     sent_at: float | None = None
+    # Rebuilt after a restart from a decode worker's reservation, its prefill worker not known (yet).
+    awaiting_pages: bool = False
 
     @property
     def request_id(self) -> str:
@@ -89,3 +91,21 @@ class SchedulerState:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def merged(cls, states: list[SchedulerState]) -> SchedulerState:
+        """The scheduler shards' states as one (their workers are disjoint; counts add up)."""
+        if len(states) == 1:
+            return states[0]
+        counters = SchedulerCounters(*(sum(getattr(s.counters, f.name) for s in states)
+                                       for f in fields(SchedulerCounters)))
+        tenants: dict[str, int] = {}
+        for s in states:
+            for tenant, blocks in s.tenant_blocks.items():
+                tenants[tenant] = tenants.get(tenant, 0) + blocks
+        return cls({w: v for s in states for w, v in s.workers.items()},
+                   {w: v for s in states for w, v in s.worker_stats.items()},
+                   {w: v for s in states for w, v in s.incarnations.items()},
+                   sorted(w for s in states for w in s.draining), sum(s.in_flight for s in states),
+                   {w: v for s in states for w, v in s.committed_blocks.items()}, counters, tenants,
+                   {k: v for s in states for k, v in s.links.items()})

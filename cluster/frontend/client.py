@@ -6,9 +6,10 @@ workers and scheduler can connect; whatever does arrive that is not a list of to
 and counted, and only closing the client (or the `kill_sink` chaos hook) ends the thread. A `RequestStream` per request turns deltas
 into events (order, text, stop strings); when a worker was lost the stream asks for a migration, and
 `migrate` (the only place that resubmits) continues the request elsewhere. The HTTP ingress uses this
-client too.
+client too. A cluster may run several scheduler shards, each with its own workers: the client sends
+each request to the shard its prompt hashes to (shards.py) and keeps talking to that one about it.
 
-Why ~330 lines: submit, the sink's receive thread, the audit of a restarted scheduler and migration
+Why ~350 lines: submit, the sink's receive thread, the audit of a restarted scheduler and migration
 all work on the one request map and socket this client owns; split, each part would reach into it.
 """
 
@@ -29,6 +30,7 @@ import zmq
 from actors.protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, decode_deltas
 from actors.protocol.messages import Admitted, AdmittedBy, Forgotten, GenerateRequest, Rejected
 from actors.protocol.sampling_params import SamplingParams
+from cluster.frontend.shards import shard_for
 from cluster.frontend.submit_batcher import SubmitBatcher
 from cluster.frontend.request_stream import (
     MigrationRefused,
@@ -69,9 +71,12 @@ class Submitted:
 class TandemClient:
     def __init__(self, scheduler, tokenizer=None, host: str = "127.0.0.1", keys: CurveKeys | None = None,
                  audit_s: float = 2.0):
-        """`keys`: the cluster's data-plane keys (`Cluster.client` passes them; `connect` fetches them).
-        `audit_s`: how often to ask the scheduler whether a restart lost any request in flight."""
-        self.scheduler = scheduler
+        """`scheduler`: the scheduler actor, or a list of scheduler shards (each with its own workers; a
+        request goes to `shard_for` its prompt). `keys`: the cluster's data-plane keys (`Cluster.client`
+        passes them; `connect` fetches them). `audit_s`: how often to ask the schedulers whether a
+        restart lost any request in flight."""
+        self.schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+        self.scheduler = self.schedulers[0]
         self.tokenizer = tokenizer
         self._socket = zmq.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -82,7 +87,8 @@ class TandemClient:
         self._queues: dict[str, object] = {}
         # The scheduler incarnation that admitted each request's attempt (None while a migration waits).
         self._epochs: dict[str, str | None] = {}
-        self._scheduler_epoch: str | None = None  # the latest incarnation heard of
+        self._shards: dict[str, int] = {}  # request id -> the shard that admits it
+        self._latest: list[str | None] = [None] * len(self.schedulers)  # each shard's latest incarnation heard of
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._killed = threading.Event()
@@ -90,13 +96,14 @@ class TandemClient:
         self._thread = threading.Thread(target=self._receive, name="tandem-client-sink", daemon=True)
         self._thread.start()
         self._audit_s = audit_s
-        self._submits = SubmitBatcher(scheduler)
+        self._submits = [SubmitBatcher(shard) for shard in self.schedulers]
         threading.Thread(target=self._audit_loop, name="tandem-client-audit", daemon=True).start()
 
     @classmethod
     def connect(cls, scheduler, tokenizer=None, host: str = "127.0.0.1", timeout_s: float = 30.0) -> TandemClient:
         """A client of a running cluster: its keys come from the scheduler, through Ray."""
-        keys = ray.get(scheduler.data_plane_keys.remote(), timeout=timeout_s)
+        first = scheduler[0] if isinstance(scheduler, (list, tuple)) else scheduler
+        keys = ray.get(first.data_plane_keys.remote(), timeout=timeout_s)
         return cls(scheduler, tokenizer, host, keys)
 
     @property
@@ -146,15 +153,18 @@ class TandemClient:
             except Exception:  # the audit must outlive anything one round does
                 log.exception("request audit failed")
 
-    def audit(self, timeout_s: float = 10.0) -> Forgotten:
-        """Ask the scheduler about requests admitted by an incarnation other than the latest one heard
-        of (none, unless it restarted): the ones it re-learned are its own now, the lost ones migrate."""
+    def audit(self, timeout_s: float = 10.0) -> list[Forgotten]:
+        """Ask each scheduler shard about requests admitted by an incarnation other than the latest one
+        heard of (none, unless it restarted): the ones it re-learned are its own now, the lost ones migrate."""
+        return [self._audit(shard, timeout_s) for shard in range(len(self.schedulers))]
+
+    def _audit(self, shard: int, timeout_s: float) -> Forgotten:
         with self._lock:
             asked = tuple(AdmittedBy(rid, epoch) for rid, epoch in self._epochs.items()
-                          if epoch is not None and epoch != self._scheduler_epoch)
-        answer: Forgotten = ray.get(self.scheduler.forgotten.remote(asked), timeout=timeout_s)
+                          if epoch is not None and epoch != self._latest[shard] and self._shards.get(rid) == shard)
+        answer: Forgotten = ray.get(self.schedulers[shard].forgotten.remote(asked), timeout=timeout_s)
         with self._lock:
-            self._scheduler_epoch = answer.epoch
+            self._latest[shard] = answer.epoch
             for rid in answer.known:
                 if rid in self._epochs:
                     self._epochs[rid] = answer.epoch
@@ -193,7 +203,8 @@ class TandemClient:
         try:
             while True:
                 try:
-                    answer = ray.get(self.scheduler.submit.remote(request), timeout=give_up_at - time.monotonic())
+                    answer = ray.get(self._scheduler(request.request_id).submit.remote(request),
+                                     timeout=give_up_at - time.monotonic())
                     break
                 except ray.exceptions.RayActorError:
                     if time.monotonic() + _RESEND_S >= give_up_at:
@@ -213,7 +224,8 @@ class TandemClient:
         try:
             while True:
                 try:
-                    answer = await asyncio.wait_for(self._submits.submit(request), give_up_at - time.monotonic())
+                    batcher = self._submits[self._shards[request.request_id]]
+                    answer = await asyncio.wait_for(batcher.submit(request), give_up_at - time.monotonic())
                     break
                 except ray.exceptions.RayActorError:
                     if time.monotonic() + _RESEND_S >= give_up_at:
@@ -230,6 +242,8 @@ class TandemClient:
         with self._lock:
             self._queues[request.request_id] = q
             self._epochs[request.request_id] = None
+            self._shards[request.request_id] = shard_for(request.prompt_token_ids, request.cache_salt,
+                                                         len(self.schedulers))
         return q
 
     def _admitted(self, request: GenerateRequest, q, answer: Admitted | Rejected) -> Submitted:
@@ -243,8 +257,9 @@ class TandemClient:
         with self._lock:
             if request_id in self._epochs:
                 self._epochs[request_id] = epoch
-            if epoch is not None and self._scheduler_epoch is None:
-                self._scheduler_epoch = epoch
+            shard = self._shards.get(request_id)
+            if epoch is not None and shard is not None and self._latest[shard] is None:
+                self._latest[shard] = epoch
 
     def migrate(self, stream: RequestStream, deltas) -> None:
         """Resubmit a request whose worker was lost, continuing after the tokens the client already has.
@@ -262,7 +277,7 @@ class TandemClient:
             else:
                 self._admitted_by(request.request_id, answer.epoch)
 
-        self.scheduler.submit.remote(request).future().add_done_callback(answered)
+        self._scheduler(request.request_id).submit.remote(request).future().add_done_callback(answered)
 
     def stream(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
                timeout_s: float = 120.0) -> Iterator[StreamEvent]:
@@ -312,9 +327,10 @@ class TandemClient:
         it now, and a lost abort would let the request run to its end: it is sent again every second
         until the scheduler answers (or `give_up_s`)."""
         give_up_at = time.monotonic() + give_up_s
+        scheduler = self._scheduler(request_id)  # now: the request is forgotten before a retry
 
         def send() -> None:
-            self.scheduler.abort.remote(request_id).future().add_done_callback(answered)
+            scheduler.abort.remote(request_id).future().add_done_callback(answered)
 
         def answered(future) -> None:
             try:
@@ -331,3 +347,9 @@ class TandemClient:
         with self._lock:
             self._queues.pop(request_id, None)
             self._epochs.pop(request_id, None)
+            self._shards.pop(request_id, None)
+
+    def _scheduler(self, request_id: str):
+        """The shard that admits the request (the first one for a request this client does not track)."""
+        with self._lock:
+            return self.schedulers[self._shards.get(request_id, 0)]

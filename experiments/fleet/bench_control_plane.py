@@ -7,7 +7,8 @@ the prefix index and cache-aware routing have work to do). Per point (N, rate) i
 sustained, the scheduler's decision time (a submit's arrival at the scheduler to its attempt sent to
 the prefill worker) p50/p99, the time a request spends outside the workers (TTFT minus the prefill
 worker's own received -> first token time), the scheduler's CPU and memory and its prefix-index size;
-with several points, PNGs of decision time vs N and vs rate beside the JSON.
+with several points, PNGs of decision time vs N and vs rate beside the JSON. `--shards S` runs S
+scheduler actors, each with its share of the workers, the client choosing by the prompt's prefix.
 
 Everything runs on this machine: the scheduler, the simulated hosts and the load generator share its
 cores, so the report also gives the load generator's CPU and the hosts' step lateness, to show which
@@ -29,6 +30,8 @@ from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 from cluster.frontend.client import AdmissionRejected, TandemClient
 from experiments.bench_report import add_out_argument, out_path, summary_line, write_json
+from cluster.control.decision_clock import ControlPlaneStats
+from experiments.fleet.control_plane_plots import decision_plots
 from experiments.fleet.fleet import Fleet
 from experiments.fleet.sim_worker import SimSpec
 
@@ -118,24 +121,29 @@ def _pct(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _control_stats(fleet: Fleet, reset: bool = False) -> list[ControlPlaneStats]:
+    return ray.get([s.control_stats.remote(reset=reset) for s in fleet.schedulers], timeout=30)
+
+
 def run_point(num_workers: int, rate: float, duration_s: float, per_host: int, spec: SimSpec, mix: PromptMix,
-              max_tokens: int, seed: int = 0) -> dict:
-    fleet = Fleet.start(num_workers, per_host, spec)
-    client = TandemClient(fleet.scheduler, audit_s=3600.0)
+              max_tokens: int, shards: int = 1, seed: int = 0) -> dict:
+    fleet = Fleet.start(num_workers, per_host, spec, shards=shards)
+    client = TandemClient(fleet.schedulers, audit_s=3600.0)
     try:
         rng = random.Random(seed)
         prompt = mix.sampler(rng)
         recorder = _Recorder(client)
         warm_arrivals: dict[str, float] = {}
         asyncio.run(_drive(client, rate, WARMUP_S, prompt, max_tokens, rng, recorder, warm_arrivals, {}, {}))
-        ray.get(fleet.scheduler.control_stats.remote(reset=True), timeout=30)
+        _control_stats(fleet, reset=True)
         arrivals: dict[str, float] = {}
         answered: dict[str, float] = {}
         rejected: dict[str, str] = {}
         cpu0, wall0 = time.process_time(), time.perf_counter()
         asyncio.run(_drive(client, rate, duration_s, prompt, max_tokens, rng, recorder, arrivals, answered, rejected))
         driver_cpu, driver_wall = time.process_time() - cpu0, time.perf_counter() - wall0
-        stats = ray.get(fleet.scheduler.control_stats.remote(), timeout=30)
+        shard_stats = _control_stats(fleet)
+        stats = shard_stats[0] if shards == 1 else _merged(shard_stats)
         drain_until = time.monotonic() + DRAIN_S
         admitted = [r for r in arrivals if r not in rejected]
         while time.monotonic() < drain_until and any(r not in recorder.done and r not in recorder.failed
@@ -148,7 +156,7 @@ def run_point(num_workers: int, rate: float, duration_s: float, per_host: int, s
                    if r in recorder.first and r in recorder.inside]
         submit = [answered[r] - arrivals[r] for r in admitted if r in answered]
         return {
-            "workers": num_workers, "per_host": per_host, "offered_rate": rate,
+            "workers": num_workers, "per_host": per_host, "shards": shards, "offered_rate": rate,
             "arrived": len(arrivals), "arrived_per_s": len(arrivals) / driver_wall,
             "admitted": stats.admitted, "admitted_per_s": stats.admitted / stats.wall_s,
             "rejected": len(rejected), "rejections": sorted(set(rejected.values()))[:5],
@@ -166,10 +174,27 @@ def run_point(num_workers: int, rate: float, duration_s: float, per_host: int, s
             "driver_cpu_fraction": driver_cpu / driver_wall,
             "host_step_late_s": sum(h["late_s"] for h in hosts), "host_steps": sum(h["steps"] for h in hosts),
             "host_failed_steps": sum(h["failed_steps"] for h in hosts),
+            "per_shard": [{"admitted": st.admitted, "decision_p50_ms": _ms(st.decision_p50_s),
+                           "decision_p99_ms": _ms(st.decision_p99_s), "cpu_fraction": st.cpu_s / st.wall_s}
+                          for st in shard_stats] if shards > 1 else None,
         }
     finally:
         client.close()
         fleet.shutdown()
+
+
+def _merged(stats: list[ControlPlaneStats]) -> ControlPlaneStats:
+    """The shards as one: counts and CPU summed, each percentile the worst shard's (a bound, not a merge)."""
+    def worst(name: str) -> float | None:
+        values = [getattr(s, name) for s in stats if getattr(s, name) is not None]
+        return max(values) if values else None
+
+    wall = max(s.wall_s for s in stats)
+    return ControlPlaneStats(
+        sum(s.admitted for s in stats), worst("decision_p50_s"), worst("decision_p99_s"), worst("decision_max_s"),
+        sum(s.cpu_s for s in stats), wall, max(s.max_rss_bytes for s in stats), sum(s.in_flight for s in stats),
+        sum(s.prefix_index_entries for s in stats), sum(s.workers for s in stats),
+        sum(s.worker_calls for s in stats), sum(s.worker_commands for s in stats))
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -188,7 +213,7 @@ def bench(args: argparse.Namespace) -> dict:
     try:
         for n in _ints(args.workers):
             for rate in _floats(args.rate):
-                point = run_point(n, rate, args.duration, args.per_host, spec, mix, args.max_tokens)
+                point = run_point(n, rate, args.duration, args.per_host, spec, mix, args.max_tokens, args.shards)
                 points.append(point)
                 print(_point_line(point), flush=True)
     finally:
@@ -213,46 +238,13 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in str(text).split(",")]
 
 
-def _plots(report: dict, out) -> list:
-    points = report["points"]
-    if len(points) < 2:
-        return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    for x, group, label in (("workers", "offered_rate", "simulated workers"), ("offered_rate", "workers", "offered rate (req/s)")):
-        series: dict = {}
-        for p in points:
-            series.setdefault(p[group], []).append(p)
-        if all(len(s) < 2 for s in series.values()):
-            continue
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for key, ps in sorted(series.items()):
-            ps.sort(key=lambda p: p[x])
-            for q, style in (("decision_p50_ms", "-o"), ("decision_p99_ms", "--s")):
-                ax.plot([p[x] for p in ps], [p[q] for p in ps], style, label=f"{q[9:12]} ({group} {key:g})")
-        ax.set_xlabel(label)
-        ax.set_ylabel("scheduler decision time (ms)")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        path = out.with_name(f"{out.stem}-decision-vs-{x}.png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
 def main(args: argparse.Namespace) -> int:
     import json
 
     out = out_path("control-plane", args.out)
     report = bench(args)
     write_json(out, report)
-    plots = _plots(report, out)
+    plots = decision_plots(report["points"], out)
     if args.json:
         print(json.dumps(report, indent=1))
     best = max(report["points"], key=lambda p: p["workers"])
@@ -267,6 +259,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", default="1000", help="offered requests per second (Poisson); a comma list sweeps")
     p.add_argument("--duration", type=float, default=10.0, help="seconds measured per point (after a 2 s warm-up)")
     p.add_argument("--per-host", type=int, default=64, help="simulated workers per process")
+    p.add_argument("--shards", type=int, default=1,
+                   help="scheduler actors, each with its share of the workers; the client picks by prompt prefix")
     p.add_argument("--step-ms", type=float, default=20.0, help="a simulated worker's step time")
     p.add_argument("--prefill-tokens-per-step", type=int, default=8192)
     p.add_argument("--max-tokens", type=int, default=4, help="output tokens per request")

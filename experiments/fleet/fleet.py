@@ -26,31 +26,40 @@ def fleet_settings(heartbeat_timeout_s: float = 10.0, queue_timeout_s: float = 5
 
 @dataclass
 class Fleet:
-    scheduler: object
+    schedulers: list  # the scheduler shards (one, unless started with more)
     hosts: list  # SimHost actor handles
     workers: dict[str, tuple[int, str]]  # worker id -> (host index, role)
 
+    @property
+    def scheduler(self):
+        return self.schedulers[0]
+
     @classmethod
     def start(cls, num_workers: int, per_host: int = 64, spec: SimSpec | None = None,
-              settings: SchedulerSettings | None = None, timeout_s: float = 120.0) -> Fleet:
-        """Half prefill, half decode workers (at least one of each), `per_host` to a process."""
-        if num_workers < 2:
-            raise ValueError("a fleet needs at least one prefill and one decode worker")
+              settings: SchedulerSettings | None = None, timeout_s: float = 120.0, restartable: bool = False,
+              shards: int = 1) -> Fleet:
+        """Half prefill, half decode workers (at least one of each per shard), `per_host` to a process.
+        `restartable`: Ray restarts a scheduler when it dies, as a real cluster's (which then rebuilds from
+        the workers). `shards`: scheduler actors, each with its own share of each pool."""
+        if num_workers < 2 * shards:
+            raise ValueError("a fleet needs at least one prefill and one decode worker per scheduler shard")
         spec = spec or SimSpec()
-        scheduler = ray.remote(Scheduler).options(num_cpus=0).remote(settings or fleet_settings())
-        names = [(f"sim-{'p' if i % 2 == 0 else 'd'}{i}", "prefill" if i % 2 == 0 else "decode")
-                 for i in range(num_workers)]  # interleaved: every host has both roles
+        schedulers = [ray.remote(Scheduler).options(num_cpus=0, max_restarts=-1 if restartable else 0).remote(
+            settings or fleet_settings()) for _ in range(shards)]
+        # Interleaved roles (every host has both) and shards (every shard has both roles, on every host).
+        names = [(f"sim-{'p' if i % 2 == 0 else 'd'}{i}", "prefill" if i % 2 == 0 else "decode", (i // 2) % shards)
+                 for i in range(num_workers)]
         groups = [names[i:i + per_host] for i in range(0, num_workers, per_host)]
-        hosts = [ray.remote(SimHost).options(num_cpus=0).remote(group, spec, scheduler, MODEL_ID) for group in groups]
+        hosts = [ray.remote(SimHost).options(num_cpus=0).remote(group, spec, schedulers, MODEL_ID) for group in groups]
         ray.get([h.start.remote() for h in hosts], timeout=timeout_s)
-        fleet = cls(scheduler, hosts, {wid: (i, role) for i, group in enumerate(groups) for wid, role in group})
+        fleet = cls(schedulers, hosts, {wid: (i, role) for i, group in enumerate(groups) for wid, role, _ in group})
         fleet.wait_registered(set(fleet.workers), timeout_s)
         return fleet
 
     def wait_registered(self, worker_ids: set[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            known = set(ray.get(self.scheduler.state.remote(), timeout=timeout_s).workers)
+            known = {wid for state in self.states(timeout_s) for wid in state.workers}
             if worker_ids <= known:
                 return
             if time.monotonic() > deadline:
@@ -73,9 +82,12 @@ class Fleet:
         """Every live host's workers' block accounting, then the scheduler's own checks."""
         hosts = ray.get([h.check_integrity.remote() for i, h in enumerate(self.hosts) if i not in dead_hosts],
                         timeout=timeout_s)
-        ray.get(self.scheduler.check_integrity.remote(), timeout=timeout_s)
+        ray.get([s.check_integrity.remote() for s in self.schedulers], timeout=timeout_s)
         return hosts
 
+    def states(self, timeout_s: float = 30.0) -> list:
+        return ray.get([s.state.remote() for s in self.schedulers], timeout=timeout_s)
+
     def shutdown(self) -> None:
-        for actor in [*self.hosts, self.scheduler]:
+        for actor in [*self.hosts, *self.schedulers]:
             ray.kill(actor, no_restart=True)

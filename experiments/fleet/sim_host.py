@@ -36,9 +36,11 @@ class WorkerGone(RuntimeError):
 
 
 class SimHost:
-    def __init__(self, workers: list[tuple[str, str]], spec: SimSpec, scheduler, model_id: str,
+    def __init__(self, workers: list[tuple[str, str, int]], spec: SimSpec, schedulers: list, model_id: str,
                  heartbeat_s: float = 0.05, host: str = "127.0.0.1"):
-        self._spec, self._scheduler, self._heartbeat_s = spec, scheduler, heartbeat_s
+        """`workers`: (worker id, role, the index in `schedulers` of the scheduler shard it joins)."""
+        self._spec, self._schedulers, self._heartbeat_s = spec, schedulers, heartbeat_s
+        self._shard = {wid: shard for wid, _, shard in workers}
         self._context = zmq.Context.instance()
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -49,7 +51,7 @@ class SimHost:
         self._publisher = TokenPublisher(self._context)
         hasher = PrefixHasher(spec.block_size, model_id)
         self._workers = {wid: SimWorker(wid, role, spec, self.endpoint, uuid.uuid4().hex, hasher)
-                         for wid, role in workers}
+                         for wid, role, _ in workers}
         self._gone: dict[str, asyncio.Event] = {}
         self._loop_task: asyncio.Task | None = None
         self.steps = self.failed_steps = 0
@@ -58,7 +60,7 @@ class SimHost:
     async def start(self) -> str:
         """Register every worker and start stepping; the host's page endpoint."""
         handle = ray.get_runtime_context().current_actor
-        await asyncio.gather(*(self._scheduler.register.remote(w.info(), handle, w.live())
+        await asyncio.gather(*(self._scheduler(w.worker_id).register.remote(w.info(), handle, w.live())
                                for w in self._workers.values()))
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
         return self.endpoint
@@ -105,6 +107,20 @@ class SimHost:
                 worker.check_integrity()
         return {"steps": self.steps, "failed_steps": self.failed_steps, "late_s": self.late_s,
                 "dropped": self.drops.snapshot()}
+
+    async def holding(self, request_ids: list[str]) -> dict[str, list[tuple[str, str]]]:
+        """For diagnosis: which of its live workers hold these requests, and in what phase."""
+        wanted, out = set(request_ids), {}
+        for worker in self._workers.values():
+            if worker.alive:
+                for item in worker.live():
+                    rid = item.request.attempt.request_id
+                    if rid in wanted:
+                        out.setdefault(rid, []).append((worker.worker_id, item.phase.value, item.request.attempt.attempt))
+        return out
+
+    def _scheduler(self, worker_id: str):
+        return self._schedulers[self._shard[worker_id]]
 
     def _alive(self, worker_id: str) -> SimWorker | None:
         worker = self._workers.get(worker_id)
@@ -175,11 +191,13 @@ class SimHost:
 
     def _report(self) -> None:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        alive = [w for w in self._workers.values() if w.alive]
-        if not alive:
-            return
-        reply = self._scheduler.reports.remote(tuple(w.report(rss) for w in alive))
-        asyncio.get_running_loop().create_task(self._known(reply, [w.worker_id for w in alive]))
+        by_shard: dict[int, list[SimWorker]] = {}
+        for w in self._workers.values():
+            if w.alive:
+                by_shard.setdefault(self._shard[w.worker_id], []).append(w)
+        for shard, alive in by_shard.items():  # one call per scheduler shard
+            reply = self._schedulers[shard].reports.remote(tuple(w.report(rss) for w in alive))
+            asyncio.get_running_loop().create_task(self._known(reply, [w.worker_id for w in alive]))
 
     async def _known(self, reply, worker_ids: list[str]) -> None:
         """A worker the scheduler does not know (it restarted, or gave up on it) registers again."""
@@ -191,4 +209,4 @@ class SimHost:
         for wid, ok in zip(worker_ids, known):
             worker = self._alive(wid)
             if not ok and worker is not None:
-                self._scheduler.register.remote(worker.info(), handle, worker.live())
+                self._scheduler(wid).register.remote(worker.info(), handle, worker.live())

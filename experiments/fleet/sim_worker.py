@@ -164,10 +164,14 @@ class SimWorker:
             self._prompts.popleft()
             self._prefilled(prompt, now, wall, deltas, sends)
         for lease, (request, blocks, since) in list(self._reserved.items()):
-            if now - since > self.spec.lease_s:
+            if now - since > self.spec.lease_s:  # as a real worker: the client may continue it elsewhere
                 del self._reserved[lease]
                 self._used -= blocks
                 self._finished.append(FinishedAttempt(request.attempt, RequestStatus.FAILED))
+                req = request.request
+                deltas.setdefault(req.sink, []).append(TokenDelta(
+                    request.attempt, 0, 0, (), RequestStatus.FAILED, len(req.prompt_token_ids), 0,
+                    f"KV for {request.attempt} did not arrive within the {self.spec.lease_s}s lease", retryable=True))
 
     def _prefilled(self, prompt: _Prompt, now: float, wall: float, deltas, sends) -> None:
         request = prompt.request

@@ -54,8 +54,8 @@ def _until_settled(fleet: Fleet, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    sample = PromptMix(system_prompts=4, system_tokens=64, user_tokens=16).sampler(random.Random(seed))
+def _prompts(n: int, seed: int, systems: int = 4) -> list[list[int]]:
+    sample = PromptMix(system_prompts=systems, system_tokens=64, user_tokens=16).sampler(random.Random(seed))
     return [list(sample()) for _ in range(n)]
 
 
@@ -116,6 +116,72 @@ def test_a_tenth_of_256_workers_dying_at_once_loses_no_request(ray_session):
         fleet.check_integrity(dead_hosts={3})
         state = ray.get(fleet.scheduler.state.remote(), timeout=30)
         assert state.in_flight == 0 and sum(state.committed_blocks.values()) == 0
+    finally:
+        client.close()
+        fleet.shutdown()
+
+
+def test_a_restarted_scheduler_rebuilds_its_view_of_512_workers(ray_session):
+    """The scheduler dies under load; Ray restarts it empty; all 512 simulated workers find their reports
+    unanswered and register again with the requests they hold; the clients' audit migrates what only
+    the dead scheduler knew. Every request ends with all its tokens, and the books balance."""
+    fleet = Fleet.start(512, per_host=64, settings=fleet_settings(heartbeat_timeout_s=2.0), restartable=True)
+    client = TandemClient(fleet.scheduler, audit_s=1.0)
+    results: list = []
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    try:
+        runner = threading.Thread(target=lambda: results.extend(client.generate(_prompts(400, seed=5), params,
+                                                                                 timeout_s=240)))
+        runner.start()
+        time.sleep(1.5)
+        ray.kill(fleet.scheduler, no_restart=False)
+        runner.join(timeout=300)
+        assert not runner.is_alive(), "a request hung"
+        assert len(results) == 400
+        bad = [(s[0].status, s[0].error) for s in results
+               if s[0].status != RequestStatus.FINISHED_LENGTH or len(s[0].token_ids) != 60]
+        assert not bad, bad[:5]
+        fleet.wait_registered(set(fleet.workers), timeout_s=60)
+        _until_settled(fleet)
+        fleet.check_integrity()
+        state = ray.get(fleet.scheduler.state.remote(), timeout=30)
+        assert len(state.workers) == 512 and state.in_flight == 0 and sum(state.committed_blocks.values()) == 0
+    finally:
+        client.close()
+        fleet.shutdown()
+
+
+def test_two_scheduler_shards_split_the_load_and_survive_a_host_across_both(ray_session):
+    """Two scheduler actors, each with half of each pool; the client sends a request to the shard its
+    prompt's first tokens hash to (requests sharing a system prompt meet there, and hit its cache).
+    A host whose workers belong to both shards dies under load: each shard routes around its own,
+    every request ends, and both shards' books balance."""
+    fleet = Fleet.start(128, per_host=16, settings=fleet_settings(heartbeat_timeout_s=3.0), shards=2)
+    client = TandemClient(fleet.schedulers)
+    results: list = []
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    try:
+        runner = threading.Thread(target=lambda: results.extend(client.generate(_prompts(400, seed=6, systems=16), params,
+                                                                                 timeout_s=240)))
+        runner.start()
+        time.sleep(1.5)
+        lost = fleet.kill_host(2)
+        runner.join(timeout=300)
+        assert not runner.is_alive(), "a request hung"
+        finished = [s[0] for s in results if s[0].status == RequestStatus.FINISHED_LENGTH]
+        assert len(results) == 400 and all(len(s.token_ids) == 60 for s in finished)
+        assert all(s[0].error for s in results if s[0].status != RequestStatus.FINISHED_LENGTH)
+        assert sum(s.num_cached_tokens for s in finished) > 0
+        for state in fleet.states():
+            assert state.counters.workers_lost == 8  # the dead host's 16 workers were half of each shard's
+            assert not set(lost) & set(state.workers)
+        stats = [ray.get(s.control_stats.remote(), timeout=30) for s in fleet.schedulers]
+        assert all(st.admitted > 50 for st in stats), [st.admitted for st in stats]  # both took a share
+        deadline = time.monotonic() + 30
+        while any(st.in_flight for st in fleet.states()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        fleet.check_integrity(dead_hosts={2})
+        assert all(st.in_flight == 0 and not sum(st.committed_blocks.values()) for st in fleet.states())
     finally:
         client.close()
         fleet.shutdown()

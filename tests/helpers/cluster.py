@@ -17,13 +17,17 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def load(name: str, **engine) -> TandemConfig:
-    backend = "zmq"
+    """A config of configs/ for tests; `+collective` uses that transport, `+2shards` two scheduler shards."""
+    backend, shards = "zmq", 1
     if name.endswith("+collective"):
         name, backend = name.removesuffix("+collective"), "collective"
+    if name.endswith("+2shards"):
+        name, shards = name.removesuffix("+2shards"), 2
     config = TandemConfig.from_file(CONFIGS / name)
     return config.model_copy(update={
         "engine": config.engine.model_copy(update={"num_kv_blocks": 512, **engine}),
         "transfer": config.transfer.model_copy(update={"backend": backend}),
+        "scheduler": config.scheduler.model_copy(update={"shards": shards}),
     })
 
 

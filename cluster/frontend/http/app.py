@@ -33,7 +33,13 @@ log = logging.getLogger("tandem.ingress")
 _STATE_TIMEOUT_S = 5.0
 
 
+def _serves(state: SchedulerState) -> bool:
+    roles = {v.role for v in state.workers.values()}
+    return roles >= {"prefill", "decode"} or "colocated" in roles
+
+
 def create_app(ingress: Ingress, scheduler) -> FastAPI:
+    """`scheduler`: the scheduler actor, or the list of its shards."""
     app = FastAPI(title="tandem", version="0.1.0")
 
     @app.exception_handler(ApiError)
@@ -82,19 +88,24 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
                                 status_code=503)
         return {"status": "ok"}
 
-    async def scheduler_state() -> SchedulerState:
+    shards = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+
+    async def shard_states() -> list[SchedulerState]:
         try:
-            return await asyncio.wait_for(_ref(scheduler.state.remote()), _STATE_TIMEOUT_S)
+            return await asyncio.wait_for(asyncio.gather(*(_ref(s.state.remote()) for s in shards)), _STATE_TIMEOUT_S)
         except Exception as exc:  # a scheduler that is gone or stuck: not ready, never a hung probe
             raise ApiError(503, f"the scheduler did not answer: {type(exc).__name__}", None, "service_unavailable",
                            {"Retry-After": "5"}) from None
 
+    async def scheduler_state() -> SchedulerState:
+        return SchedulerState.merged(await shard_states())
+
     @app.get("/ready")
     async def ready():
-        state = await scheduler_state()
-        roles = {v.role for v in state.workers.values()}
-        ok = roles >= {"prefill", "decode"} or "colocated" in roles
-        return JSONResponse({"ready": ok, "workers": sorted(state.workers)}, status_code=200 if ok else 503)
+        states = await shard_states()
+        ok = all(_serves(state) for state in states)  # every shard: a request may hash to any of them
+        workers = sorted(w for state in states for w in state.workers)
+        return JSONResponse({"ready": ok, "workers": workers}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():

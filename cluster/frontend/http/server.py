@@ -59,7 +59,7 @@ def build_ingress(cluster: Cluster, host: str = "127.0.0.1", ingress: IngressSec
 
 def make_server(cluster: Cluster, host: str, port: int, ingress: IngressSection | None = None) -> uvicorn.Server:
     ingress = ingress or cluster.config.ingress
-    app = create_app(build_ingress(cluster, host, ingress), cluster.scheduler)
+    app = create_app(build_ingress(cluster, host, ingress), cluster.schedulers)
     add_admin_routes(app, cluster, ingress.admin(), host)
     # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: behind a same-host proxy every client
     # would then be whatever address it claims. Only the configured proxies are believed.

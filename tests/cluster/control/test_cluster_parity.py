@@ -6,12 +6,14 @@ from __future__ import annotations
 import time
 
 import pytest
+import ray
 
 from cluster.control.launch import Cluster
 from tests.helpers.cluster import load, wait_until_idle, workload
 
 
-@pytest.mark.parametrize("config_name", ["local.yaml", "disagg-2p2d.yaml", "colocated.yaml", "local.yaml+collective"])
+@pytest.mark.parametrize("config_name", ["local.yaml", "disagg-2p2d.yaml", "colocated.yaml", "local.yaml+collective",
+                                         "disagg-2p2d.yaml+2shards"])
 def test_layouts_match_the_single_engine(ray_session, expected, config_name):
     prompts, params = workload()
     cluster = Cluster.start(load(config_name))
@@ -41,5 +43,30 @@ def test_layouts_match_the_single_engine(ray_session, expected, config_name):
                 links = cluster.check_integrity()["scheduler"]["links"]
             assert sum(link["samples"] for link in links.values()) == adopted, links
             assert all(name.split("->")[0].startswith("prefill-") for name in links), links
+    finally:
+        cluster.shutdown()
+
+
+def test_scheduler_shards_each_serve_their_share_and_a_restarted_worker_rejoins_its_own(ray_session, expected):
+    """Two scheduler shards over 2P+2D: each has one worker of each pool and admits the requests whose
+    prompts hash to it; a decode worker that Ray restarts registers with its own shard again."""
+    prompts, params = workload()
+    cluster = Cluster.start(load("disagg-2p2d.yaml+2shards"))
+    try:
+        client = cluster.client()
+        assert [r[0].token_ids for r in client.generate(prompts, params)] == expected
+        states = [ray.get(s.state.remote(), timeout=30) for s in cluster.schedulers]
+        assert [sorted(s.workers) for s in states] == [["decode-0", "prefill-0"], ["decode-1", "prefill-1"]]
+        assert all(s.counters.submitted > 0 for s in states), [s.counters for s in states]
+        before = states[1].incarnations["decode-1"]
+        ray.kill(cluster.workers["decode-1"], no_restart=False)
+        deadline = time.monotonic() + 120
+        while ray.get(cluster.schedulers[1].state.remote(), timeout=30).incarnations.get("decode-1") in (None, before):
+            assert time.monotonic() < deadline, "the restarted decode worker never registered with its shard"
+            time.sleep(0.2)
+        assert "decode-1" not in ray.get(cluster.schedulers[0].state.remote(), timeout=30).workers
+        assert [r[0].token_ids for r in client.generate(prompts, params)] == expected
+        state = wait_until_idle(cluster)
+        assert state["scheduler"]["in_flight"] == 0
     finally:
         cluster.shutdown()
