@@ -154,7 +154,8 @@ class LinkCosts:
     def check_integrity(self) -> None:
         into = {(src, dst) for dst, sources in self._into.items() for src in sources}
         if into != set(self._links):
-            raise RuntimeError(f"link costs: the per-decode index differs from the links by {sorted(into ^ set(self._links))}")
+            differ = sorted(into ^ set(self._links))
+            raise RuntimeError(f"link costs: the per-decode index differs from the links by {differ}")
         for link, fit in self._links.items():
             latency, per_byte = fit.line()
             assert fit.weight > 0 and fit.samples > 0, f"link {link} has no samples"

@@ -104,7 +104,13 @@ class RequestTable:
 
     def orphaned(self) -> list[Tracked]:
         """Requests rebuilt from a decode worker's reservation that no prefill worker claimed (adoption.py)."""
-        return [t for t in self._requests.values() if t.awaiting_pages and t.prefill is None]
+        return [t for t in self._requests.values() if _unclaimed(t)]
+
+    def claimed(self, request_id: str) -> bool:
+        """Tracked, and not only as a reservation rebuilt after a restart that no prefill worker has claimed
+        (yet): such a request is neither known nor lost until the scheduler's incarnation settles."""
+        tracked = self._requests.get(request_id)
+        return tracked is not None and not _unclaimed(tracked)
 
     def touching(self, worker_id: str) -> list[Tracked]:
         return [t for t in self._requests.values() if worker_id in t.workers or t.decode_id == worker_id]
@@ -136,3 +142,7 @@ class RequestTable:
             unknown = t.workers - known_workers
             if unknown:
                 raise RuntimeError(f"request {t.request_id} tracked on unknown workers {sorted(unknown)}")
+
+
+def _unclaimed(tracked: Tracked) -> bool:
+    return tracked.awaiting_pages and tracked.prefill is None

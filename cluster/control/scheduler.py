@@ -23,9 +23,10 @@ Calls to workers leave batched per tick (worker_mail.py), a client's submits of 
 about what one placement does, so at thousands of requests per second the calls, not the decisions,
 would be the scheduler's work.
 
-Why ~420 lines: what is left here are the Ray entry points (single and batched) and the paths that
-await (admission, reservation, re-routing after a loss), which must re-check state after each await in
-one place; every decision taken without an await lives in the owners above.
+Why ~450 lines: what is left here are the Ray entry points (single and batched) and the paths that
+await (admission, reservation, re-routing after a loss, a resent submit after a restart), which must
+re-check state after each await in one place; every decision taken without an await lives in the
+owners above.
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ class Scheduler:
         admitted it already, and then its worker announces it once this one has settled. Until then the
         request waits; if it is known by then, its admission is answered again instead of run twice."""
         rid = request.request_id
-        while (not self._incarnation.settled() and not self._claimed(rid)) or rid in self._admitting:
+        while (not self._incarnation.settled() and not self._table.claimed(rid)) or rid in self._admitting:
             await asyncio.sleep(0.05)  # (the first send may still be admitting, if only its answer was lost)
         self._drop_orphans()
         tracked = self._table.get(request.request_id)  # re-read after the awaits
@@ -377,13 +378,8 @@ class Scheduler:
         worker that died while no scheduler could notice): the client migrates them. Answered only once
         every live worker has had time to register again (twice the heartbeat timeout)."""
         self._drop_orphans()
-        return self._incarnation.forgotten(admitted, {a.request_id for a in admitted if self._claimed(a.request_id)})
-
-    def _claimed(self, request_id: str) -> bool:
-        """Tracked, and not only as a reservation rebuilt after a restart that no prefill worker has claimed
-        (yet): such a request is neither known nor lost until this incarnation settles."""
-        tracked = self._table.get(request_id)
-        return tracked is not None and not (tracked.awaiting_pages and tracked.prefill is None)
+        claimed = {a.request_id for a in admitted if self._table.claimed(a.request_id)}
+        return self._incarnation.forgotten(admitted, claimed)
 
     def _drop_orphans(self) -> None:
         """Once settled, a reservation a decode worker announced whose prompt no prefill worker announced

@@ -16,7 +16,8 @@ def decision_plots(points: list[dict], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths = []
-    for x, group, label in (("workers", "offered_rate", "simulated workers"), ("offered_rate", "workers", "offered rate (req/s)")):
+    axes = (("workers", "offered_rate", "simulated workers"), ("offered_rate", "workers", "offered rate (req/s)"))
+    for x, group, label in axes:
         series: dict = {}
         for p in points:
             series.setdefault(p[group], []).append(p)

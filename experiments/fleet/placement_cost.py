@@ -74,7 +74,8 @@ async def _cost(num_workers: int, decisions: int, seed: int = 0) -> float:
             index.apply(wid, [BlockStored(h, hashes[i - 1] if i else None, _BLOCK) for i, h in enumerate(hashes)])
     prefill = [w for w, r in roles.items() if r == "prefill"]
     for decode in (w for w, r in roles.items() if r == "decode"):
-        links.observe(decode, tuple(TransferSample(p, 2 << 20, 0.001) for p in rng.sample(prefill, min(8, len(prefill)))))
+        sources = rng.sample(prefill, min(8, len(prefill)))
+        links.observe(decode, tuple(TransferSample(p, 2 << 20, 0.001) for p in sources))
     requests = [(prompts[i % len(prompts)], hash_prompt_blocks(prompts[i % len(prompts)], _BLOCK, None, _MODEL))
                 for i in range(decisions)]
     params = SamplingParams(max_tokens=4)

@@ -108,15 +108,16 @@ class SimHost:
         return {"steps": self.steps, "failed_steps": self.failed_steps, "late_s": self.late_s,
                 "dropped": self.drops.snapshot()}
 
-    async def holding(self, request_ids: list[str]) -> dict[str, list[tuple[str, str]]]:
-        """For diagnosis: which of its live workers hold these requests, and in what phase."""
+    async def holding(self, request_ids: list[str]) -> dict[str, list[tuple[str, str, str]]]:
+        """For diagnosis: which of its live workers hold these requests: (worker, phase, attempt)."""
         wanted, out = set(request_ids), {}
         for worker in self._workers.values():
             if worker.alive:
                 for item in worker.live():
                     rid = item.request.attempt.request_id
                     if rid in wanted:
-                        out.setdefault(rid, []).append((worker.worker_id, item.phase.value, item.request.attempt.attempt))
+                        attempt = item.request.attempt.attempt
+                        out.setdefault(rid, []).append((worker.worker_id, item.phase.value, attempt))
         return out
 
     def _scheduler(self, worker_id: str):

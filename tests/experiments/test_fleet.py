@@ -161,8 +161,8 @@ def test_two_scheduler_shards_split_the_load_and_survive_a_host_across_both(ray_
     results: list = []
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     try:
-        runner = threading.Thread(target=lambda: results.extend(client.generate(_prompts(400, seed=6, systems=16), params,
-                                                                                 timeout_s=240)))
+        prompts = _prompts(400, seed=6, systems=16)
+        runner = threading.Thread(target=lambda: results.extend(client.generate(prompts, params, timeout_s=240)))
         runner.start()
         time.sleep(1.5)
         lost = fleet.kill_host(2)
