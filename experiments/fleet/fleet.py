@@ -35,25 +35,32 @@ class Fleet:
         return self.schedulers[0]
 
     @classmethod
-    def start(cls, num_workers: int, per_host: int = 64, spec: SimSpec | None = None,
-              settings: SchedulerSettings | None = None, timeout_s: float = 120.0, restartable: bool = False,
+    def start(cls, num_workers: int, per_host: int | tuple[int, ...] = 64, spec: SimSpec | None = None,
+              settings: SchedulerSettings | None = None, timeout_s: float = 300.0, restartable: bool = False,
               shards: int = 1) -> Fleet:
-        """Half prefill, half decode workers (at least one of each per shard), `per_host` to a process.
-        `restartable`: Ray restarts a scheduler when it dies, as a real cluster's (which then rebuilds from
-        the workers). `shards`: scheduler actors, each with its own share of each pool."""
+        """Half prefill, half decode workers (at least one of each per shard), `per_host` to a process (or
+        each host's own count, in order). `restartable`: Ray restarts a scheduler when it dies, as a real
+        cluster's (which then rebuilds from the workers). `shards`: scheduler actors, each with its own
+        share of each pool. If the fleet does not come up, nothing it started is left running."""
         if num_workers < 2 * shards:
             raise ValueError("a fleet needs at least one prefill and one decode worker per scheduler shard")
+        sizes = _host_sizes(num_workers, per_host)
         spec = spec or SimSpec()
         schedulers = [ray.remote(Scheduler).options(num_cpus=0, max_restarts=-1 if restartable else 0).remote(
             settings or fleet_settings()) for _ in range(shards)]
         # Interleaved roles (every host has both) and shards (every shard has both roles, on every host).
         names = [(f"sim-{'p' if i % 2 == 0 else 'd'}{i}", "prefill" if i % 2 == 0 else "decode", (i // 2) % shards)
                  for i in range(num_workers)]
-        groups = [names[i:i + per_host] for i in range(0, num_workers, per_host)]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        groups = [names[start:start + size] for start, size in zip(starts, sizes)]
         hosts = [ray.remote(SimHost).options(num_cpus=0).remote(group, spec, schedulers, MODEL_ID) for group in groups]
-        ray.get([h.start.remote() for h in hosts], timeout=timeout_s)
         fleet = cls(schedulers, hosts, {wid: (i, role) for i, group in enumerate(groups) for wid, role, _ in group})
-        fleet.wait_registered(set(fleet.workers), timeout_s)
+        try:
+            ray.get([h.start.remote() for h in hosts], timeout=timeout_s)
+            fleet.wait_registered(set(fleet.workers), timeout_s)
+        except BaseException:
+            fleet.shutdown()
+            raise
         return fleet
 
     def wait_registered(self, worker_ids: set[str], timeout_s: float) -> None:
@@ -91,3 +98,13 @@ class Fleet:
     def shutdown(self) -> None:
         for actor in [*self.hosts, *self.schedulers]:
             ray.kill(actor, no_restart=True)
+
+
+def _host_sizes(num_workers: int, per_host: int | tuple[int, ...]) -> list[int]:
+    if isinstance(per_host, int):
+        if per_host < 1:
+            raise ValueError(f"per_host must be at least 1, got {per_host}")
+        return [min(per_host, num_workers - start) for start in range(0, num_workers, per_host)]
+    if sum(per_host) != num_workers or min(per_host) < 1:
+        raise ValueError(f"host sizes {per_host} must be positive and add up to {num_workers} workers")
+    return list(per_host)

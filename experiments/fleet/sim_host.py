@@ -53,6 +53,7 @@ class SimHost:
         self._workers = {wid: SimWorker(wid, role, spec, self.endpoint, uuid.uuid4().hex, hasher)
                          for wid, role, _ in workers}
         self._gone: dict[str, asyncio.Event] = {}
+        self._unanswered: set[int] = set()  # shards whose last reports call has not come back
         self._loop_task: asyncio.Task | None = None
         self.steps = self.failed_steps = 0
         self.late_s = 0.0  # summed lateness of steps against the step clock: the host's own overload
@@ -197,15 +198,22 @@ class SimHost:
             if w.alive:
                 by_shard.setdefault(self._shard[w.worker_id], []).append(w)
         for shard, alive in by_shard.items():  # one call per scheduler shard
+            if shard in self._unanswered:
+                # A slow or restarting scheduler gets one call at a time, as a real worker's awaited heartbeat
+                # does; the workers' next report carries what this one would have (finishes stay queued).
+                continue
+            self._unanswered.add(shard)
             reply = self._schedulers[shard].reports.remote(tuple(w.report(rss) for w in alive))
-            asyncio.get_running_loop().create_task(self._known(reply, [w.worker_id for w in alive]))
+            asyncio.get_running_loop().create_task(self._known(shard, reply, [w.worker_id for w in alive]))
 
-    async def _known(self, reply, worker_ids: list[str]) -> None:
+    async def _known(self, shard: int, reply, worker_ids: list[str]) -> None:
         """A worker the scheduler does not know (it restarted, or gave up on it) registers again."""
         try:
             known = await reply
         except ray.exceptions.RayError:
             return  # the scheduler is down or restarting: keep reporting until it answers
+        finally:
+            self._unanswered.discard(shard)
         handle = ray.get_runtime_context().current_actor
         for wid, ok in zip(worker_ids, known):
             worker = self._alive(wid)
