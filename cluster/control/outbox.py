@@ -5,15 +5,22 @@ batched per tick (worker_mail.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
+import ray
+
 from actors.protocol.ids import AttemptId
-from actors.protocol.messages import TokenDelta
+from actors.protocol.messages import KvReservation, TokenDelta, WorkerRequest
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.token_stream import TokenPublisher
-from actors.protocol.worker_commands import AbortAttempt, ReleaseAttempt, WorkerCommand
+from actors.protocol.worker_commands import AbortAttempt, ReleaseAttempt, ReserveBlocks, WorkerCommand
 from cluster.control.registry import WorkerRegistry
 from cluster.control.scheduler_state import Tracked
 from cluster.control.worker_mail import WorkerMail
 from kv_transfer.curve import CurveKeys
+
+log = logging.getLogger("tandem.scheduler")
 
 
 class Outbox:
@@ -21,6 +28,16 @@ class Outbox:
         self._registry, self.mail = registry, mail
         # Only to tell a client its request failed with a lost worker.
         self._publisher = TokenPublisher(keys=curve_keys)
+
+    async def reserve(self, handle, request: WorkerRequest, worker_id: str) -> KvReservation | None:
+        """The prompt's blocks on a decode worker; None if it cannot answer (dying or restarting: the caller
+        tries again, elsewhere, until its admission deadline)."""
+        try:
+            return await self.mail.reserve(handle, ReserveBlocks(worker_id, request))
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+            log.warning("reserve on %s failed: %s", worker_id, exc)
+            self.mail.send(handle, AbortAttempt(worker_id, request.attempt))  # in case it landed after all
+            return None
 
     def abort(self, tracked: Tracked, skip: str | None = None) -> None:
         """Stop the attempt on every worker that may hold state for it."""

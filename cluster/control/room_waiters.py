@@ -51,6 +51,3 @@ class RoomWaiters:
 
     def _ended(self, _future: asyncio.Future) -> None:
         self._live -= 1
-
-    def __len__(self) -> int:
-        return self._live

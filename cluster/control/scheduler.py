@@ -7,7 +7,8 @@
 - `LinkCosts`: what a KV handoff costs on each prefill -> decode link, as measured (link_costs.py)
 - `TenantShares`: no tenant holds more than its share of the KV or of the admission queue (tenant_shares.py)
 - `Incarnation`: epoch, attempt ids, what a restart forgot (incarnation.py); `Outbox`: calls to workers and
-  clients (outbox.py); `adopt_live`: rebuilding requests a worker announces (adoption.py)
+  clients (outbox.py); `Rebuild`: what a restarted scheduler learns back from workers and clients, and
+  what it answers meanwhile (rebuild.py, adoption.py)
 - `DecisionClock`: how long decisions take and what the control plane costs (decision_clock.py)
 
 An async actor: every method runs on one event loop, so its state needs no locks, but an `await` lets
@@ -23,10 +24,9 @@ Calls to workers leave batched per tick (worker_mail.py), a client's submits of 
 about what one placement does, so at thousands of requests per second the calls, not the decisions,
 would be the scheduler's work.
 
-Why ~450 lines: what is left here are the Ray entry points (single and batched) and the paths that
-await (admission, reservation, re-routing after a loss, a resent submit after a restart), which must
-re-check state after each await in one place; every decision taken without an await lives in the
-owners above.
+Why ~400 lines: what is left here are the Ray entry points (single and batched) and the paths that
+await (admission, reservation, re-routing after a loss), which must re-check state after each await in
+one place; every decision taken without an await lives in the owners above.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ import dataclasses
 import logging
 import time
 
-import ray
-
 from actors.engine.kv.block_hash import PrefixHasher
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import (
@@ -46,7 +44,6 @@ from actors.protocol.messages import (
     Forgotten,
     GenerateRequest,
     KvDestination,
-    KvReservation,
     LiveRequest,
     Rejected,
     WorkerInfo,
@@ -54,14 +51,15 @@ from actors.protocol.messages import (
     WorkerRequest,
 )
 from actors.protocol.request_status import RequestStatus
-from actors.protocol.worker_commands import AbortAttempt, ReserveBlocks, SubmitAttempt
-from cluster.control.adoption import adopt_live
+from actors.protocol.worker_commands import AbortAttempt, SubmitAttempt
+from cluster.control.answer_stream import answers_as_decided
 from cluster.control.decision_clock import ControlPlaneStats, DecisionClock
 from cluster.control.incarnation import Incarnation
 from cluster.control.link_costs import LinkCosts
 from cluster.control.outbox import Outbox
 from cluster.control.placement import Placement, Placer
 from cluster.control.prefix_index import PrefixIndex
+from cluster.control.rebuild import Rebuild
 from cluster.control.registry import WorkerRegistry
 from cluster.control.request_table import RequestTable
 from cluster.control.room_waiters import RoomWaiters
@@ -73,7 +71,6 @@ from kv_transfer.curve import CurveKeys
 
 log = logging.getLogger("tandem.scheduler")
 _CALL_TIMEOUT_S = 30.0
-_ANSWER_GAP_S = 0.002
 
 
 class Scheduler:
@@ -91,8 +88,8 @@ class Scheduler:
         self._clock = DecisionClock()
         self._waiters = RoomWaiters()
         self._incarnation = Incarnation(settings.heartbeat_timeout_s)
-        self._admitting: set[str] = set()  # request ids whose submit is being decided now
-        self._orphans_dropped = False
+        self._rebuild = Rebuild(self._table, self._placer, self._out, self._incarnation,
+                                lambda attempt: self._reclaim(attempt, failed=True))
         self._watchdog: asyncio.Task | None = None
         self._confirmations: asyncio.Task | None = None
         self._lost_submits = 0  # attempts sent to a live worker that never confirmed them
@@ -117,8 +114,7 @@ class Scheduler:
             for item in live:
                 self._out.abort_on(info.worker_id, item.request.attempt)
         else:
-            for item in live:
-                adopt_live(self._table, self._placer, self._out, entry, item)
+            self._rebuild.adopt(entry, live)
         if self._watchdog is None:
             loop = asyncio.get_running_loop()
             self._watchdog = loop.create_task(self._registry.watch_heartbeats())
@@ -200,7 +196,7 @@ class Scheduler:
         of this attempt reached the client: it is placed again."""
         while True:
             await asyncio.sleep(min(0.5, self.s.heartbeat_timeout_s / 4))
-            self._drop_orphans()
+            self._rebuild.drop_orphans()
             now = time.monotonic()
             for tracked in self._table.unconfirmed(older_than=now - self.s.heartbeat_timeout_s):
                 target = tracked.prefill.worker_id if tracked.prefill is not None else tracked.decode_id
@@ -222,43 +218,23 @@ class Scheduler:
 
     async def submit_many(self, requests: tuple[GenerateRequest, ...]):
         """A client's submits of one tick: the answers stream back as `(index, answer)` tuples, as they
-        are decided, so a request that waits for room does not hold back the others' answers."""
-        tasks = {asyncio.ensure_future(self.submit(r)): i for i, r in enumerate(requests)}
-        done, pending = await asyncio.wait(set(tasks), return_when=asyncio.FIRST_COMPLETED)
-        yield tuple((tasks[t], _answer(t)) for t in done)  # at once: the client's next batch waits for it
-        while pending:
-            # Each streamed answer costs about a Ray call: the rest go out in chunks a few ms apart.
-            await asyncio.sleep(_ANSWER_GAP_S)
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            yield tuple((tasks[t], _answer(t)) for t in done)
+        are decided (answer_stream.py)."""
+        async for answers in answers_as_decided([self.submit(r) for r in requests]):
+            yield answers
 
     async def submit(self, request: GenerateRequest) -> Admitted | Rejected:
         """Admit and route one request (or the next attempt of a migrated one)."""
         if request.retried and not request.output_prefix:
-            again = await self._admitted_before(request)
+            again = await self._rebuild.admitted_before(request)
             if again is not None:
                 return again
         return await self._submit(request, patient=bool(request.output_prefix))
-
-    async def _admitted_before(self, request: GenerateRequest) -> Admitted | None:
-        """A submit sent again because the scheduler that had it died: an earlier incarnation may have
-        admitted it already, and then its worker announces it once this one has settled. Until then the
-        request waits; if it is known by then, its admission is answered again instead of run twice."""
-        rid = request.request_id
-        while (not self._incarnation.settled() and not self._table.claimed(rid)) or rid in self._admitting:
-            await asyncio.sleep(0.05)  # (the first send may still be admitting, if only its answer was lost)
-        self._drop_orphans()
-        tracked = self._table.get(request.request_id)  # re-read after the awaits
-        if tracked is None or tracked.request.sink != request.sink:
-            return None
-        prefill = tracked.prefill.worker_id if tracked.prefill is not None else tracked.decode_id
-        return Admitted(prefill, tracked.decode_id, 0, tracked.prefill is None, self._incarnation.epoch)
 
     async def _submit(self, request: GenerateRequest, patient: bool) -> Admitted | Rejected:
         """`patient`: the request lost its worker (a migration, a re-routed prefill): it waits for a
         worker until its own deadline, since one that Ray restarts is back in seconds."""
         self._submitted += 1
-        self._admitting.add(request.request_id)
+        self._rebuild.admitting.add(request.request_id)
         arrived = time.perf_counter()
         try:
             answer = await self._submit_once(request, patient)
@@ -266,7 +242,7 @@ class Scheduler:
                 self._clock.decided(time.perf_counter() - arrived)
             return answer
         finally:
-            self._admitting.discard(request.request_id)
+            self._rebuild.admitting.discard(request.request_id)
 
     async def _submit_once(self, request: GenerateRequest, patient: bool) -> Admitted | Rejected:
         tracked = self._table.get(request.request_id)
@@ -328,7 +304,7 @@ class Scheduler:
         dest = None
         if not placement.local:
             decode = self._registry.get(placement.decode_id)
-            reservation = await self._reserve(decode.handle, WorkerRequest(attempt, request), placement.decode_id)
+            reservation = await self._out.reserve(decode.handle, WorkerRequest(attempt, request), placement.decode_id)
             # Anything may have happened during the await: a worker forgotten, replaced or draining, or
             # another request of the tenant admitted.
             if (reservation is None or not self._placer.still_valid(placement)
@@ -355,16 +331,6 @@ class Scheduler:
         cached = placement.prefill.cached_tokens if placement.prefill is not None else 0
         return Admitted(prefill_id, placement.decode_id, cached, placement.local, self._incarnation.epoch)
 
-    async def _reserve(self, handle, request: WorkerRequest, worker_id: str) -> KvReservation | None:
-        try:
-            return await self._out.mail.reserve(handle, ReserveBlocks(worker_id, request))
-        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
-            # The worker is dying or restarting: try again (elsewhere) until the admission deadline.
-            log.warning("reserve on %s failed: %s", worker_id, exc)
-            # In case the reservation landed after all.
-            self._out.mail.send(handle, AbortAttempt(worker_id, request.attempt))
-            return None
-
     async def abort(self, request_id: str) -> bool:
         tracked = self._table.get(request_id)
         if tracked is None:
@@ -373,27 +339,8 @@ class Scheduler:
         return self._reclaim(tracked.attempt, failed=False, cancelled=True)
 
     async def forgotten(self, admitted: tuple[AdmittedBy, ...]) -> Forgotten:
-        """A client's audit of its requests in flight. Ones an earlier incarnation admitted that no live
-        worker announced since this one started were lost with the old scheduler (queued in it, or on a
-        worker that died while no scheduler could notice): the client migrates them. Answered only once
-        every live worker has had time to register again (twice the heartbeat timeout)."""
-        self._drop_orphans()
-        claimed = {a.request_id for a in admitted if self._table.claimed(a.request_id)}
-        return self._incarnation.forgotten(admitted, claimed)
-
-    def _drop_orphans(self) -> None:
-        """Once settled, a reservation a decode worker announced whose prompt no prefill worker announced
-        will never get its pages: the scheduler that placed it died before sending the prompt, or the
-        prefill worker died in the same window. It is reclaimed (the reservation aborted); its client's
-        audit then finds the request lost and migrates it, or its resent submit is admitted afresh.
-        Read before either answers: an orphan answered as "known" would wait for its lease instead."""
-        if self._orphans_dropped or not self._incarnation.settled():
-            return
-        self._orphans_dropped = True
-        for tracked in self._table.orphaned():
-            log.warning("request %s: reserved on %s but no prefill worker holds its prompt; dropped",
-                        tracked.attempt, tracked.decode_id)
-            self._reclaim(tracked.attempt, failed=True)
+        """A client's audit of the requests an earlier incarnation admitted (rebuild.py)."""
+        return self._rebuild.forgotten(admitted)
 
     def _reclaim(self, attempt: AttemptId, failed: bool, skip: str | None = None, cancelled: bool = False) -> bool:
         """Every terminal path ends here; a second call for the same attempt, or a report about an older
@@ -446,10 +393,3 @@ class Scheduler:
         self._table.check_integrity(self._registry.ids())
         return await self.state()
 
-
-def _answer(task: asyncio.Task) -> Admitted | Rejected:
-    try:
-        return task.result()
-    except Exception as exc:  # a bug in one admission must not cost the batch's other answers
-        log.exception("admitting a request failed")
-        return Rejected(f"internal error while admitting the request: {type(exc).__name__}: {exc}", None)
