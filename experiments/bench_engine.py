@@ -30,6 +30,7 @@ BENCH_LLAMA = dict(  # ~56M parameters
     intermediate_size=1408, vocab_size=32000, max_position_embeddings=2048,
 )
 VLLM_SCRIPT = Path(__file__).resolve().parent / "vllm_engine.py"
+_AGREEMENT_TOKENS = 16  # greedy tokens per prompt compared between float32 and bfloat16
 
 
 @dataclass
@@ -173,13 +174,12 @@ def decode_step_seconds(model_dir: Path, batch: int, steps: int, kv_cache_bytes:
 
 
 def prefill_vs_floor(model_dir: Path, w: Workload, flops_per_s: float, kv_cache_bytes: int) -> dict:
-    engine = Engine(EngineConfig(model=str(model_dir), max_num_seqs=64, max_num_batched_tokens=8192,
-                                 enable_prefix_caching=False, kv_cache_memory_bytes=kv_cache_bytes))
-    cfg = engine.model_config
-    engine.generate([w.prompts[0][:64]], SamplingParams(temperature=0.0, max_tokens=1))  # warm-up
-    start = time.perf_counter()
-    engine.generate(w.prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    elapsed = time.perf_counter() - start
+    """The workload's prompts prefilled in one step against the float32 FLOP floor; then the same in
+    bfloat16 (its time, and how often its greedy continuations equal float32's)."""
+    fp32 = _prefill(model_dir, w, kv_cache_bytes, "float32")
+    bf16 = _prefill(model_dir, w, kv_cache_bytes, "bfloat16")
+    cfg = fp32.pop("cfg")
+    bf16.pop("cfg")
     per_layer = 2 * cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim  # qkv
     per_layer += 2 * cfg.num_heads * cfg.head_dim * cfg.hidden_size  # o
     per_layer += 2 * 3 * cfg.hidden_size * cfg.intermediate_size  # gate, up, down
@@ -189,7 +189,24 @@ def prefill_vs_floor(model_dir: Path, w: Workload, flops_per_s: float, kv_cache_
     attention = sum(2 * 2 * len(p) * len(p) / 2 * cfg.num_heads * cfg.head_dim for p in w.prompts) * cfg.num_layers
     lm_head = len(w.prompts) * 2 * cfg.hidden_size * cfg.vocab_size  # only the last token's logits
     floor = (linear + attention + lm_head) / flops_per_s
-    return {"prompt_tokens": tokens, "elapsed_s": elapsed, "floor_s": floor, "ratio_to_floor": elapsed / floor}
+    same = [a == b for a, b in zip(fp32["token_ids"], bf16["token_ids"])]
+    first = [a[0] == b[0] for a, b in zip(fp32["token_ids"], bf16["token_ids"])]
+    return {"prompt_tokens": tokens, "elapsed_s": fp32["elapsed_s"], "floor_s": floor,
+            "ratio_to_floor": fp32["elapsed_s"] / floor, "bf16_elapsed_s": bf16["elapsed_s"],
+            "bf16_speedup": fp32["elapsed_s"] / bf16["elapsed_s"],
+            "bf16_greedy_agreement": sum(same) / len(same), "bf16_first_token_agreement": sum(first) / len(first),
+            "greedy_tokens": len(fp32["token_ids"][0])}
+
+
+def _prefill(model_dir: Path, w: Workload, kv_cache_bytes: int, dtype: str) -> dict:
+    engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, max_num_seqs=64, max_num_batched_tokens=8192,
+                                 enable_prefix_caching=False, kv_cache_memory_bytes=kv_cache_bytes))
+    engine.generate([w.prompts[0][:64]], SamplingParams(temperature=0.0, max_tokens=1))  # warm-up
+    start = time.perf_counter()
+    engine.generate(w.prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    elapsed = time.perf_counter() - start
+    greedy = engine.generate(w.prompts, SamplingParams(temperature=0.0, max_tokens=_AGREEMENT_TOKENS, ignore_eos=True))
+    return {"elapsed_s": elapsed, "token_ids": [r.outputs[0].token_ids for r in greedy], "cfg": engine.model_config}
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -236,7 +253,9 @@ def bench(args: argparse.Namespace) -> dict:
         entry["prefill"] = prefill_vs_floor(model_dir, workloads[0], flops, kv_bytes(args.scale))
         p = entry["prefill"]
         print(f"  {name} prefill {p['prompt_tokens']} tokens: {p['elapsed_s']:.2f} s, FLOP floor {p['floor_s']:.2f} s "
-              f"({p['ratio_to_floor']:.2f}x the floor)")
+              f"({p['ratio_to_floor']:.2f}x the floor); bfloat16 {p['bf16_elapsed_s']:.2f} s "
+              f"({p['bf16_speedup']:.2f}x faster), greedy {p['greedy_tokens']} tokens equal to float32's for "
+              f"{p['bf16_greedy_agreement']:.0%} of prompts (first token {p['bf16_first_token_agreement']:.0%})")
         report["models"][name] = entry
     for entry in report["models"].values():
         for row in entry["workloads"].values():
@@ -289,4 +308,8 @@ def summarize(report: dict) -> str:
                                   for k, v in row.items() if k.startswith("ratio_tp")])
             parts.append(f"{model}/{workload} {row['tandem']['output_tokens_per_s']:.0f} tok/s"
                          + (f" ({ratios})" if ratios else ""))
+        if "prefill" in entry:
+            pre = entry["prefill"]
+            parts.append(f"{model} prefill {pre['ratio_to_floor']:.2f}x the FLOP floor, bfloat16 "
+                         f"{pre['bf16_speedup']:.2f}x faster")
     return "; ".join(parts) or "no workload ran"

@@ -22,12 +22,15 @@ import torch.nn.functional as F
 
 @dataclass
 class PrefillSlice:
-    """One sequence that runs more than one query token this step (a prefill chunk)."""
+    """One sequence that runs more than one query token this step (a prefill chunk), or `count` fresh
+    prompts of the same length side by side in the flat batch: those attend in one batched call (one
+    kernel call over all their heads instead of a Python loop of small ones)."""
 
     token_start: int  # offset of its first query token in the flat batch
-    query_len: int
+    query_len: int  # per sequence
     context_len: int  # tokens in the cache after this step (computed before + query_len)
     context_blocks: torch.Tensor | None  # block table covering the context; None when the chunk is the whole context
+    count: int = 1  # sequences (more than one only for whole fresh prompts)
 
 
 @dataclass
@@ -75,8 +78,13 @@ def build_attention_batch(
         else:
             # A fresh prefill attends only to its own new K/V (a window only masks some): no gather needed.
             whole = done == 0
-            blocks = None if whole else torch.tensor(table[:num_blocks], dtype=torch.long, device=device)
-            prefills.append(PrefillSlice(start, q_len, ctx_len, blocks))
+            last = prefills[-1] if prefills else None
+            if (whole and last is not None and last.context_blocks is None and last.query_len == q_len
+                    and last.token_start + last.count * q_len == start):
+                last.count += 1
+            else:
+                blocks = None if whole else torch.tensor(table[:num_blocks], dtype=torch.long, device=device)
+                prefills.append(PrefillSlice(start, q_len, ctx_len, blocks))
         start += q_len
 
     decode_token_idx = decode_blocks = decode_masks = None
@@ -126,18 +134,18 @@ def paged_attention(
 
     out = torch.empty_like(q)
     for p in batch.prefills:
-        rows = slice(p.token_start, p.token_start + p.query_len)
-        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        rows = slice(p.token_start, p.token_start + p.count * p.query_len)
+        qs = q[rows].unflatten(0, (p.count, p.query_len)).transpose(1, 2)  # [n, H, q, D]
         if p.context_blocks is None:
             ks, vs = k[rows], v[rows]
         else:
             ks = k_cache.index_select(0, p.context_blocks).view(-1, num_kv_heads, head_dim)[: p.context_len]
             vs = v_cache.index_select(0, p.context_blocks).view(-1, num_kv_heads, head_dim)[: p.context_len]
-        ks = ks.transpose(0, 1).unsqueeze(0)
-        vs = vs.transpose(0, 1).unsqueeze(0)
+        ks = ks.unflatten(0, (p.count, -1)).transpose(1, 2)
+        vs = vs.unflatten(0, (p.count, -1)).transpose(1, 2)
         mask = _prefill_mask(p.query_len, p.context_len, sliding_window, q.device)
         o = _attend(qs, ks, vs, mask, scale, softcap)
-        out[rows] = o.squeeze(0).transpose(0, 1)
+        out[rows] = o.transpose(1, 2).flatten(0, 1)
 
     if batch.decode_token_idx is not None:
         qd = q[batch.decode_token_idx].unsqueeze(2)  # [B, H, 1, D]

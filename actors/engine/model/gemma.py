@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.engine.model.llama import MLP, Attention, LlamaConfig, LlamaModel
+from actors.engine.model.llama import MLP, Attention, LlamaConfig, LlamaModel, normalized
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return normalized(x, self.eps).mul_(1.0 + self.weight.float()).type_as(x)
 
 
 class GemmaAttention(Attention):
@@ -104,8 +102,8 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = GemmaMLP(cfg)
 
     def forward(self, x, positions, rope, kv_cache, batch):
-        x = x + self.post_attn_norm(self.attn(self.input_norm(x), positions, rope, kv_cache, batch))
-        return x + self.post_ffn_norm(self.mlp(self.pre_ffn_norm(x)))
+        x = x.add_(self.post_attn_norm(self.attn(self.input_norm(x), positions, rope, kv_cache, batch)))
+        return x.add_(self.post_ffn_norm(self.mlp(self.pre_ffn_norm(x))))
 
 
 class Gemma2Model(LlamaModel):

@@ -17,7 +17,7 @@ from torch import nn
 from actors.engine.model.attention import AttentionBatch, paged_attention
 from actors.engine.model.moe import SparseMoE
 from actors.engine.model.parallel import SINGLE, TPComm, TPShard
-from actors.engine.model.rope import RopeSpec, RotaryEmbedding, read_rope_parameters
+from actors.engine.model.rope import RopeSpec, RotaryEmbedding, interleave_rotary, read_rope_parameters
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,15 @@ def _experts(hf: dict, model_type: str, num_layers: int) -> dict:
             "normalize_expert_weights": bool(hf.get("norm_topk_prob", False)), "dense_layers": tuple(sorted(dense))}
 
 
+def normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / RMS(x) in float32. The sum of squares comes from one reduction (vector_norm) rather than
+    squaring every element into a temporary first: at prefill sizes that temporary cost more than the
+    norm's arithmetic."""
+    h = x.float()
+    mean_square = torch.linalg.vector_norm(h, dim=-1, keepdim=True).square_().div_(h.shape[-1])
+    return h * mean_square.add_(eps).rsqrt_()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -123,10 +132,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return normalized(x, self.eps).to(x.dtype).mul_(self.weight)
 
 
 class Attention(nn.Module):
@@ -148,6 +154,19 @@ class Attention(nn.Module):
             self.k_norm = self.qk_norm_cls(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
+    def interleave_rotary_dims(self, rotary_dim: int) -> None:
+        """Once, after loading: q and k in RotaryEmbedding's pair layout (rope.py)."""
+        def turned(rows: torch.Tensor, heads: int) -> torch.Tensor:
+            return interleave_rotary(rows, heads, self.head_dim, rotary_dim)
+
+        for param in (p for p in (self.qkv.weight, self.qkv.bias) if p is not None):
+            q, k = param.data[: self.q_size], param.data[self.q_size : self.q_size + self.kv_size]
+            q.copy_(turned(q, self.num_heads))
+            k.copy_(turned(k, self.num_kv_heads))
+        if self.qk_norm:
+            for norm in (self.q_norm, self.k_norm):
+                norm.weight.data.copy_(turned(norm.weight.data, 1))
+
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, batch: AttentionBatch):
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -161,6 +180,9 @@ class Attention(nn.Module):
         return self.tp.all_reduce(self.o(out.reshape(-1, self.q_size)))
 
 
+_MLP_ROWS_PER_PASS = 1024
+
+
 class MLP(nn.Module):
     tp: TPComm = SINGLE
 
@@ -170,8 +192,20 @@ class MLP(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
+        if x.shape[0] <= _MLP_ROWS_PER_PASS:
+            return self._forward(x)
+        # A prefill's gate/up activations (tokens x 2 x intermediate) outgrow the caches: row blocks keep
+        # them cache-sized (the GEMMs ran ~20% faster on 1024-row blocks than on 8192 rows here). Each
+        # row's result is the same bits whatever block it is in (cpu_linear.py's packed GEMM).
+        out = x.new_empty(x.shape[0], self.down.weight.shape[0])
+        for start in range(0, x.shape[0], _MLP_ROWS_PER_PASS):
+            rows = slice(start, start + _MLP_ROWS_PER_PASS)
+            out[rows] = self._forward(x[rows])
+        return out
+
+    def _forward(self, x):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down(self.act(gate) * up))
+        return self.tp.all_reduce(self.down(self.act(gate).mul_(up)))
 
     def act(self, gate: torch.Tensor) -> torch.Tensor:
         return F.silu(gate)
@@ -186,8 +220,9 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
 
     def forward(self, x, positions, rope, kv_cache, batch):
-        x = x + self.attn(self.input_norm(x), positions, rope, kv_cache, batch)
-        return x + self.mlp(self.post_attn_norm(x))
+        # In place: x is this layer's own (the embedding's or the previous layer's output).
+        x = x.add_(self.attn(self.input_norm(x), positions, rope, kv_cache, batch))
+        return x.add_(self.mlp(self.post_attn_norm(x)))
 
 
 class LlamaModel(nn.Module):
@@ -225,6 +260,11 @@ class LlamaModel(nn.Module):
         self.local_rope = None
         if self.cfg.local_rope_theta is not None:
             self.local_rope = RotaryEmbedding(self.cfg.rope_spec(local=True), context_len).to(device)
+
+    def interleave_rotary_dims(self) -> None:
+        """Once, after the weights are loaded: every layer's q and k in the rope's pair layout (rope.py)."""
+        for layer in self.layers:
+            layer.attn.interleave_rotary_dims(self.cfg.rope_spec().rotary_dim)
 
     def attach(self, comm: TPComm) -> None:
         """Run as a rank of `comm`'s group: every module that all-reduces uses it."""

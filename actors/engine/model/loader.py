@@ -96,6 +96,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str | torc
             tensor = source.read(*where) if where else source.read(0, None)
             state[name] = tensor.to(device=device, dtype=target)
     model.load_state_dict(state, strict=False, assign=True)
+    model.interleave_rotary_dims()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.build_ropes(context_len or cfg.max_position_embeddings, device)  # they were on meta; stay float32

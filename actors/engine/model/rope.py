@@ -92,31 +92,43 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions 0 .. context_len-1, computed once in float32 (rotate-half layout, as
-    HF); only the first `rotary_dim` dims of each head turn."""
+    """Rotations for positions 0 .. context_len-1, computed once in float32; only the first `rotary_dim`
+    dims of each head turn.
+
+    Layout: Hugging Face's rotate-half layout pairs dim j with dim j + rotary_dim/2. Here each pair sits
+    side by side (the loader permutes the q/k projection rows and q/k norm weights once, with
+    `interleave_rotary`), so a rotation is one complex multiply instead of five passes over q and k (a
+    negation, a concatenation, two products and a sum). Attention scores are unchanged (q . k sums over
+    the dims, in any order); the KV cache holds keys in this layout on every worker alike."""
 
     def __init__(self, spec: RopeSpec, context_len: int):
         super().__init__()
         inv_freq, scale = inverse_frequencies(spec, context_len)
-        freqs = torch.outer(torch.arange(context_len, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        angles = torch.outer(torch.arange(context_len, dtype=torch.float32), inv_freq)
         self.rotary_dim = spec.rotary_dim
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        self.register_buffer("turns", torch.polar(torch.full_like(angles, scale), angles), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rotary_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        return self._turn(q, cos, sin), self._turn(k, cos, sin)
+        turns = self.turns[positions].unsqueeze(1)  # [T, 1, rotary_dim / 2], complex
+        return self._turn(q, turns), self._turn(k, turns)
 
-    def _turn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _turn(self, x: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
         if self.rotary_dim == x.shape[-1]:
-            return _rotate(x, cos, sin)
-        turned, kept = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        return torch.cat((_rotate(turned, cos, sin), kept), dim=-1)
+            return _rotate(x, turns)
+        out = x.clone()
+        out[..., : self.rotary_dim] = _rotate(x[..., : self.rotary_dim], turns)
+        return out
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+def _rotate(x: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * turns).flatten(-2).to(x.dtype)
+
+
+def interleave_rotary(rows: torch.Tensor, num_heads: int, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """`rows` (first dim num_heads x head_dim: a q or k projection's weight or bias, or a per-head norm's
+    weight with num_heads 1) reordered from the rotate-half layout to RotaryEmbedding's pairs."""
+    half = rotary_dim // 2
+    order = [d for j in range(half) for d in (j, j + half)] + list(range(rotary_dim, head_dim))
+    heads = rows.reshape(num_heads, head_dim, *rows.shape[1:])
+    return heads[:, order].reshape(rows.shape)

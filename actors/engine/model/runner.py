@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from actors.engine.model.attention import build_attention_batch
+from actors.engine.model.cpu_allocator import keep_freed_memory
 from actors.engine.model.cpu_linear import mkl_packing_available, pack_linears
 from actors.engine.model.llama import LlamaModel
 from actors.engine.model.loader import DTYPES, load_model
@@ -33,6 +34,8 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         if mkl_packing_available(self.device, self.dtype):
             pack_linears(self.model)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         if num_kv_blocks is None:
             num_kv_blocks = max(1, kv_cache_memory_bytes // self.bytes_per_block)
         self.num_kv_blocks = num_kv_blocks
