@@ -23,6 +23,8 @@ class EngineConfig:
     model_id: str | None = None  # part of the first block's hash; None: the model directory's name
     detokenize: bool = True  # False: token ids only; text and stop strings are the caller's (the ingress)
     tenant_slowdown: float | None = 2.0  # several tenants share a step: its cost cap x a one-token step's
+    attention_backend: str = "auto"  # "sdpa", "flashinfer", "triton" or "auto" (backend_choice.py)
+    cuda_graphs: bool = True  # decode steps from CUDA graphs where they can run (decode_graphs.py)
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes")
@@ -32,6 +34,9 @@ class EngineConfig:
                 raise ValueError(f"engine config {name}={value!r}: must be a positive integer")
         if self.tenant_slowdown is not None and not self.tenant_slowdown > 1.0:
             raise ValueError(f"engine config tenant_slowdown={self.tenant_slowdown!r}: must be above 1 or null")
+        if self.attention_backend not in ("auto", "sdpa", "flashinfer", "triton"):
+            raise ValueError(f"engine config attention_backend={self.attention_backend!r}: must be auto, sdpa, "
+                             "flashinfer or triton")
         for name in ("num_kv_blocks", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -39,6 +39,14 @@ class EngineSection(_Strict):
         2.0, gt=1, description="while several tenants' sequences share a worker, each step is cut to the tokens "
         "that keep it within this factor of a one-token step's measured time (one tenant's flood then slows "
         "another's tokens at most that much); null: steps take the whole token budget")
+    attention_backend: Literal["auto", "sdpa", "flashinfer", "triton"] = Field(
+        "auto", description="attention kernels: flashinfer (FlashInfer's paged kernels on CUDA; pip install "
+        "flashinfer-python flashinfer-cubin), triton (tandem's paged decode kernel on CUDA, SDPA for prefill), sdpa "
+        "(torch's scaled_dot_product_attention over gathered blocks; every device), auto (on CUDA flashinfer if "
+        "installed, else triton; sdpa elsewhere)")
+    cuda_graphs: bool = Field(
+        True, description="replay decode steps from CUDA graphs captured per batch-size bucket (CUDA, flashinfer "
+        "or triton attention, no tensor parallelism; skipped with a log line elsewhere)")
 
 
 class PoolSection(_Strict):
@@ -260,4 +268,6 @@ class TandemConfig(_Strict):
             enable_chunked_prefill=e.enable_chunked_prefill,
             seed=e.seed,
             tenant_slowdown=e.tenant_slowdown,
+            attention_backend=e.attention_backend,
+            cuda_graphs=e.cuda_graphs,
         )

@@ -1,4 +1,6 @@
-"""Paged attention over a flattened mixed batch of prefill chunks and decode tokens.
+"""Paged attention over a flattened mixed batch of prefill chunks and decode tokens: the `sdpa` backend
+(attention_backend.py), torch's scaled_dot_product_attention over gathered blocks. It runs on every
+device and every layer kind, and is the reference the other backends are checked against.
 
 The KV cache of one layer is two tensors `[num_blocks, block_size, kv_heads, head_dim]`. New K/V are
 written through a slot mapping (slot = block_id * block_size + offset); attention reads a sequence's
@@ -19,6 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from actors.engine.model.attention_backend import (
+    AttentionBackend, LayerAttention, StepAttention, positions_and_slots, write_new_kv,
+)
+
 
 @dataclass
 class PrefillSlice:
@@ -34,7 +40,7 @@ class PrefillSlice:
 
 
 @dataclass
-class AttentionBatch:
+class AttentionBatch(StepAttention):
     positions: torch.Tensor  # [T] position of every flat token
     slot_mapping: torch.Tensor  # [T] cache slot every new K/V is written to
     prefills: list[PrefillSlice]
@@ -44,6 +50,20 @@ class AttentionBatch:
     # Per window of the model's layers (None: full attention): [B, 1, 1, max_blocks * block_size], True
     # where a key may be attended.
     decode_masks: dict[int | None, torch.Tensor] | None
+
+    def attend(self, q, k, v, k_cache, v_cache, layer: LayerAttention) -> torch.Tensor:
+        return paged_attention(q, k, v, k_cache, v_cache, self, layer.scale, layer.window, layer.softcap)
+
+
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+
+    def __init__(self, block_size: int, windows: tuple[int | None, ...], device: torch.device):
+        self.block_size, self.windows, self.device = block_size, windows, device
+
+    def prepare(self, query_lens, computed_lens, block_tables) -> AttentionBatch:
+        return build_attention_batch(query_lens, computed_lens, block_tables, self.block_size, self.windows,
+                                     self.device)
 
 
 def build_attention_batch(
@@ -56,21 +76,14 @@ def build_attention_batch(
 ) -> AttentionBatch:
     """Index tensors for one step. `computed_lens[i]` tokens of sequence i are already in its cache;
     `windows`: the distinct attention windows of the model's layers (None: full attention)."""
-    positions: list[torch.Tensor] = []
-    slots: list[torch.Tensor] = []
     prefills: list[PrefillSlice] = []
     decode_idx: list[int] = []
     decode_lens: list[int] = []
     decode_tables: list[list[int]] = []
-    offsets = torch.arange(block_size)
     start = 0
     for q_len, done, table in zip(query_lens, computed_lens, block_tables):
         ctx_len = done + q_len
         num_blocks = -(-ctx_len // block_size)
-        positions.append(torch.arange(done, ctx_len))
-        first, last = done // block_size, num_blocks
-        new_blocks = torch.tensor(table[first:last], dtype=torch.long)
-        slots.append((new_blocks[:, None] * block_size + offsets).flatten()[done - first * block_size : ctx_len - first * block_size])
         if q_len == 1 and done > 0:
             decode_idx.append(start)
             decode_lens.append(ctx_len)
@@ -103,9 +116,10 @@ def build_attention_batch(
         decode_token_idx = torch.tensor(decode_idx, device=device)
         decode_blocks = decode_blocks.to(device)
 
+    positions, slots = positions_and_slots(query_lens, computed_lens, block_tables, block_size)
     return AttentionBatch(
-        positions=torch.cat(positions).to(device),
-        slot_mapping=torch.cat(slots).to(device),
+        positions=positions.to(device),
+        slot_mapping=slots.to(device),
         prefills=prefills,
         decode_token_idx=decode_token_idx,
         decode_blocks=decode_blocks,
@@ -127,10 +141,7 @@ def paged_attention(
     """Write the new K/V into the cache, then attend each query token to its sequence's context.
     `softcap`: scores become tanh(s / softcap) * softcap before the mask (Gemma 2)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    k_flat.index_copy_(0, batch.slot_mapping, k)
-    v_flat.index_copy_(0, batch.slot_mapping, v)
+    write_new_kv(k, v, k_cache, v_cache, batch.slot_mapping)
 
     out = torch.empty_like(q)
     for p in batch.prefills:

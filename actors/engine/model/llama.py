@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.engine.model.attention import AttentionBatch, paged_attention
+from actors.engine.model.attention_backend import LayerAttention, StepAttention
 from actors.engine.model.moe import SparseMoE
 from actors.engine.model.parallel import SINGLE, TPComm, TPShard
 from actors.engine.model.rope import RopeSpec, RotaryEmbedding, interleave_rotary, read_rope_parameters
@@ -167,7 +167,12 @@ class Attention(nn.Module):
             for norm in (self.q_norm, self.k_norm):
                 norm.weight.data.copy_(turned(norm.weight.data, 1))
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, batch: AttentionBatch):
+    @property
+    def layer_attention(self) -> LayerAttention:
+        return LayerAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.sliding_window,
+                              self.softcap)
+
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, batch: StepAttention):
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -175,8 +180,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, self.sliding_window,
-                              softcap=self.softcap)
+        out = batch.attend(q, k, v, kv_cache[0], kv_cache[1], self.layer_attention)
         return self.tp.all_reduce(self.o(out.reshape(-1, self.q_size)))
 
 
@@ -275,6 +279,10 @@ class LlamaModel(nn.Module):
             if isinstance(module, (Attention, MLP, SparseMoE)):
                 module.tp = comm
 
+    def layer_attentions(self) -> tuple[LayerAttention, ...]:
+        """The distinct attention layers (heads, scale, window, cap): a backend plans each once per step."""
+        return tuple(dict.fromkeys(layer.attn.layer_attention for layer in self.layers))
+
     @property
     def windows(self) -> tuple[int | None, ...]:
         """The distinct attention windows of the layers (None: full attention): a step builds a mask for each."""
@@ -283,7 +291,7 @@ class LlamaModel(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        batch: AttentionBatch,
+        batch: StepAttention,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         sample_idx: torch.Tensor,
     ) -> torch.Tensor:

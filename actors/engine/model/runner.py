@@ -3,27 +3,37 @@
 In a tensor-parallel worker every rank has a runner over its shard of the weights and of the KV cache
 (its KV heads, the same block ids everywhere): rank 0's runner leads each step (it sends the plan
 before running it), the others `follow` until rank 0 says stop.
+
+Attention runs on the backend `backend_choice.py` picks. On CUDA with a graphable backend (flashinfer,
+triton) serving every layer and no tensor parallelism, decode steps replay CUDA graphs (decode_graphs.py); their padding rows write
+into one extra KV block past the `num_kv_blocks` the engine's block pool hands out (`kv_caches` are
+views of the first `num_kv_blocks`, so nothing else sees that block).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
 import torch
 
-from actors.engine.model.attention import build_attention_batch
+from actors.engine.model.backend_choice import choose_attention_backend
 from actors.engine.model.cpu_allocator import keep_freed_memory
 from actors.engine.model.cpu_linear import mkl_packing_available, pack_linears
+from actors.engine.model.decode_graphs import DecodeGraphs, graph_buckets
 from actors.engine.model.llama import LlamaModel
 from actors.engine.model.loader import DTYPES, load_model
 from actors.engine.model.parallel import SINGLE, StepPlan, TPComm
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
     def __init__(self, model_dir: str, dtype: str, device: str, block_size: int,
                  num_kv_blocks: int | None, kv_cache_memory_bytes: int, max_model_len: int | None = None,
-                 comm: TPComm = SINGLE):
+                 comm: TPComm = SINGLE, attention_backend: str = "auto", cuda_graphs: bool = True,
+                 max_num_seqs: int = 64):
         self.device = torch.device(device)
         self.comm = comm
         self._led_at = time.monotonic()  # when rank 0 last sent its followers a plan
@@ -39,18 +49,47 @@ class ModelRunner:
         if num_kv_blocks is None:
             num_kv_blocks = max(1, kv_cache_memory_bytes // self.bytes_per_block)
         self.num_kv_blocks = num_kv_blocks
-        shape = (num_kv_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        self.kv_caches = [
+        self.attention = choose_attention_backend(attention_backend, self.model.layer_attentions(), self.model.windows,
+                                                  block_size, self.dtype, self.device)
+        graphs = self._graphs_wanted(cuda_graphs)
+        shape = (num_kv_blocks + graphs, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        # The model's caches (with the graphs' padding block, if any) and everyone else's view of them.
+        self._caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.cfg.num_layers)
         ]
+        self.kv_caches = [(k[:num_kv_blocks], v[:num_kv_blocks]) for k, v in self._caches]
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            context = max_model_len or self.cfg.max_position_embeddings
+            self.graphs = DecodeGraphs(self.model, self._caches, self.attention, graph_buckets(max_num_seqs),
+                                       -(-context // block_size), num_kv_blocks, self.device)
+            self.graphs.capture()
 
     @classmethod
     def from_config(cls, config, comm: TPComm = SINGLE) -> ModelRunner:
         """The runner an engine of `config` (an EngineConfig) uses; every rank of a tensor-parallel worker
         builds its own from the same config, so their caches have the same blocks."""
         return cls(config.model, config.dtype, config.device, config.block_size, config.num_kv_blocks,
-                   config.kv_cache_memory_bytes, config.max_model_len, comm)
+                   config.kv_cache_memory_bytes, config.max_model_len, comm, config.attention_backend,
+                   config.cuda_graphs, config.max_num_seqs)
+
+    def _graphs_wanted(self, enabled: bool) -> bool:
+        """Whether decode steps run from CUDA graphs; says why not when they were asked for."""
+        if not enabled:
+            return False
+        if self.device.type != "cuda":
+            log.info("CUDA graphs skipped: this engine runs on %s (decode steps run eagerly)", self.device.type)
+            return False
+        if self.comm.shard.size > 1:
+            log.info("CUDA graphs skipped: the decode step all-reduces across %d tensor-parallel ranks", self.comm.shard.size)
+            return False
+        refused = [why for layer in self.model.layer_attentions() if (why := self.attention.refuses(layer))]
+        if not self.attention.graphable or refused:
+            log.info("CUDA graphs skipped: they need the flashinfer or triton attention backend on every layer (%s)",
+                     refused[0] if refused else f"attention runs on {self.attention.name}")
+            return False
+        return True
 
     @property
     def bytes_per_block(self) -> int:
@@ -78,16 +117,18 @@ class ModelRunner:
         return self._forward(token_ids, query_lens, computed_lens, block_tables, sample_rows, score_rows)
 
     def _forward(self, token_ids, query_lens, computed_lens, block_tables, sample_rows, score_rows=()) -> torch.Tensor:
-        batch = build_attention_batch(
-            query_lens, computed_lens, block_tables, self.block_size, self.model.windows, self.device
-        )
+        if self.graphs is not None and not score_rows and all(q == 1 and done > 0 for q, done in zip(query_lens, computed_lens)):
+            logits = self.graphs.run(token_ids, computed_lens, block_tables)
+            if logits is not None:
+                return logits[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+        batch = self.attention.prepare(query_lens, computed_lens, block_tables)
         ends = torch.tensor(query_lens).cumsum(0) - 1
         sample_idx = ends[torch.tensor(sample_rows, dtype=torch.long)]
         if score_rows:
             sample_idx = torch.cat([sample_idx, torch.tensor(list(score_rows), dtype=torch.long)])
         sample_idx = sample_idx.to(self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return self.model(input_ids, batch, self.kv_caches, sample_idx)
+        return self.model(input_ids, batch, self._caches, sample_idx)
 
     @torch.inference_mode()
     def follow(self, on_task: Callable[[bytes], None] | None = None) -> None:
@@ -125,6 +166,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _copy_block(self, src: int, dst: int) -> None:
-        for k, v in self.kv_caches:
+        for k, v in self._caches:
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])

@@ -1,0 +1,91 @@
+"""The contract between the runner, the model's attention layers and the kernels that attend.
+
+Who calls what, once per engine step:
+- the runner calls `backend.prepare(query_lens, computed_lens, block_tables)` and passes the
+  `StepAttention` it returns to the model's forward;
+- the model reads `step.positions` (rotary embedding) and every attention layer calls
+  `step.attend(q, k, v, k_cache, v_cache, layer)` exactly once.
+
+`attend` promises: the layer's new K/V rows are in the cache at `step.slot_mapping` before any query
+reads them (a query attends to its own token), and the output is `[T, num_heads, head_dim]` in the flat
+token order of the step. A backend may not serve every layer (`refuses`): a step then attends those
+layers with the reference implementation (attention.py, SDPA) and says so once, at selection.
+
+Backends: `sdpa` (attention.py: torch's scaled_dot_product_attention over gathered blocks; the CPU
+path and the reference), `flashinfer` (flashinfer_backend.py: FlashInfer's paged kernels on CUDA
+reading the block tables directly) and `triton` (triton_backend.py: tandem's own paged decode kernel,
+SDPA for prefill). `backend_choice.py` picks one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What a kernel must know about one attention layer; layers equal in it share a step's plan."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    window: int | None  # keys within this many positions of the query (itself included); None: all
+    softcap: float | None  # scores become tanh(s / softcap) * softcap (Gemma 2)
+
+
+class StepAttention(ABC):
+    """One step's attention state, shared by every layer of the forward pass."""
+
+    positions: torch.Tensor  # [T] position of every flat token
+    slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) each new K/V goes to
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, layer: LayerAttention) -> torch.Tensor:
+        """q [T, H, D], k and v [T, KVH, D]; caches [num_blocks, block_size, KVH, D]. See the module."""
+
+
+class AttentionBackend(ABC):
+    name: str
+    graphable = False  # its decode steps can be captured in CUDA graphs (`graph_step`)
+
+    @abstractmethod
+    def prepare(self, query_lens: list[int], computed_lens: list[int],
+                block_tables: list[list[int]]) -> StepAttention:
+        """The step's attention state: sequence i runs query_lens[i] new tokens after computed_lens[i]
+        cached ones, its context in the blocks block_tables[i]."""
+
+    def refuses(self, layer: LayerAttention) -> str | None:
+        """Why this backend cannot attend `layer` (it then falls back to SDPA), or None."""
+        return None
+
+    def graph_step(self, batch_size: int, max_pages_per_seq: int) -> StepAttention:
+        """(graphable backends) A decode step of `batch_size` sequences whose tensors keep their size and
+        address for a CUDA graph; its `plan(query_lens, computed_lens, block_tables)` refills them."""
+        raise NotImplementedError(f"the {self.name} backend cannot be captured in CUDA graphs")
+
+
+def positions_and_slots(query_lens: list[int], computed_lens: list[int], block_tables: list[list[int]],
+                        block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the CPU: the position and the cache slot of every new token of the step, in flat order."""
+    offsets = torch.arange(block_size)
+    positions, slots = [], []
+    for q_len, done, table in zip(query_lens, computed_lens, block_tables):
+        end = done + q_len
+        first, last = done // block_size, -(-end // block_size)
+        blocks = torch.tensor(table[first:last], dtype=torch.long)
+        positions.append(torch.arange(done, end))
+        slots.append((blocks[:, None] * block_size + offsets).flatten()[done - first * block_size: end - first * block_size])
+    return torch.cat(positions), torch.cat(slots)
+
+
+def write_new_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Put the step's new K/V rows into their cache slots."""
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
