@@ -11,6 +11,10 @@
 (c) KV pages GPU -> pinned host -> zmq -> pinned host -> GPU between a HandoffSender and a
     HandoffReceiver in this process, and the collective transport's choice of NCCL for CUDA caches.
     NCCL page traffic itself needs two ranks on two GPUs and is not checked here.
+(d) every attention path the machine has: SDPA eager (the reference), tandem's Triton decode kernel
+    with decode CUDA graphs, FlashInfer with graphs (when flashinfer is installed). (a)'s greedy check
+    and (b)'s timings run for each; (e) times an 8k-token prefill against the FLOP floor set by a
+    large bf16 matmul measured in the same run.
 
 Run: tests/gpu/run_gpu_checks.sh, or `pytest tests/gpu -s`. TANDEM_GPU_CHECKS_DEVICE=cpu runs the
 same code on the CPU with a small benchmark model (a dry run of this file, not a GPU check).
@@ -29,6 +33,7 @@ import torch
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.engine.model.attention import build_attention_batch
+from actors.engine.model.backend_choice import installed
 from actors.engine.model.loader import load_model
 from actors.protocol.messages import KvRankEndpoint
 from actors.protocol.sampling_params import SamplingParams
@@ -47,6 +52,13 @@ BLOCK = 16
 PARITY_MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                     intermediate_size=688, vocab_size=2048, max_position_embeddings=2048)
 STRAY_FACTOR = 3.0  # ours vs fp32 may stray at most this many times HF-bf16 vs fp32 (plus a hair)
+
+# (attention backend, CUDA graphs): the reference first. On a CPU dry run only the reference runs.
+# A CPU dry run with TRITON_INTERPRET=1 adds the Triton path without graphs (slow: Triton's interpreter).
+TRITON_HERE = installed("triton") and (ON_GPU or os.environ.get("TRITON_INTERPRET") == "1")
+PATHS = [("sdpa", False)] + ([("triton", ON_GPU)] if TRITON_HERE else []) \
+    + ([("flashinfer", True)] if ON_GPU and installed("flashinfer") else [])
+PATH_IDS = [f"{backend}{'+graphs' if graphs else ''}" for backend, graphs in PATHS]
 
 REPORT: dict = {"device": torch.cuda.get_device_name(DEVICE) if ON_GPU and torch.cuda.is_available() else "cpu",
                 "torch": torch.__version__}
@@ -115,10 +127,15 @@ def test_bf16_prefill_logits_and_paged_kv_match_transformers(parity_dir):
     scale = ref32.logits.abs().max().item()
     err_ours, err_hf = _max_err(got, ref32.logits[0]), _max_err(ref16.logits[0], ref32.logits[0])
     kv_ours = kv_hf = 0.0
+    # Our cache holds keys in the rope's pair layout (rope.py): HF's key dims in that order.
+    half, rotary = cfg.rope_spec().rotary_dim // 2, cfg.rope_spec().rotary_dim
+    pair_order = [d for j in range(half) for d in (j, j + half)] + list(range(rotary, cfg.head_dim))
     for layer in range(cfg.num_layers):
         for i in range(2):
             mine = kv[layer][i].index_select(0, torch.tensor(table, device=DEVICE)).flatten(0, 1)[: len(ids)]
             ref, hf16 = _hf_kv(cache32, layer)[i][0], _hf_kv(cache16, layer)[i][0]
+            if i == 0:
+                ref, hf16 = ref[..., pair_order], hf16[..., pair_order]
             kv_ours = max(kv_ours, _max_err(mine.transpose(0, 1), ref))  # HF: [kv_heads, T, D]
             kv_hf = max(kv_hf, _max_err(hf16, ref))
     REPORT["parity_prefill"] = {"logit_scale": scale, "max_err_ours_bf16": err_ours, "max_err_hf_bf16": err_hf,
@@ -127,10 +144,13 @@ def test_bf16_prefill_logits_and_paged_kv_match_transformers(parity_dir):
     assert kv_ours <= STRAY_FACTOR * kv_hf + 1e-3, REPORT["parity_prefill"]
 
 
-def test_bf16_greedy_decoding_matches_transformers(parity_dir):
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+def test_bf16_greedy_decoding_matches_transformers(parity_dir, path):
     steps = 32
+    backend, graphs = path
     engine = Engine(EngineConfig(model=str(parity_dir), dtype="bfloat16", device=str(DEVICE), block_size=BLOCK,
-                                 num_kv_blocks=128))
+                                 num_kv_blocks=128, attention_backend=backend, cuda_graphs=graphs))
+    assert engine.runner.attention.name == backend and (engine.runner.graphs is not None) == graphs
     assert engine.runner.kv_caches[0][0].device.type == DEVICE.type
     assert next(engine.runner.model.parameters()).device.type == DEVICE.type
     prompts = [_prompt(n, PARITY_MODEL["vocab_size"], seed=n) for n in (5, 19, 37, 64)]
@@ -156,9 +176,16 @@ def test_bf16_greedy_decoding_matches_transformers(parity_dir):
         total += steps
         worst_gap = max(worst_gap, gap)
         assert gap <= STRAY_FACTOR * noise + 1e-3, (prompt[:4], gap, noise)
-    REPORT["parity_greedy"] = {"steps": total, "ours_bf16_matching_fp32_argmax": exact,
-                               "hf_bf16_matching_fp32_argmax": exact_hf16, "worst_near_tie_gap": worst_gap}
-    assert exact >= exact_hf16 - 0.05 * total, REPORT["parity_greedy"]  # no more flips than HF's own bf16, give or take
+    replays = engine.runner.graphs.replays if graphs else 0
+    REPORT[f"parity_greedy_{_path_id(path)}"] = {
+        "steps": total, "ours_bf16_matching_fp32_argmax": exact, "hf_bf16_matching_fp32_argmax": exact_hf16,
+        "worst_near_tie_gap": worst_gap, "graph_replays": replays}
+    assert not graphs or replays >= steps - 2, "decode steps did not replay the CUDA graphs"
+    assert exact >= exact_hf16 - 0.05 * total, REPORT[f"parity_greedy_{_path_id(path)}"]  # no more flips than HF's bf16, give or take
+
+
+def _path_id(path) -> str:
+    return PATH_IDS[PATHS.index(path)]
 
 
 def _cuda_time(fn, iters: int, warmup: int = 3) -> float:
@@ -191,12 +218,21 @@ def _copy_bandwidth() -> float:
 
 
 @pytest.fixture(scope="module")
-def bench_engine(tmp_path_factory):
+def bench_dir(tmp_path_factory):
     config = BENCH_CONFIGS["gpu" if ON_GPU else "cpu"]
-    model_dir = write_random_checkpoint(tmp_path_factory.mktemp("bench") / "llama-1b", config, DEVICE)
-    engine = Engine(EngineConfig(model=str(model_dir), dtype="bfloat16", device=str(DEVICE), block_size=BLOCK,
+    return write_random_checkpoint(tmp_path_factory.mktemp("bench") / "llama-1b", config, DEVICE)
+
+
+@pytest.fixture(scope="module", params=PATHS, ids=PATH_IDS)
+def bench_engine(bench_dir, request):
+    backend, graphs = request.param
+    engine = Engine(EngineConfig(model=str(bench_dir), dtype="bfloat16", device=str(DEVICE), block_size=BLOCK,
                                  kv_cache_memory_bytes=4 << 30 if ON_GPU else 64 << 20, max_num_seqs=64,
-                                 enable_prefix_caching=False))
+                                 enable_prefix_caching=False, attention_backend=backend, cuda_graphs=graphs))
+    engine.path_id = _path_id(request.param)
+    if graphs:
+        REPORT[f"graphs_{engine.path_id}"] = {"buckets": list(engine.runner.graphs.buckets),
+                                              "memory_mib": engine.runner.graphs.memory_bytes / 2**20}
     yield engine
     del engine
     if ON_GPU:
@@ -232,15 +268,48 @@ def test_decode_step_time_against_the_bandwidth_floor(bench_engine, batch):
         engine.abort(f"bench-{batch}-{i}")
     assert engine.num_used_blocks == 0
 
-    REPORT[f"decode_batch_{batch}"] = {
+    REPORT[f"decode_batch_{batch}_{engine.path_id}"] = {
         "params_b": sum(p.numel() for p in params.values()) / 1e9, "context_tokens": context,
         "copy_bandwidth_tb_s": bandwidth / 1e12, "floor_ms": floor_s * 1e3, "weight_bytes": weight_bytes,
         "kv_bytes": kv_bytes, "forward_ms": forward_s * 1e3, "engine_step_ms": step_s * 1e3,
         "forward_over_floor": forward_s / floor_s, "engine_step_over_floor": step_s / floor_s,
         "decode_tokens_per_s": batch / step_s,
     }
-    print(f"\nbatch {batch}: floor {floor_s * 1e3:.3f} ms, forward {forward_s * 1e3:.3f} ms "
+    print(f"\n{engine.path_id} batch {batch}: floor {floor_s * 1e3:.3f} ms, forward {forward_s * 1e3:.3f} ms "
           f"({forward_s / floor_s:.2f}x), engine step {step_s * 1e3:.3f} ms ({step_s / floor_s:.2f}x)")
+
+
+def _matmul_flops_per_s() -> float:
+    """bf16 FLOP/s of a large square matmul on this device (the prefill's floor rate)."""
+    n = 8192 if ON_GPU else 512
+    a, b = (torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    seconds = _cuda_time(lambda: a @ b, iters=10)
+    return 2 * n**3 / seconds
+
+
+def test_prefill_time_against_the_flop_floor(bench_engine):
+    """One prompt of 8k tokens (2k on a CPU dry run) in one forward, against the FLOPs of its matmuls and
+    its causal attention at the measured matmul rate."""
+    runner, tokens = bench_engine.runner, 8192 if ON_GPU else 2048
+    cfg = runner.cfg
+    rate = _matmul_flops_per_s()
+    params = dict(runner.model.named_parameters())
+    matmul_params = sum(p.numel() for name, p in params.items() if p.dim() == 2 and "embed_tokens" not in name)
+    attention_flops = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens / 2  # QK and PV, causal
+    # Only the last token's logits are computed: the lm_head counts once, not per token.
+    lm_head = params["lm_head.weight"].numel()
+    flops = 2 * (matmul_params - lm_head) * tokens + 2 * lm_head + attention_flops
+    blocks = -(-tokens // BLOCK)
+    if blocks > runner.num_kv_blocks:
+        pytest.skip(f"{tokens} tokens need {blocks} KV blocks; the bench engine has {runner.num_kv_blocks}")
+    ids = _prompt(tokens, cfg.vocab_size, seed=7)
+    seconds = _cuda_time(lambda: runner.execute(ids, [tokens], [0], [list(range(blocks))], [0]), iters=3, warmup=1)
+    floor_s = flops / rate
+    REPORT[f"prefill_{tokens}_{bench_engine.path_id}"] = {
+        "tokens": tokens, "tflops": flops / 1e12, "matmul_tflop_s": rate / 1e12, "floor_ms": floor_s * 1e3,
+        "prefill_ms": seconds * 1e3, "prefill_over_floor": seconds / floor_s}
+    print(f"\n{bench_engine.path_id} prefill {tokens}: floor {floor_s * 1e3:.1f} ms, took {seconds * 1e3:.1f} ms "
+          f"({seconds / floor_s:.2f}x)")
 
 
 def _caches(seed: int, num_blocks: int = 64, layers: int = 16):

@@ -68,6 +68,7 @@ class DecodeGraphs:
         self.buckets, self.max_pages, self.pad_block, self.device = buckets, max_pages_per_seq, pad_block, device
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object, torch.Tensor]] = {}
         self.memory_bytes = 0
+        self.replays = 0  # decode steps served from a graph (the GPU checks count them)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -104,4 +105,5 @@ class DecodeGraphs:
         input_ids.copy_(torch.tensor(padded.token_ids), non_blocking=True)
         step.plan(padded.query_lens, padded.computed_lens, padded.block_tables)
         graph.replay()
+        self.replays += 1
         return logits[: padded.real]
