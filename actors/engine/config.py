@@ -25,6 +25,7 @@ class EngineConfig:
     tenant_slowdown: float | None = 2.0  # several tenants share a step: its cost cap x a one-token step's
     attention_backend: str = "auto"  # "sdpa", "flashinfer", "triton" or "auto" (backend_choice.py)
     cuda_graphs: bool = True  # decode steps from CUDA graphs where they can run (decode_graphs.py)
+    fused_kernels: bool = True  # RMSNorm, rope, silu-and-mul as Triton kernels on CUDA (triton_fused.py)
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes")

@@ -47,6 +47,9 @@ class EngineSection(_Strict):
     cuda_graphs: bool = Field(
         True, description="replay decode steps from CUDA graphs captured per batch-size bucket (CUDA, flashinfer "
         "or triton attention, no tensor parallelism; skipped with a log line elsewhere)")
+    fused_kernels: bool = Field(
+        True, description="on CUDA with triton (CUDA builds of torch ship it): RMSNorm, the rotary embedding and "
+        "silu-and-mul each run as one Triton kernel instead of several torch ops; the CPU keeps the torch ops")
 
 
 class PoolSection(_Strict):
@@ -270,4 +273,5 @@ class TandemConfig(_Strict):
             tenant_slowdown=e.tenant_slowdown,
             attention_backend=e.attention_backend,
             cuda_graphs=e.cuda_graphs,
+            fused_kernels=e.fused_kernels,
         )

@@ -11,8 +11,9 @@
 (c) KV pages GPU -> pinned host -> zmq -> pinned host -> GPU between a HandoffSender and a
     HandoffReceiver in this process, and the collective transport's choice of NCCL for CUDA caches.
     NCCL page traffic itself needs two ranks on two GPUs and is not checked here.
-(d) every attention path the machine has: SDPA eager (the reference), tandem's Triton decode kernel
-    with decode CUDA graphs, FlashInfer with graphs (when flashinfer is installed). (a)'s greedy check
+(d) every attention path the machine has: SDPA eager with torch's elementwise ops (the reference),
+    tandem's Triton decode kernel with decode CUDA graphs and the fused Triton norm/rope/silu kernels,
+    FlashInfer with graphs and the fused kernels (when flashinfer is installed). (a)'s greedy check
     and (b)'s timings run for each; (e) times an 8k-token prefill against the FLOP floor set by a
     large bf16 matmul measured in the same run.
 
@@ -58,7 +59,7 @@ STRAY_FACTOR = 3.0  # ours vs fp32 may stray at most this many times HF-bf16 vs 
 TRITON_HERE = installed("triton") and (ON_GPU or os.environ.get("TRITON_INTERPRET") == "1")
 PATHS = [("sdpa", False)] + ([("triton", ON_GPU)] if TRITON_HERE else []) \
     + ([("flashinfer", True)] if ON_GPU and installed("flashinfer") else [])
-PATH_IDS = [f"{backend}{'+graphs' if graphs else ''}" for backend, graphs in PATHS]
+PATH_IDS = [f"{backend}{'+graphs+fused' if graphs else ''}" for backend, graphs in PATHS]
 
 REPORT: dict = {"device": torch.cuda.get_device_name(DEVICE) if ON_GPU and torch.cuda.is_available() else "cpu",
                 "torch": torch.__version__}
@@ -149,7 +150,7 @@ def test_bf16_greedy_decoding_matches_transformers(parity_dir, path):
     steps = 32
     backend, graphs = path
     engine = Engine(EngineConfig(model=str(parity_dir), dtype="bfloat16", device=str(DEVICE), block_size=BLOCK,
-                                 num_kv_blocks=128, attention_backend=backend, cuda_graphs=graphs))
+                                 num_kv_blocks=128, attention_backend=backend, cuda_graphs=graphs, fused_kernels=graphs))
     assert engine.runner.attention.name == backend and (engine.runner.graphs is not None) == graphs
     assert engine.runner.kv_caches[0][0].device.type == DEVICE.type
     assert next(engine.runner.model.parameters()).device.type == DEVICE.type
@@ -228,7 +229,8 @@ def bench_engine(bench_dir, request):
     backend, graphs = request.param
     engine = Engine(EngineConfig(model=str(bench_dir), dtype="bfloat16", device=str(DEVICE), block_size=BLOCK,
                                  kv_cache_memory_bytes=4 << 30 if ON_GPU else 64 << 20, max_num_seqs=64,
-                                 enable_prefix_caching=False, attention_backend=backend, cuda_graphs=graphs))
+                                 enable_prefix_caching=False, attention_backend=backend, cuda_graphs=graphs,
+                                 fused_kernels=graphs))
     engine.path_id = _path_id(request.param)
     if graphs:
         REPORT[f"graphs_{engine.path_id}"] = {"buckets": list(engine.runner.graphs.buckets),

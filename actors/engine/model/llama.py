@@ -3,7 +3,11 @@ k before the rotary embedding; Phi-3 rotates part of each head with longrope; Mi
 each token to a few experts) over a paged KV cache.
 
 Weights use fused projections (qkv, gate_up): fewer, larger matmuls per layer. The loader maps
-Hugging Face checkpoint names onto them; `forward` never sees checkpoint names.
+Hugging Face checkpoint names onto them; `forward` never sees checkpoint names. On CUDA the norm, the
+rotary embedding and silu-and-mul may run as fused Triton kernels (`use_fused_kernels`).
+
+Over 300 lines because it is the whole family in one file, as STYLE.md asks of a model (config, norm,
+attention, MLP, layer, model), and the frame the Gemma decoders build on.
 """
 
 from __future__ import annotations
@@ -126,18 +130,23 @@ def normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    fused = None  # triton_fused when the model runs its fused kernels (LlamaModel.use_fused_kernels)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.rms_norm(x, self.weight, self.eps)
         return normalized(x, self.eps).to(x.dtype).mul_(self.weight)
 
 
 class Attention(nn.Module):
     qk_norm_cls = RMSNorm
     tp: TPComm = SINGLE  # a tensor-parallel rank's group (LlamaModel.attach): o's partial sums are all-reduced
+    fused = None  # triton_fused: q and k rotate in place in the qkv output, one kernel for both
 
     def __init__(self, cfg: LlamaConfig, sliding_window: int | None):
         super().__init__()
@@ -173,13 +182,19 @@ class Attention(nn.Module):
                               self.softcap)
 
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, batch: StepAttention):
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv(x)
+        turn_in_place = self.fused is not None and not self.qk_norm
+        if turn_in_place:
+            heads = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+            self.fused.rotate_pairs_(heads, rope.turns, positions)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        if not turn_in_place:
+            q, k = rope(positions, q, k)
         out = batch.attend(q, k, v, kv_cache[0], kv_cache[1], self.layer_attention)
         return self.tp.all_reduce(self.o(out.reshape(-1, self.q_size)))
 
@@ -189,6 +204,7 @@ _MLP_ROWS_PER_PASS = 1024
 
 class MLP(nn.Module):
     tp: TPComm = SINGLE
+    fused = None  # triton_fused: silu(gate) * up in one kernel (only where `act` is silu)
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -208,7 +224,10 @@ class MLP(nn.Module):
         return out
 
     def _forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        if self.fused is not None:
+            return self.tp.all_reduce(self.down(self.fused.silu_and_mul(gate_up)))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.tp.all_reduce(self.down(self.act(gate).mul_(up)))
 
     def act(self, gate: torch.Tensor) -> torch.Tensor:
@@ -282,6 +301,14 @@ class LlamaModel(nn.Module):
     def layer_attentions(self) -> tuple[LayerAttention, ...]:
         """The distinct attention layers (heads, scale, window, cap): a backend plans each once per step."""
         return tuple(dict.fromkeys(layer.attn.layer_attention for layer in self.layers))
+
+    def use_fused_kernels(self, kernels) -> None:
+        """Run Llama's RMSNorm, the rotary embedding and silu-and-mul with `kernels` (triton_fused; None: the
+        torch ops). Subclasses' own norms and activations (Gemma's) keep their torch ops."""
+        for module in self.modules():
+            if type(module) is RMSNorm or isinstance(module, Attention) or (
+                    isinstance(module, MLP) and type(module).act is MLP.act):
+                module.fused = kernels
 
     @property
     def windows(self) -> tuple[int | None, ...]:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from actors.engine.model.backend_choice import choose_attention_backend
+from actors.engine.model.backend_choice import choose_attention_backend, installed
 from actors.engine.model.cpu_allocator import keep_freed_memory
 from actors.engine.model.cpu_linear import mkl_packing_available, pack_linears
 from actors.engine.model.decode_graphs import DecodeGraphs, graph_buckets
@@ -33,7 +33,7 @@ class ModelRunner:
     def __init__(self, model_dir: str, dtype: str, device: str, block_size: int,
                  num_kv_blocks: int | None, kv_cache_memory_bytes: int, max_model_len: int | None = None,
                  comm: TPComm = SINGLE, attention_backend: str = "auto", cuda_graphs: bool = True,
-                 max_num_seqs: int = 64):
+                 max_num_seqs: int = 64, fused_kernels: bool = True):
         self.device = torch.device(device)
         self.comm = comm
         self._led_at = time.monotonic()  # when rank 0 last sent its followers a plan
@@ -46,6 +46,10 @@ class ModelRunner:
             pack_linears(self.model)
         if self.device.type == "cpu":
             keep_freed_memory()
+        elif fused_kernels and self.device.type == "cuda" and installed("triton"):
+            from actors.engine.model import triton_fused  # noqa: PLC0415 (imports triton)
+
+            self.model.use_fused_kernels(triton_fused)
         if num_kv_blocks is None:
             num_kv_blocks = max(1, kv_cache_memory_bytes // self.bytes_per_block)
         self.num_kv_blocks = num_kv_blocks
@@ -72,7 +76,7 @@ class ModelRunner:
         builds its own from the same config, so their caches have the same blocks."""
         return cls(config.model, config.dtype, config.device, config.block_size, config.num_kv_blocks,
                    config.kv_cache_memory_bytes, config.max_model_len, comm, config.attention_backend,
-                   config.cuda_graphs, config.max_num_seqs)
+                   config.cuda_graphs, config.max_num_seqs, config.fused_kernels)
 
     def _graphs_wanted(self, enabled: bool) -> bool:
         """Whether decode steps run from CUDA graphs; says why not when they were asked for."""

@@ -5,21 +5,16 @@ fixed-buffer decode step a CUDA graph replays, refilled for two different batche
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Read when the kernel is decorated (first import of triton_attention): the interpreter runs it on CPU tensors.
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is a dev dependency (pyproject.toml); CUDA builds of torch ship it")
 
 from actors.engine.config import EngineConfig  # noqa: E402
 from actors.engine.engine import Engine  # noqa: E402
 from actors.engine.model.decode_graphs import pad_decode  # noqa: E402
 from actors.engine.model.runner import ModelRunner  # noqa: E402
-from actors.engine.model.triton_attention import paged_decode_attention  # noqa: E402
+from actors.engine.model.triton_attention import paged_decode_attention  # noqa: E402  (interpreted: conftest.py)
 from actors.engine.model.triton_backend import TritonBackend, TritonDecodeStep  # noqa: E402
 from actors.protocol.sampling_params import SamplingParams  # noqa: E402
 from tests.helpers.models import make_hf_model  # noqa: E402
