@@ -5,9 +5,10 @@ In a tensor-parallel worker every rank has a runner over its shard of the weight
 before running it), the others `follow` until rank 0 says stop.
 
 Attention runs on the backend `backend_choice.py` picks. On CUDA with a graphable backend (flashinfer,
-triton) serving every layer and no tensor parallelism, decode steps replay CUDA graphs (decode_graphs.py); their padding rows write
-into one extra KV block past the `num_kv_blocks` the engine's block pool hands out (`kv_caches` are
-views of the first `num_kv_blocks`, so nothing else sees that block).
+triton) serving every layer and no tensor parallelism, decode steps replay CUDA graphs
+(decode_graphs.py); their padding rows write into one extra KV block past the `num_kv_blocks` the
+engine's block pool hands out (`kv_caches` are views of the first `num_kv_blocks`, so nothing else
+sees that block).
 """
 
 from __future__ import annotations
