@@ -7,13 +7,14 @@ stats, finished attempts and KV events to the global scheduler (fire-and-forget)
 
 The roles (prefill, decode, colocated) are described with `WorkerSpec` (spec.py).
 
-State: `_running` (attempts in the engine, by engine id) and the handoff table (reservations and
-holds) are this worker's; the engine owns its blocks and queues behind its methods.
+State: `_running` (attempts in the engine, by engine id), the inbox and the handoff table
+(reservations and holds) are this worker's; the engine owns its blocks and queues behind its methods.
 
-Why one file of ~410 lines: every engine-thread command (submit, adopt, abort, hand-off, expiry,
+Why one file of ~370 lines: every engine-thread command (submit, adopt, abort, hand-off, expiry,
 failure, report) is a short method on the one thread that may touch the engine; splitting them would
-put that rule in several places. Reports are built by meter.py, the data-plane ends by kv_handoff.py,
-a tensor-parallel group's other ranks live in tp_group.py, the chaos hooks are named in faults.py.
+put that rule in several places. The inbox (commands in, submitted attempts not yet taken) is inbox.py,
+reports are built by meter.py, the data-plane ends by kv_handoff.py, a tensor-parallel group's other
+ranks live in tp_group.py, the chaos hooks are named in faults.py.
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
-from concurrent.futures import Future
 
 import ray
 import torch
@@ -45,6 +44,7 @@ from actors.protocol.tp_messages import KvSendPlan, PieceEvent
 from actors.protocol.worker_commands import ReleaseAttempt, ReserveBlocks, SubmitAttempt, WorkerCommand
 from actors.worker.faults import apply_fault, check_fault
 from actors.worker.handoff_table import HandoffTable, LeaseKind
+from actors.worker.inbox import Inbox
 from actors.worker.kv_handoff import HandoffEnds
 from actors.worker.mailbox import addressed, answers
 from actors.worker.meter import WorkerMeter
@@ -68,10 +68,7 @@ class Worker:
         # A tensor-parallel worker: this actor is rank 0, the other ranks are actors of its own (tp_group.py).
         self._tp = TPGroup(spec) if spec.tensor_parallel_size > 1 else None
         self._engine = Engine(dataclasses.replace(spec.engine, model=model_dir), self._tp.comm if self._tp else SINGLE)
-        self._inbox: queue.Queue = queue.Queue()
-        self._inbox_lock = threading.Lock()
-        self._inbox_prompt_tokens = 0
-        self._received: list[AttemptId] = []  # submitted since the last report (under the inbox lock)
+        self._inbox = Inbox(spec.worker_id)
         self._publisher = TokenPublisher(keys=spec.curve_keys)
         self._running: dict[str, Running] = {}
         self._handoffs = HandoffTable(self._engine, spec.lease_s)
@@ -114,17 +111,15 @@ class Worker:
     def inject_fault(self, fault: str | None, delay_s: float = 1.0) -> None:
         """A chaos hook of faults.py; None clears every fault."""
         check_fault(fault)
-        self._put(self._do_fault, (fault, delay_s))
+        self._inbox.put(self._do_fault, (fault, delay_s))
 
     def submit(self, request: WorkerRequest) -> None:
         if self._faults.pop("drop_next_submit", None) is not None:
             return  # chaos: this attempt never arrives, as if its delivery were lost
-        with self._inbox_lock:
-            self._received.append(request.attempt)  # confirmed to the scheduler by the next report
-            # Prompts waiting in the inbox behind a long step are queued prefill work too: without them
-            # the scheduler's TTFT prediction misses exactly the backlog that overload builds.
-            self._inbox_prompt_tokens += len(request.request.prompt_token_ids)
-        self._put(self._do_submit, (request, time.time()))
+        # Prompts waiting in the inbox behind a long step are queued prefill work too: without them the
+        # scheduler's TTFT prediction misses exactly the backlog that overload builds.
+        self._inbox.arrived(request.attempt, len(request.request.prompt_token_ids))
+        self._inbox.put(self._do_submit, (request, time.time()))
 
     def reserve(self, request: WorkerRequest) -> KvReservation | None:
         return self.reserve_many((ReserveBlocks(self.spec.worker_id, request),))[0]
@@ -134,7 +129,7 @@ class Worker:
         delay = self._faults.get("slow_reserve")
         if delay:
             time.sleep(delay)
-        return answers([self._ask(self._handoffs.reserve, (ask.request, engine_id(ask.request.attempt)))
+        return answers([self._inbox.ask(self._handoffs.reserve, (ask.request, engine_id(ask.request.attempt)))
                         if addressed(self.spec.worker_id, ask) else None for ask in asks], _CALL_TIMEOUT_S)
 
     def deliver(self, commands: tuple[WorkerCommand, ...]) -> None:
@@ -146,13 +141,13 @@ class Worker:
                 (self.release if isinstance(command, ReleaseAttempt) else self.abort)(command.attempt)
 
     def release(self, attempt: AttemptId) -> None:
-        self._put(self._handoffs.release, attempt)
+        self._inbox.put(self._handoffs.release, attempt)
 
     def abort(self, attempt: AttemptId) -> None:
-        self._put(self._do_abort, attempt)
+        self._inbox.put(self._do_abort, attempt)
 
     def check_integrity(self) -> WorkerStats:
-        return self._call(self._do_integrity, None)
+        return self._inbox.call(self._do_integrity, None, _CALL_TIMEOUT_S)
 
     @ray.method(concurrency_group="watch")
     def watch(self, worker_id: str | None = None) -> None:
@@ -174,22 +169,12 @@ class Worker:
         self._ends.close()
         self._publisher.close()
 
-    def _put(self, handler, arg) -> None:
-        self._inbox.put((handler, arg, None))
-
-    def _call(self, handler, arg):
-        return self._ask(handler, arg).result(timeout=_CALL_TIMEOUT_S)
-
-    def _ask(self, handler, arg) -> Future:
-        self._inbox.put((handler, arg, future := Future()))
-        return future
-
     # ---- the engine thread ----
 
     def _run(self) -> None:
         last_report = 0.0
         while not self._stop.is_set():
-            self._drain_inbox(block=not self._engine.has_work())
+            self._inbox.drain(block_s=None if self._engine.has_work() else self.spec.heartbeat_s)
             self._expire_leases()
             if self._engine.has_work():
                 start = time.perf_counter()
@@ -229,34 +214,9 @@ class Worker:
         self._publisher.close(linger_s=1.0)  # the failure deltas still leave
         os._exit(status)
 
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=self.spec.heartbeat_s) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._handle(*item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _handle(self, handler, arg, future: Future | None) -> None:
-        try:
-            result = handler(*arg) if isinstance(arg, tuple) else handler(arg)
-        except Exception as exc:  # a bad request must not kill the engine thread
-            if future is None:
-                log.exception("worker %s: %s failed", self.spec.worker_id, handler.__name__)
-            else:
-                future.set_exception(exc)
-            return
-        if future is not None:
-            future.set_result(result)
-
     def _do_submit(self, request: WorkerRequest, received_at: float) -> None:
         req = request.request
-        with self._inbox_lock:
-            self._inbox_prompt_tokens -= len(req.prompt_token_ids)
+        self._inbox.taken(len(req.prompt_token_ids))
         key = engine_id(request.attempt)
         try:
             self._engine.add_request(key, list(req.prompt_token_ids), req.params, req.cache_salt,
@@ -380,21 +340,19 @@ class Worker:
         self._finished.append(FinishedAttempt(request.attempt, RequestStatus.FAILED))
 
     def _on_piece(self, event: PieceEvent) -> None:  # on a KV receiver's thread, or the piece desk's
-        self._put(self._do_piece, (event, time.time()))  # stamped here: not behind a step
+        self._inbox.put(self._do_piece, (event, time.time()))  # stamped here: not behind a step
 
     # ---- reporting ----
 
     def _stats(self) -> WorkerStats:
         return self._meter.stats(self.spec, self._engine.load(), self._handoffs, len(self._running),
-                                 self._inbox_prompt_tokens, self._publisher.dropped, self._receiver)
+                                 self._inbox.prompt_tokens, self._publisher.dropped, self._receiver)
 
     def _report(self) -> None:
         finished, self._finished = self._finished, []
         events, meter = tuple(self._engine.take_kv_events()), self._meter
-        with self._inbox_lock:
-            received, self._received = tuple(self._received), []
         report = WorkerReport(self.spec.worker_id, self._stats(), tuple(finished), events,
-                              meter.take_first_token_waits(), received, meter.take_transfers())
+                              meter.take_first_token_waits(), self._inbox.take_received(), meter.take_transfers())
         if self._link is not None:
             self._link.report(report)
 
