@@ -7,6 +7,11 @@
 # so `pip install -e .` would replace it. tandem itself runs from this checkout (PYTHONPATH). Other
 # modules the checks import and the machine lacks come from wheels in .whl/ (offline machines), or
 # else from PyPI, into a private folder. TANDEM_GPU_TIMEOUT_S bounds the test run (default 420).
+# An offline machine with Python 3.12 and no pyzmq or msgspec (the lent H200's image): fetch their wheels
+# into .whl/ beforehand with `pip download --no-deps --only-binary=:all: --python-version 3.12
+# --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pyzmq msgspec`.
+# The Triton attention path and the fused kernels need only the triton of the machine's CUDA torch;
+# FlashInfer's path runs only where flashinfer-python is installed (its wheel is ~100 MB).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
@@ -20,8 +25,8 @@ fi
 
 missing=$($PY - <<'PYEOF'
 import importlib.util
-need = {"zmq": "pyzmq", "msgpack": "msgpack", "safetensors": "safetensors", "transformers": "transformers",
-        "tokenizers": "tokenizers", "pytest": "pytest"}
+need = {"zmq": "pyzmq", "msgpack": "msgpack", "msgspec": "msgspec", "safetensors": "safetensors",
+        "transformers": "transformers", "tokenizers": "tokenizers", "pytest": "pytest"}
 print(" ".join(pkg for module, pkg in need.items() if importlib.util.find_spec(module) is None))
 PYEOF
 )
