@@ -52,6 +52,10 @@ def session_pids(sid: int) -> list[int]:
     return pids
 
 
+class _PortTaken(RuntimeError):
+    """The server could not bind its port: another process took it."""
+
+
 class ServeProcess:
     def __init__(self, config_path: Path, host: str, port: int, log_path: Path, expected_workers: int):
         self.config_path, self.host, self.port = config_path, host, port
@@ -62,9 +66,22 @@ class ServeProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 300.0) -> None:
+    def start(self, timeout_s: float = 300.0, attempts: int = 3) -> None:
+        """Start and wait until ready. The port was free when chosen, but the server binds it only after
+        its Ray instance is up, and Ray's own connections take ports from the same range meanwhile: a
+        server that loses its port that way is started again on another (`attempts` in all)."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout_s)
+            except _PortTaken as exc:
+                self.stop()
+                if attempt == attempts - 1:
+                    raise RuntimeError(f"tandem serve lost its port {attempts} times; the last:\n{exc}") from None
+                self.port = free_port(self.host)
+
+    def _start_once(self, timeout_s: float) -> None:
         if not port_is_free(self.host, self.port):
-            raise RuntimeError(f"port {self.port} is taken before the server started")
+            raise _PortTaken(f"port {self.port} is taken before the server started")
         cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(self.config_path),
                "--host", self.host, "--port", str(self.port)]
         with open(self.log_path, "wb") as log:
@@ -73,7 +90,9 @@ class ServeProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"tandem serve exited with {self.proc.returncode} before it was ready:\n{self._tail()}")
+                tail = self._tail()
+                error = _PortTaken if "address already in use" in tail else RuntimeError
+                raise error(f"tandem serve exited with {self.proc.returncode} before it was ready:\n{tail}")
             if self._ready():
                 return
             time.sleep(0.5)

@@ -4,10 +4,12 @@ subprocess, the same trace sent to both, and both stopped afterwards."""
 from __future__ import annotations
 
 import json
+import socket
+from pathlib import Path
 
 from cluster.cli import main
 from experiments.compare.layouts import parse_layouts
-from experiments.compare.server import port_is_free, session_pids
+from experiments.compare.server import ServeProcess, port_is_free, session_pids
 from experiments.planner.profile import EngineLimits, EngineProfile, LinearCost, ModelShape
 from tests.helpers.bench import check_run
 
@@ -113,3 +115,20 @@ def test_simulated_lease_expiry_fails_late_handoffs():
     assert (summary.completed, summary.rejected, summary.attainment) == (2, 1, 2 / 3)
     no_lease = simulate(profile, Layout.disaggregated(1, 1), requests, SimOptions(local_prefill=False))
     assert all(s.rejected is None and s.finish_s is not None for s in no_lease.seqs)
+
+
+def test_a_server_that_loses_its_port_starts_on_another(tmp_path):
+    """The port chosen for a layout can be taken before the server binds it (Ray's connections use the same
+    range): the server starts again on a fresh port instead of failing the comparison."""
+    config = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        server = ServeProcess(config, "127.0.0.1", taken, tmp_path / "serve.log", expected_workers=2)
+        try:
+            server.start(timeout_s=180)
+            assert server.port != taken and server.url.endswith(f":{server.port}")
+        finally:
+            stopped = server.stop()
+    assert stopped["returncode"] == 0 and stopped["leftover_pids"] == [] and stopped["port_free"]
