@@ -302,8 +302,7 @@ def test_prefill_time_against_the_flop_floor(bench_engine):
     lm_head = params["lm_head.weight"].numel()
     flops = 2 * (matmul_params - lm_head) * tokens + 2 * lm_head + attention_flops
     blocks = -(-tokens // BLOCK)
-    if blocks > runner.num_kv_blocks:
-        pytest.skip(f"{tokens} tokens need {blocks} KV blocks; the bench engine has {runner.num_kv_blocks}")
+    assert blocks <= runner.num_kv_blocks, f"{tokens} tokens need {blocks} KV blocks; the bench engine has {runner.num_kv_blocks}"
     ids = _prompt(tokens, cfg.vocab_size, seed=7)
     seconds = _cuda_time(lambda: runner.execute(ids, [tokens], [0], [list(range(blocks))], [0]), iters=3, warmup=1)
     floor_s = flops / rate

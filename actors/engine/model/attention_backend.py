@@ -51,7 +51,6 @@ class StepAttention(ABC):
 
 class AttentionBackend(ABC):
     name: str
-    graphable = False  # its decode steps can be captured in CUDA graphs (`graph_step`)
 
     @abstractmethod
     def prepare(self, query_lens: list[int], computed_lens: list[int],
@@ -63,10 +62,15 @@ class AttentionBackend(ABC):
         """Why this backend cannot attend `layer` (it then falls back to SDPA), or None."""
         return None
 
+
+
+class GraphableBackend(AttentionBackend):
+    """A backend whose decode steps can be captured in CUDA graphs (decode_graphs.py)."""
+
+    @abstractmethod
     def graph_step(self, batch_size: int, max_pages_per_seq: int) -> StepAttention:
-        """(graphable backends) A decode step of `batch_size` sequences whose tensors keep their size and
-        address for a CUDA graph; its `plan(query_lens, computed_lens, block_tables)` refills them."""
-        raise NotImplementedError(f"the {self.name} backend cannot be captured in CUDA graphs")
+        """A decode step of `batch_size` sequences whose tensors keep their size and address for a CUDA
+        graph; its `plan(query_lens, computed_lens, block_tables)` refills them before each replay."""
 
 
 def positions_and_slots(query_lens: list[int], computed_lens: list[int], block_tables: list[list[int]],

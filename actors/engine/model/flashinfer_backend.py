@@ -24,7 +24,7 @@ import torch
 
 from actors.engine.model.attention import AttentionBatch, build_attention_batch
 from actors.engine.model.attention_backend import (
-    AttentionBackend, LayerAttention, StepAttention, positions_and_slots, write_new_kv,
+    GraphableBackend, LayerAttention, StepAttention, positions_and_slots, write_new_kv,
 )
 
 SERVED_HEAD_DIMS = (64, 128, 256)  # what flashinfer-jit-cache ships compiled for the paged kernels
@@ -56,9 +56,8 @@ def paged_kv_indexes(query_lens: list[int], computed_lens: list[int], block_tabl
     return qo_indptr, kv_indptr, kv_indices, last_page_len
 
 
-class FlashInferBackend(AttentionBackend):
+class FlashInferBackend(GraphableBackend):
     name = "flashinfer"
-    graphable = True
 
     def __init__(self, layers: tuple[LayerAttention, ...], windows: tuple[int | None, ...], block_size: int,
                  dtype: torch.dtype, device: torch.device):

@@ -12,6 +12,7 @@ attention, MLP, layer, model), and the frame the Gemma decoders build on.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -176,8 +177,9 @@ class Attention(nn.Module):
             for norm in (self.q_norm, self.k_norm):
                 norm.weight.data.copy_(turned(norm.weight.data, 1))
 
-    @property
+    @functools.cached_property
     def layer_attention(self) -> LayerAttention:
+        """Built on first use (after a subclass's __init__ has set its scale and cap), then reused by every step."""
         return LayerAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.sliding_window,
                               self.softcap)
 

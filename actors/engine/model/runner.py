@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from actors.engine.model.attention_backend import GraphableBackend
 from actors.engine.model.backend_choice import choose_attention_backend, installed
 from actors.engine.model.cpu_allocator import keep_freed_memory
 from actors.engine.model.cpu_linear import mkl_packing_available, pack_linears
@@ -90,7 +91,7 @@ class ModelRunner:
             log.info("CUDA graphs skipped: the decode step all-reduces across %d tensor-parallel ranks", self.comm.shard.size)
             return False
         refused = [why for layer in self.model.layer_attentions() if (why := self.attention.refuses(layer))]
-        if not self.attention.graphable or refused:
+        if not isinstance(self.attention, GraphableBackend) or refused:
             log.info("CUDA graphs skipped: they need the flashinfer or triton attention backend on every layer (%s)",
                      refused[0] if refused else f"attention runs on {self.attention.name}")
             return False

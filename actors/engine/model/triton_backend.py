@@ -14,13 +14,12 @@ import torch
 
 from actors.engine.model.attention import SdpaBackend
 from actors.engine.model.attention_backend import (
-    AttentionBackend, LayerAttention, StepAttention, positions_and_slots, write_new_kv,
+    GraphableBackend, LayerAttention, StepAttention, positions_and_slots, write_new_kv,
 )
 
 
-class TritonBackend(AttentionBackend):
+class TritonBackend(GraphableBackend):
     name = "triton"
-    graphable = True
 
     def __init__(self, block_size: int, windows: tuple[int | None, ...], device: torch.device):
         from actors.engine.model.triton_attention import paged_decode_attention  # noqa: PLC0415 (imports triton)
