@@ -6,6 +6,10 @@ admitted while the budget, `max_num_seqs` and free KV blocks allow. When a runni
 get a block, the newest running sequence is preempted: its blocks are freed and it waits at the head
 of the queue to be recomputed (prefix-cache hits make that cheap).
 
+With overlapped steps (engine.py) a sequence may have a token pending from a step still in flight: it
+runs its next token only if it is `blind` (the device feeds that token in), is never chosen as another
+sequence's preemption victim, and is never admitted from the waiting queue until its token is known.
+
 Tenants (a sequence's `cache_salt`): while sequences of several tenants wait or run (and prefills can
 be chunked), a step is capped at the tokens that keep it within `tenant_slowdown` x the measured cost of
 a one-token step (`StepCost`), and filled taking one sequence of each tenant in turn, the tenant with
@@ -119,8 +123,8 @@ class Batcher:
 
     def _run(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int | None:
         """Schedule a running sequence's next tokens; None if it had to be preempted for lack of KV."""
-        if seq.status is RequestStatus.PREEMPTED:
-            return 0  # it made room for one scheduled before it in this step
+        if seq.status is RequestStatus.PREEMPTED or seq.waits_for_token:
+            return 0  # it made room for one scheduled before it in this step, or its next input is not known yet
         n = min(seq.num_uncomputed_tokens, budget)
         if not self._allocate_or_preempt(seq, n, batch):
             return None
@@ -131,7 +135,7 @@ class Batcher:
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int | None:
         """Move a waiting sequence into the running batch with up to `budget` tokens; None when it cannot
         be now (the batch is full, something was preempted this step, no KV room, an unchunked prompt)."""
-        if batch.preempted or len(self.running) >= self.max_num_seqs:
+        if batch.preempted or len(self.running) >= self.max_num_seqs or seq.num_pending:
             return None
         if seq.num_computed_tokens == 0 and not self.kv.has(seq.seq_id):
             cached = self.kv.get_computed_blocks(seq.seq_id, seq.all_token_ids, seq.cache_salt,
@@ -178,7 +182,8 @@ class Batcher:
         """Make room for n more tokens of seq, preempting the newest running sequences if needed."""
         while self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + n) is None:
             scheduled = {s.seq_id for s in batch.seqs}
-            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), seq)
+            # Not one whose token is still in flight (its step's result may park or fork it): only itself.
+            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled and not s.num_pending), seq)
             self.running.remove(victim)
             self._preempt(victim)
             batch.preempted.append(victim)

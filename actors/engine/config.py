@@ -26,6 +26,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "sdpa", "flashinfer", "triton" or "auto" (backend_choice.py)
     cuda_graphs: bool = True  # decode steps from CUDA graphs where they can run (decode_graphs.py)
     fused_kernels: bool = True  # RMSNorm, rope, silu-and-mul as Triton kernels on CUDA (triton_fused.py)
+    overlap_steps: bool | None = None  # launch step N+1 before reading step N back (in_flight.py); None: on CUDA
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes")

@@ -1,13 +1,18 @@
 """The engine inside one worker: schedule -> run the model -> sample and post-process, once per step.
 
 Callers: `add_request` (raises ValueError on bad input, touching nothing else), `step` (returns the
-new tokens and finish state of every sequence touched), `abort` (idempotent, frees blocks at once),
-and the offline `generate`. The engine is single-threaded and knows nothing of Ray.
+new tokens and finish state of every sequence a step completed), `abort` (idempotent, frees blocks at
+once), and the offline `generate`. The engine is single-threaded and knows nothing of Ray.
 
-Why one file of ~380 lines: it is the one owner of a worker's requests and sequences (forks and
-window releases included); the hand-off and adoption of disaggregated serving (`disaggregation.py`),
-stop conditions (`postprocess.py`), request checks (`validation.py`), prompt logprobs
-(`prompt_scores.py`) and structured-output grammars (`structured.py`) live beside it.
+With overlapped steps (`overlap`, in_flight.py) `step` launches the next step before it brings the
+previous one back: a step's tokens are returned by the call after the one that launched it, and
+`has_work` stays true while a step is in flight.
+
+Why one file of ~430 lines: it is the one owner of a worker's requests and sequences (forks, window
+releases and the step in flight included); the hand-off and adoption of disaggregated serving
+(`disaggregation.py`), a step's inputs and which sequences run blind (`in_flight.py`), stop conditions
+(`postprocess.py`), request checks (`validation.py`), prompt logprobs (`prompt_scores.py`) and
+structured-output grammars (`structured.py`) live beside it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from actors.engine.batcher import Batcher, ScheduledBatch
 from actors.engine.config import EngineConfig
 from actors.engine.disaggregation import Disaggregation
+from actors.engine.in_flight import LaunchedStep, StepInputs, may_stay_in_flight, overlap_wanted, runs_blind
 from actors.engine.kv.block_pool import OutOfBlocksError
 from actors.engine.kv.cache_manager import KVCacheManager
 from actors.engine.model.parallel import SINGLE, TPComm
@@ -72,6 +78,8 @@ class Engine(Disaggregation):
         self._reservations: dict[str, int] = {}  # decode role: blocks reserved for incoming KV
         self._ids = itertools.count()
         self.last_step_tokens = 0  # tokens computed by the latest step (for cost measurements)
+        self.overlap = overlap_wanted(config.overlap_steps, self.runner.device, comm.shard.size)
+        self._in_flight: LaunchedStep | None = None  # the step launched and not yet brought back (overlap)
 
     # ---- requests in ----
 
@@ -161,8 +169,9 @@ class Engine(Disaggregation):
         return bool(self._requests)
 
     def has_work(self) -> bool:
-        """Whether `step` would compute anything (handed-off requests only wait for a release)."""
-        return self.batcher.has_unfinished()
+        """Whether `step` would compute anything or bring a step in flight back (handed-off requests only
+        wait for a release)."""
+        return self.batcher.has_unfinished() or self._in_flight is not None
 
     def is_live(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -170,39 +179,85 @@ class Engine(Disaggregation):
     # ---- one step ----
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; returns the new tokens (and finish states) of every sequence a step
+        completed. With overlapped steps (`overlap`) those are the previous step's: this one is left in
+        flight, and the next call (or `has_work`'s) collects it."""
+        try:
+            return self._step()
+        except BaseException:
+            self._drop_in_flight()  # its sequences are failed by the caller; nothing may wait for it
+            raise
+
+    def _step(self) -> list[RequestOutput]:
+        prev = self._in_flight
         batch = self.batcher.schedule()
         self.last_step_tokens = batch.total_tokens
-        if not batch.seqs:
+        if not batch.seqs and prev is None:
             return []
         started = time.perf_counter()
-        outputs = self._run(batch)
-        self.batcher.cost.observe(batch.total_tokens, time.perf_counter() - started)
+        if batch.seqs and self.overlap and may_stay_in_flight(batch):
+            self._in_flight = self._launch(batch, prev)
+            outputs = self._resolve(prev) if prev is not None else []
+        else:
+            self._in_flight = None
+            outputs = self._resolve(prev) if prev is not None else []
+            live = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if not s.status.is_finished()]
+            if live:  # (those the step just resolved ended have no blocks left to run on)
+                outputs += self._run(ScheduledBatch([s for s, _ in live], [n for _, n in live], batch.preempted))
+        if batch.seqs:
+            self.batcher.cost.observe(batch.total_tokens, time.perf_counter() - started)
         return outputs
 
+    def _launch(self, batch: ScheduledBatch, prev: LaunchedStep | None) -> LaunchedStep:
+        """Queue the step's forward and its draw; advance its sequences as if it had run."""
+        x = StepInputs.of(batch, self.kv, prev)
+        logits = self.runner.execute(x.token_ids, x.query_lens, x.computed_lens, x.tables, x.sample_rows, feed=x.feed)
+        before = [seq.num_computed_tokens for seq in batch.seqs]
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        samplers = [batch.seqs[i] for i in x.sample_rows]
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, s.grammar) for s in samplers]
+        launched = LaunchedStep(list(batch.seqs), before, [s.num_computed_tokens for s in batch.seqs], samplers,
+                                self.sampler.draw(logits, rows))
+        for seq in samplers:
+            seq.num_pending += 1
+            seq.blind = runs_blind(seq, self.max_model_len)
+        return launched
+
+    def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Bring a launched step's tokens to the host and apply them, as a synchronous step would have
+        right after its forward. Sequences that ended meanwhile (aborted, or stopped by the token before)
+        drop theirs."""
+        results = step.draw.results()
+        for seq, before, after in zip(step.seqs, step.computed_before, step.computed_after):
+            if not seq.status.is_finished() and seq.num_computed_tokens >= after:  # not preempted since
+                self._cache_computed(seq, before, after)
+        outputs = []
+        for seq, res in zip(step.samplers, results):
+            seq.num_pending -= 1
+            if not seq.status.is_finished():
+                outputs.append(self._append_token(seq, res))
+        return outputs
+
+    def _drop_in_flight(self) -> None:
+        """After a failed step: no token in flight will ever come (the caller fails the requests)."""
+        self._in_flight = None
+        for seq in (s for seqs in self._requests.values() for s in seqs):
+            seq.num_pending, seq.blind = 0, False
+
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        token_ids: list[int] = []
-        query_lens, computed_lens, tables, sample_rows = [], [], [], []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start = seq.num_computed_tokens
-            token_ids.extend(seq.token_slice(start, start + n))
-            query_lens.append(n)
-            computed_lens.append(start)
-            tables.append(self.kv.block_table(seq.seq_id))
-            if start + n == seq.num_tokens:
-                sample_rows.append(i)
+        """A synchronous step: forward, sample and post-process before returning."""
+        x = StepInputs.of(batch, self.kv, None)
+        sample_rows = x.sample_rows
         score_rows, scored = prompt_scores.score_rows(batch.seqs, batch.num_new_tokens)
-        logits = self.runner.execute(token_ids, query_lens, computed_lens, tables, sample_rows, score_rows)
+        logits = self.runner.execute(x.token_ids, x.query_lens, x.computed_lens, x.tables, sample_rows, score_rows)
         if scored:
             prompt_scores.record(scored, logits[len(sample_rows):])
             logits = logits[: len(sample_rows)]
 
-        block_size = self.config.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            before = seq.num_computed_tokens
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens // block_size > before // block_size:
-                self.kv.cache_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_salt)
-                self._release_outside_window(seq)
+            self._cache_computed(seq, seq.num_computed_tokens - n, seq.num_computed_tokens)
 
         samplers: list[Sequence] = []
         logit_rows: list[int] = []
@@ -217,14 +272,20 @@ class Engine(Disaggregation):
         results = self.sampler(logits, rows)
         return [self._append_token(seq, res) for seq, res in zip(samplers, results)]
 
-    def _release_outside_window(self, seq: Sequence) -> None:
+    def _cache_computed(self, seq: Sequence, before: int, after: int) -> None:
+        """A step took `seq`'s computed tokens from `before` to `after`: register the blocks it filled."""
+        if after // self.config.block_size > before // self.config.block_size:
+            self.kv.cache_computed(seq.seq_id, seq.all_token_ids, after, seq.cache_salt)
+            self._release_outside_window(seq, after)
+
+    def _release_outside_window(self, seq: Sequence, computed: int) -> None:
         """When every layer has a sliding window, blocks wholly older than the widest window (counted from
-        the next query, at position num_computed_tokens) are never read again: hand them back. Not on a
+        the next query, at position `computed`) are never read again: hand them back. Not on a
         sequence about to hand its KV off (the receiver needs every page: it caches them all) or to fork."""
         span = self.attention_span
         if span is None or seq.hand_off or seq.pending_forks:
             return
-        oldest_needed = seq.num_computed_tokens - span + 1
+        oldest_needed = computed - span + 1
         if oldest_needed >= self.config.block_size:
             self.kv.release_leading(seq.seq_id, oldest_needed // self.config.block_size)
 
@@ -321,6 +382,10 @@ class Engine(Disaggregation):
 
     def check_integrity(self) -> None:
         self.batcher.check_integrity()
+        launched = self._in_flight.pending_counts() if self._in_flight is not None else {}
+        pending = {id(s): s.num_pending for seqs in self._requests.values() for s in seqs if s.num_pending}
+        if any(launched.get(k) != n for k, n in pending.items()):
+            raise RuntimeError(f"{len(pending)} sequences count pending tokens that no step in flight will bring")
         live = {s.seq_id for seqs in self._requests.values() for s in seqs if not s.status.is_finished()}
         queued = self.batcher.queued_ids()
         queued |= {s.seq_id for s in self._handoffs.values()}

@@ -85,11 +85,16 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}  # for unseeded rows, one per device
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        return self.draw(logits, rows).results()
+
+    def draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> Draw:
+        """Choose every row's token where the logits are; `Draw.results()` brings them to the host. On a
+        GPU the greedy path queues its work without waiting for it (overlapped steps rely on that)."""
         if logits.ndim != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             want = f"[{len(rows)}, >= {self.vocab_size}]"
             raise ValueError(f"logits must have shape {want}, got {tuple(logits.shape)}")
         if all(r.params.temperature == 0.0 and r.params.logprobs is None and _untouched(r) for r in rows):
-            return [SampleResult(t, None, None) for t in logits.argmax(dim=-1).tolist()]
+            return Draw(logits.argmax(dim=-1), logits, rows)
 
         adjusted = self.adjust_logits(logits, rows)
         drawn = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
@@ -100,9 +105,7 @@ class Sampler:
         else:
             chosen = adjusted.argmax(dim=-1)
             chosen[drawn] = self._draw(adjusted[drawn], [rows[i] for i in drawn])
-        results = [SampleResult(t, None, None) for t in chosen.tolist()]
-        self._fill_logprobs(logits, rows, chosen, results)
-        return results
+        return Draw(chosen, logits, rows)
 
     def adjust_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Hard constraints then penalties (steps 1-2 above); returns `logits` itself when none apply."""
@@ -195,25 +198,47 @@ class Sampler:
         target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
         return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
-    def _fill_logprobs(self, logits, rows, chosen, results) -> None:
-        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        if not wanted:
-            return
-        if len(wanted) < len(rows):
-            logits, chosen = logits[wanted], chosen[wanted]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-        k = min(max(rows[i].params.logprobs for i in wanted), logprobs.shape[1])
-        top_values, top_ids = top_n(logprobs, k) if k else ([[]] * len(wanted),) * 2
-        for j, i in enumerate(wanted):
-            n = rows[i].params.logprobs
-            results[i].logprob = picked[j]
-            results[i].top_logprobs = list(zip(top_ids[j][:n], top_values[j][:n]))
-
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             self._generators[device] = new_generator(self.seed, device)
         return self._generators[device]
+
+
+class Draw:
+    """One step's chosen tokens, still where the logits are (`chosen`, int64 [rows]): the next step may take
+    them as its input ids there. `results()` is the one copy to the host (with the logprobs asked for)."""
+
+    def __init__(self, chosen: torch.Tensor, logits: torch.Tensor, rows: list[SamplingRow]):
+        self.chosen, self._logits, self._rows = chosen, logits, rows
+        self._host, self._ready = chosen, None
+        if chosen.device.type == "cuda":  # a non-blocking copy into pinned memory, waited for in results()
+            self._host = chosen.to("cpu", non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def results(self) -> list[SampleResult]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        results = [SampleResult(t, None, None) for t in self._host.tolist()]
+        _fill_logprobs(self._logits, self._rows, self.chosen, results)
+        return results
+
+
+def _fill_logprobs(logits, rows, chosen, results) -> None:
+    """Each row that asked for logprobs gets its token's and its top ones (of the raw logits)."""
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not wanted:
+        return
+    if len(wanted) < len(rows):
+        logits, chosen = logits[wanted], chosen[wanted]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    k = min(max(rows[i].params.logprobs for i in wanted), logprobs.shape[1])
+    top_values, top_ids = top_n(logprobs, k) if k else ([[]] * len(wanted),) * 2
+    for j, i in enumerate(wanted):
+        n = rows[i].params.logprobs
+        results[i].logprob = picked[j]
+        results[i].top_logprobs = list(zip(top_ids[j][:n], top_values[j][:n]))
 
 
 def _untouched(row: SamplingRow) -> bool:

@@ -37,6 +37,11 @@ class Sequence:
     # Prompt logprobs (params.prompt_logprobs): one entry per prompt token scored so far, None for the first.
     prompt_logprobs: list | None = None
     grammar: object | None = None  # its structured-output GrammarState (structured.py), when params ask for one
+    # Overlapped steps (engine.py): tokens sampled by steps still in flight, not yet in output_token_ids
+    # (they count in num_tokens), and whether its next step may run before they are known (`blind`: the
+    # device feeds the sampled token in as the next input; otherwise it waits until they are appended).
+    num_pending: int = 0
+    blind: bool = False
 
     @property
     def scores_prompt(self) -> bool:
@@ -55,7 +60,17 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are on the host (num_tokens less the pending ones)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def waits_for_token(self) -> bool:
+        """A step in flight sampled its next token, and its next step needs that token's value first."""
+        return self.num_pending > 0 and not self.blind
 
     @property
     def num_uncomputed_tokens(self) -> int:

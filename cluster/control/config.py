@@ -50,6 +50,10 @@ class EngineSection(_Strict):
     fused_kernels: bool = Field(
         True, description="on CUDA with triton (CUDA builds of torch ship it): RMSNorm, the rotary embedding and "
         "silu-and-mul each run as one Triton kernel instead of several torch ops; the CPU keeps the torch ops")
+    overlap_steps: bool | None = Field(
+        None, description="launch each engine step before the previous step's tokens are read back, so the host "
+        "schedules and post-processes while the device computes; null (auto): on CUDA without tensor parallelism. "
+        "true on a CPU runs the same order and saves nothing (each token reaches its client one step later)")
 
 
 class PoolSection(_Strict):
@@ -274,4 +278,5 @@ class TandemConfig(_Strict):
             attention_backend=e.attention_backend,
             cuda_graphs=e.cuda_graphs,
             fused_kernels=e.fused_kernels,
+            overlap_steps=e.overlap_steps,
         )

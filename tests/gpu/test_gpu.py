@@ -6,7 +6,7 @@
     weights, and ours may not stray more than a small multiple of what HF's bf16 run strays.
 (b) decode step time against the floor set by reading the weights (and the KV context) once at the
     memory bandwidth measured in the same run (a large device-to-device copy); batch 1 and 32, timed
-    with CUDA events. Ratios are printed and written to $TANDEM_GPU_REPORT (JSON); nothing is asserted
+    with CUDA events, with synchronous and with overlapped steps (actors/engine/in_flight.py). Ratios are printed and written to $TANDEM_GPU_REPORT (JSON); nothing is asserted
     about time.
 (c) KV pages GPU -> pinned host -> zmq -> pinned host -> GPU between a HandoffSender and a
     HandoffReceiver in this process, and the collective transport's choice of NCCL for CUDA caches.
@@ -150,14 +150,20 @@ def test_bf16_greedy_decoding_matches_transformers(parity_dir, path):
     steps = 32
     backend, graphs = path
     engine = Engine(EngineConfig(model=str(parity_dir), dtype="bfloat16", device=str(DEVICE), block_size=BLOCK,
-                                 num_kv_blocks=128, attention_backend=backend, cuda_graphs=graphs, fused_kernels=graphs))
+                                 num_kv_blocks=128, attention_backend=backend, cuda_graphs=graphs, fused_kernels=graphs,
+                                 overlap_steps=graphs))
     assert engine.runner.attention.name == backend and (engine.runner.graphs is not None) == graphs
     assert engine.runner.kv_caches[0][0].device.type == DEVICE.type
     assert next(engine.runner.model.parameters()).device.type == DEVICE.type
     prompts = [_prompt(n, PARITY_MODEL["vocab_size"], seed=n) for n in (5, 19, 37, 64)]
-    results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
+    greedy = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    results = engine.generate(prompts, greedy)
     engine.check_integrity()
     assert engine.num_used_blocks == 0
+    if graphs:  # overlapped steps (in_flight.py) give the synchronous steps' tokens on the device too
+        engine.overlap = False
+        assert [r.outputs[0].token_ids for r in engine.generate(prompts, greedy)] == \
+            [r.outputs[0].token_ids for r in results]
     hf32, hf16 = _hf(parity_dir, torch.float32), _hf(parity_dir, torch.bfloat16)
     exact = exact_hf16 = total = 0
     worst_gap = 0.0
@@ -177,7 +183,7 @@ def test_bf16_greedy_decoding_matches_transformers(parity_dir, path):
         total += steps
         worst_gap = max(worst_gap, gap)
         assert gap <= STRAY_FACTOR * noise + 1e-3, (prompt[:4], gap, noise)
-    replays = engine.runner.graphs.replays if graphs else 0
+    replays = engine.runner.graphs.replays // 2 if graphs else 0  # two runs of the prompts
     REPORT[f"parity_greedy_{_path_id(path)}"] = {
         "steps": total, "ours_bf16_matching_fp32_argmax": exact, "hf_bf16_matching_fp32_argmax": exact_hf16,
         "worst_near_tie_gap": worst_gap, "graph_replays": replays}
@@ -230,7 +236,7 @@ def bench_engine(bench_dir, request):
     engine = Engine(EngineConfig(model=str(bench_dir), dtype="bfloat16", device=str(DEVICE), block_size=BLOCK,
                                  kv_cache_memory_bytes=4 << 30 if ON_GPU else 64 << 20, max_num_seqs=64,
                                  enable_prefix_caching=False, attention_backend=backend, cuda_graphs=graphs,
-                                 fused_kernels=graphs))
+                                 fused_kernels=graphs, overlap_steps=False))
     engine.path_id = _path_id(request.param)
     if graphs:
         REPORT[f"graphs_{engine.path_id}"] = {"buckets": list(engine.runner.graphs.buckets),
@@ -266,6 +272,11 @@ def test_decode_step_time_against_the_bandwidth_floor(bench_engine, batch):
     while len(started) < batch:  # prefill (chunked) until every request has its first token
         started |= {out.request_id for out in engine.step()}
     step_s = _cuda_time(engine.step, iters=20)
+    # Overlapped (in_flight.py): the host schedules and post-processes while the device runs the step.
+    engine.overlap = True
+    overlapped_s = _cuda_time(engine.step, iters=20)
+    engine.overlap = False
+    engine.step()  # brings the step left in flight back
     for i in range(batch):
         engine.abort(f"bench-{batch}-{i}")
     assert engine.num_used_blocks == 0
@@ -275,10 +286,12 @@ def test_decode_step_time_against_the_bandwidth_floor(bench_engine, batch):
         "copy_bandwidth_tb_s": bandwidth / 1e12, "floor_ms": floor_s * 1e3, "weight_bytes": weight_bytes,
         "kv_bytes": kv_bytes, "forward_ms": forward_s * 1e3, "engine_step_ms": step_s * 1e3,
         "forward_over_floor": forward_s / floor_s, "engine_step_over_floor": step_s / floor_s,
-        "decode_tokens_per_s": batch / step_s,
+        "decode_tokens_per_s": batch / step_s, "overlapped_step_ms": overlapped_s * 1e3,
+        "overlapped_step_over_floor": overlapped_s / floor_s, "overlapped_tokens_per_s": batch / overlapped_s,
     }
     print(f"\n{engine.path_id} batch {batch}: floor {floor_s * 1e3:.3f} ms, forward {forward_s * 1e3:.3f} ms "
-          f"({forward_s / floor_s:.2f}x), engine step {step_s * 1e3:.3f} ms ({step_s / floor_s:.2f}x)")
+          f"({forward_s / floor_s:.2f}x), engine step {step_s * 1e3:.3f} ms ({step_s / floor_s:.2f}x), "
+          f"overlapped {overlapped_s * 1e3:.3f} ms ({overlapped_s / floor_s:.2f}x)")
 
 
 def _matmul_flops_per_s() -> float:

@@ -17,8 +17,11 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def load(name: str, **engine) -> TandemConfig:
-    """A config of configs/ for tests; `+collective` uses that transport, `+2shards` two scheduler shards."""
+    """A config of configs/ for tests; `+collective` uses that transport, `+2shards` two scheduler shards,
+    `+overlap` overlapped engine steps (on the CPU only their order: see actors/engine/in_flight.py)."""
     backend, shards = "zmq", 1
+    if name.endswith("+overlap"):
+        name, engine = name.removesuffix("+overlap"), {"overlap_steps": True, **engine}
     if name.endswith("+collective"):
         name, backend = name.removesuffix("+collective"), "collective"
     if name.endswith("+2shards"):

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from actors.engine.model.attention_backend import (
     AttentionBackend, LayerAttention, StepAttention, positions_and_slots, write_new_kv,
 )
+from actors.engine.model.host_to_device import tensor_on, to_device
 
 
 @dataclass
@@ -96,7 +97,7 @@ def build_attention_batch(
                     and last.token_start + last.count * q_len == start):
                 last.count += 1
             else:
-                blocks = None if whole else torch.tensor(table[:num_blocks], dtype=torch.long, device=device)
+                blocks = None if whole else tensor_on(table[:num_blocks], torch.long, device)
                 prefills.append(PrefillSlice(start, q_len, ctx_len, blocks))
         start += q_len
 
@@ -112,14 +113,14 @@ def build_attention_batch(
             if window is not None:
                 # The decode query sits at position len-1; keys older than the window are masked.
                 mask &= key_pos > (lens[:, None] - 1 - window)
-            decode_masks[window] = mask[:, None, None, :].to(device)
-        decode_token_idx = torch.tensor(decode_idx, device=device)
-        decode_blocks = decode_blocks.to(device)
+            decode_masks[window] = to_device(mask[:, None, None, :], device)
+        decode_token_idx = tensor_on(decode_idx, torch.long, device)
+        decode_blocks = to_device(decode_blocks, device)
 
     positions, slots = positions_and_slots(query_lens, computed_lens, block_tables, block_size)
     return AttentionBatch(
-        positions=positions.to(device),
-        slot_mapping=slots.to(device),
+        positions=to_device(positions, device),
+        slot_mapping=to_device(slots, device),
         prefills=prefills,
         decode_token_idx=decode_token_idx,
         decode_blocks=decode_blocks,

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.engine.model.host_to_device import tensor_on
+
 log = logging.getLogger(__name__)
 
 
@@ -94,15 +96,19 @@ class DecodeGraphs:
         self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
         log.info("captured decode CUDA graphs for batch sizes %s (%.1f MiB)", self.buckets, self.memory_bytes / 2**20)
 
-    def run(self, token_ids: list[int], computed_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor | None:
+    def run(self, token_ids: list[int], computed_lens: list[int], block_tables: list[list[int]],
+            feed=None) -> torch.Tensor | None:
         """Logits [B, vocab] of a decode step replayed from its bucket's graph; None when it needs the eager
-        path (no bucket fits, or a context outgrows the captured page tables)."""
+        path (no bucket fits, or a context outgrows the captured page tables). `feed`: the runner's
+        TokenFeed of input ids still on the device."""
         bucket = bucket_for(len(token_ids), self.buckets)
         if bucket is None or any(-(-(done + 1) // self.backend.block_size) > self.max_pages for done in computed_lens):
             return None
         graph, input_ids, step, logits = self._graphs[bucket]
         padded = pad_decode(token_ids, computed_lens, block_tables, bucket, self.pad_block)
-        input_ids.copy_(torch.tensor(padded.token_ids), non_blocking=True)
+        input_ids.copy_(tensor_on(padded.token_ids, torch.long, self.device), non_blocking=True)
+        if feed is not None:
+            feed.write_into(input_ids)
         step.plan(padded.query_lens, padded.computed_lens, padded.block_tables)
         graph.replay()
         self.replays += 1

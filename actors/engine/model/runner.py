@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,11 +25,27 @@ from actors.engine.model.backend_choice import choose_attention_backend, install
 from actors.engine.model.cpu_allocator import keep_freed_memory
 from actors.engine.model.cpu_linear import mkl_packing_available, pack_linears
 from actors.engine.model.decode_graphs import DecodeGraphs, graph_buckets
+from actors.engine.model.host_to_device import tensor_on, to_device
 from actors.engine.model.llama import LlamaModel
 from actors.engine.model.loader import DTYPES, load_model
 from actors.engine.model.parallel import SINGLE, StepPlan, TPComm
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenFeed:
+    """Input ids a step still in flight sampled (overlapped steps, engine.py): flat token `positions[i]`
+    of this step takes `source[rows[i]]`, where `source` (the previous step's chosen tokens) lives on the
+    model's device, so the host never waits for them."""
+
+    positions: list[int]
+    rows: list[int]
+    source: torch.Tensor
+
+    def write_into(self, input_ids: torch.Tensor) -> None:
+        device = input_ids.device
+        input_ids[tensor_on(self.positions, torch.long, device)] = self.source[tensor_on(self.rows, torch.long, device)]
 
 
 class ModelRunner:
@@ -111,30 +128,37 @@ class ModelRunner:
         block_tables: list[list[int]],
         sample_rows: list[int],
         score_rows: list[int] = (),
+        feed: TokenFeed | None = None,
     ) -> torch.Tensor:
         """Forward the flat batch; return float32 logits [len(sample_rows) + len(score_rows), vocab]: first
         for the sampled sequences, then for the scored tokens.
 
         `sample_rows` are indexes into the batch's sequences; each samples at its last query token.
         `score_rows` are indexes into the flat tokens whose logits are wanted too (prompt logprobs).
+        `feed`: input ids the previous step sampled and the host does not know yet (their entries in
+        `token_ids` are placeholders); not across tensor-parallel ranks, which get their ids from the plan.
         """
+        if feed is not None and self.comm.shard.size > 1:
+            raise ValueError("a tensor-parallel step takes its input ids from the host (no TokenFeed)")
         self._lead(StepPlan("forward", token_ids, query_lens, computed_lens, block_tables, sample_rows,
                             score_rows=list(score_rows)))
-        return self._forward(token_ids, query_lens, computed_lens, block_tables, sample_rows, score_rows)
+        return self._forward(token_ids, query_lens, computed_lens, block_tables, sample_rows, score_rows, feed)
 
-    def _forward(self, token_ids, query_lens, computed_lens, block_tables, sample_rows, score_rows=()) -> torch.Tensor:
+    def _forward(self, token_ids, query_lens, computed_lens, block_tables, sample_rows, score_rows=(),
+                 feed: TokenFeed | None = None) -> torch.Tensor:
         if self.graphs is not None and not score_rows and all(q == 1 and done > 0 for q, done in zip(query_lens, computed_lens)):
-            logits = self.graphs.run(token_ids, computed_lens, block_tables)
+            logits = self.graphs.run(token_ids, computed_lens, block_tables, feed)
             if logits is not None:
-                return logits[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+                return logits[tensor_on(sample_rows, torch.long, self.device)]
         batch = self.attention.prepare(query_lens, computed_lens, block_tables)
         ends = torch.tensor(query_lens).cumsum(0) - 1
         sample_idx = ends[torch.tensor(sample_rows, dtype=torch.long)]
         if score_rows:
             sample_idx = torch.cat([sample_idx, torch.tensor(list(score_rows), dtype=torch.long)])
-        sample_idx = sample_idx.to(self.device)
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return self.model(input_ids, batch, self._caches, sample_idx)
+        input_ids = tensor_on(token_ids, torch.long, self.device)
+        if feed is not None:
+            feed.write_into(input_ids)
+        return self.model(input_ids, batch, self._caches, to_device(sample_idx, self.device))
 
     @torch.inference_mode()
     def follow(self, on_task: Callable[[bytes], None] | None = None) -> None:

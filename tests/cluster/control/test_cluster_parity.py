@@ -13,7 +13,7 @@ from tests.helpers.cluster import load, wait_until_idle, workload
 
 
 @pytest.mark.parametrize("config_name", ["local.yaml", "disagg-2p2d.yaml", "colocated.yaml", "local.yaml+collective",
-                                         "disagg-2p2d.yaml+2shards"])
+                                         "disagg-2p2d.yaml+2shards", "local.yaml+overlap"])
 def test_layouts_match_the_single_engine(ray_session, expected, config_name):
     prompts, params = workload()
     cluster = Cluster.start(load(config_name))

@@ -1,0 +1,23 @@
+"""Step inputs from the host to the model's device without waiting for the device.
+
+A copy from pageable host memory to a GPU waits for the stream's queued work first, so a step that
+builds its index tensors while the previous step still runs (overlapped steps, engine.py) would wait
+for it at every such copy. Through pinned memory the copy is queued like a kernel instead; torch's
+pinned allocator keeps the host buffer until the copy has run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`values` (a CPU tensor) on `device`; on a CPU the same tensor."""
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
+
+
+def tensor_on(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A list (or nested lists) of numbers as a tensor on `device`, built on the host and sent without waiting."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
