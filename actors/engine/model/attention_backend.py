@@ -73,17 +73,42 @@ class GraphableBackend(AttentionBackend):
         graph; its `plan(query_lens, computed_lens, block_tables)` refills them before each replay."""
 
 
+_SHORT_RUN = 64  # query tokens up to which a sequence's positions and slots are counted out in Python
+
+
 def positions_and_slots(query_lens: list[int], computed_lens: list[int], block_tables: list[list[int]],
                         block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """On the CPU: the position and the cache slot of every new token of the step, in flat order."""
-    offsets = torch.arange(block_size)
+    """On the CPU: the position and the cache slot of every new token of the step, in flat order (int64).
+    Short query runs (decodes, small chunks) are counted out in Python, long prefills as tensor ops: a
+    tensor op per decode sequence cost ~25 us, 0.8 ms a step at batch 32 here."""
     positions, slots = [], []
+    short_positions: list[int] = []
+    short_slots: list[int] = []
+
+    def flush() -> None:
+        if short_positions:
+            positions.append(torch.tensor(short_positions, dtype=torch.long))
+            slots.append(torch.tensor(short_slots, dtype=torch.long))
+            short_positions.clear()
+            short_slots.clear()
+
     for q_len, done, table in zip(query_lens, computed_lens, block_tables):
         end = done + q_len
+        if q_len <= _SHORT_RUN:
+            short_positions.extend(range(done, end))
+            short_slots.extend(table[p // block_size] * block_size + p % block_size for p in range(done, end))
+            continue
+        flush()
         first, last = done // block_size, -(-end // block_size)
         blocks = torch.tensor(table[first:last], dtype=torch.long)
         positions.append(torch.arange(done, end))
-        slots.append((blocks[:, None] * block_size + offsets).flatten()[done - first * block_size: end - first * block_size])
+        slots.append((blocks[:, None] * block_size + torch.arange(block_size)).flatten()[done - first * block_size:
+                                                                                          end - first * block_size])
+    flush()
+    if len(positions) == 1:
+        return positions[0], slots[0]
+    if not positions:
+        return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
     return torch.cat(positions), torch.cat(slots)
 
 
