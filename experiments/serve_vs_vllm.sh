@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # tandem 1P+1D (`tandem serve`'s default: SmolLM2-135M, float32) and vLLM's CPU build on the same model and
 # dtype, one after the other on this machine, under the same `vllm bench serve` load: 512-token prompts,
-# 64 tokens out, Poisson arrivals at 0.5 req/s. tandem runs twice: one torch thread per worker (the
+# 64 tokens out, Poisson arrivals at 0.5 req/s (or RATE). tandem runs twice: one torch thread per worker (the
 # default), and the prefill worker with 2 (the cores the decode worker leaves idle between its steps).
-#   experiments/serve_vs_vllm.sh /path/to/vllm-venv/bin/python OUT_DIR [NUM_PROMPTS]
+#   experiments/serve_vs_vllm.sh /path/to/vllm-venv/bin/python OUT_DIR [NUM_PROMPTS] [RATE]
 # Writes OUT_DIR/{vllm,tandem,tandem-prefill2}.json (vLLM's result format) and prints the ratios.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VPY=$1 OUT=$2 N=${3:-60}
+VPY=$1 OUT=$2 N=${3:-60} RATE=${4:-0.5}
 export RAY_USAGE_STATS_ENABLED=0 VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind HF_HUB_OFFLINE=1
 MODEL=$(python -c 'from actors.engine.model.default_model import resolve_model as r; print(r("builtin:smollm2"))')
 mkdir -p "$OUT"
@@ -22,7 +22,7 @@ wait_ready() {  # url
 load() {  # name port
   "$VPY" experiments/vllm_cli.py bench serve --backend openai --endpoint /v1/completions \
     --base-url "http://127.0.0.1:$2" --model smollm2 --tokenizer "$MODEL" --dataset-name random \
-    --random-input-len 512 --random-output-len 64 --num-prompts "$N" --request-rate 0.5 --seed 0 --ignore-eos \
+    --random-input-len 512 --random-output-len 64 --num-prompts "$N" --request-rate "$RATE" --seed 0 --ignore-eos \
     --goodput ttft:2000 tpot:100 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
     --save-result --result-dir "$OUT" --result-filename "$1.json" > "$OUT/$1.log" 2>&1
   grep -E "Request goodput|Median TTFT|P99 ITL" "$OUT/$1.log" | sed "s/^/$1: /"
