@@ -212,7 +212,8 @@ class Draw:
         self.chosen, self._logits, self._rows = chosen, logits, rows
         self._host, self._ready = chosen, None
         if chosen.device.type == "cuda":  # a non-blocking copy into pinned memory, waited for in results()
-            self._host = chosen.to("cpu", non_blocking=True)
+            self._host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
+            self._host.copy_(chosen, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
 

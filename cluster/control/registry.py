@@ -31,6 +31,7 @@ class WorkerRegistry:
         self.on_change: Callable[[str], None] = lambda worker_id: None  # a worker's view or standing changed
         self._lost: dict[str, str] = {}  # worker id -> incarnation declared dead
         self._draining: set[str] = set()  # no new work; what they serve finishes
+        self._retired: dict[str, str] = {}  # worker id -> incarnation removed after draining
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._on_lost = on_lost
         self.workers_lost = 0
@@ -142,6 +143,18 @@ class WorkerRegistry:
         if entry is not None:
             self._leave_pool(entry)
         return entry
+
+    def retire(self, worker_id: str) -> WorkerEntry | None:
+        """Forget a drained worker for good: this process may not register again. (A report it sent
+        before it stopped is answered "unknown", and its register call would bring it back as a ghost
+        that nothing routes around until the heartbeat timeout.)"""
+        entry = self.remove(worker_id)
+        if entry is not None:
+            self._retired[worker_id] = entry.info.incarnation
+        return entry
+
+    def is_retired(self, info: WorkerInfo) -> bool:
+        return self._retired.get(info.worker_id) == info.incarnation
 
     def _leave_pool(self, entry: WorkerEntry) -> None:
         role, wid = entry.view.role, entry.info.worker_id

@@ -100,7 +100,10 @@ class Scheduler:
     async def register(self, info: WorkerInfo, handle, live: list[LiveRequest] = ()) -> bool:
         """A worker joins: new, restarted by Ray (a new incarnation: its old requests are gone), or
         re-announcing itself (same incarnation) because this scheduler restarted or gave up on it.
-        `live` is every request the worker still holds state for."""
+        `live` is every request the worker still holds state for. False: a drained and removed worker's
+        late call (it is stopping), refused."""
+        if self._registry.is_retired(info):
+            return False
         known = self._registry.get(info.worker_id)
         if known is not None and known.info.incarnation != info.incarnation:
             self._worker_gone(info.worker_id, "it restarted")
@@ -168,7 +171,7 @@ class Scheduler:
         """Forget a drained worker; False (and nothing changes) while a request still involves it."""
         if self._table.touching(worker_id):
             return False
-        self._registry.remove(worker_id)
+        self._registry.retire(worker_id)
         self._index.forget(worker_id)
         self._links.forget(worker_id)
         return True

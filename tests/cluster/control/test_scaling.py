@@ -98,6 +98,20 @@ def test_scale_up_and_down_under_load_fails_nothing(server, expected):  # noqa: 
     assert_clean(cluster)
 
 
+def test_a_removed_worker_cannot_register_again(server):  # noqa: F811
+    """A drained worker's late register call (a report it sent before stopping was answered "unknown")
+    is refused: it would come back as a ghost the scheduler routes to."""
+    cluster, base = server
+    before = set(cluster.workers)
+    assert tandem(["scale", "--decode", "2", "--url", base]) == 0
+    (added,) = set(cluster.workers) - before
+    info = ray.get(cluster.workers[added].info.remote(), timeout=30)
+    assert tandem(["scale", "--decode", "1", "--url", base]) == 0
+    assert ray.get(cluster.scheduler.register.remote(info, None, []), timeout=30) is False
+    assert added not in ray.get(cluster.scheduler.state.remote(), timeout=10).workers
+    assert_clean(cluster)
+
+
 def test_bad_resizes_are_refused_and_change_nothing(server, capsys):  # noqa: F811
     cluster, base = server
     before = sorted(cluster.workers)
