@@ -383,9 +383,10 @@ class Engine(Disaggregation):
     def check_integrity(self) -> None:
         self.batcher.check_integrity()
         launched = self._in_flight.pending_counts() if self._in_flight is not None else {}
-        pending = {id(s): s.num_pending for seqs in self._requests.values() for s in seqs if s.num_pending}
-        if any(launched.get(k) != n for k, n in pending.items()):
-            raise RuntimeError(f"{len(pending)} sequences count pending tokens that no step in flight will bring")
+        wrong = [s.seq_id for seqs in self._requests.values() for s in seqs if s.num_pending != launched.get(id(s), 0)]
+        if wrong:
+            raise RuntimeError(f"{len(wrong)} sequences count other pending tokens than the step in flight will "
+                               f"bring (e.g. {wrong[0]})")
         live = {s.seq_id for seqs in self._requests.values() for s in seqs if not s.status.is_finished()}
         queued = self.batcher.queued_ids()
         queued |= {s.seq_id for s in self._handoffs.values()}
