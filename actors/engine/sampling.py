@@ -25,6 +25,7 @@ from itertools import chain
 
 import torch
 
+from actors.engine.model.host_to_device import tensor_on, to_device
 from actors.engine.sampling_filters import min_p_rows, top_k_rows, top_p_rows, typical_rows
 from actors.protocol.sampling_params import SamplingParams
 
@@ -164,8 +165,12 @@ class Sampler:
         device, vocab = logits.device, logits.shape[1]
         probs = torch.softmax(logits.float() / _per_row(rows, "temperature", device).unsqueeze(1), dim=-1)
         broken = ~torch.isfinite(probs).all(dim=-1)
-        if bool(broken.any()):
-            # A temperature so small that logits / T overflows is the greedy limit: take the argmax.
+        # A temperature so small that logits / T overflows is the greedy limit: take the argmax. On a GPU
+        # without asking whether any row broke (that question would wait for the device).
+        if probs.is_cuda:
+            greedy = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+            probs = torch.where(broken.unsqueeze(1), greedy, probs)
+        elif bool(broken.any()):
             greedy = torch.zeros_like(probs[broken]).scatter_(-1, logits[broken].argmax(-1, keepdim=True), 1.0)
             probs[broken] = greedy
         filters = (
@@ -177,9 +182,9 @@ class Sampler:
         for kernel, values, neutral in filters:
             active = [j for j, v in enumerate(values) if v != neutral]
             if len(active) == len(rows):
-                probs = kernel(probs, torch.tensor(values, device=device).unsqueeze(1))
+                probs = kernel(probs, tensor_on(values, None, device).unsqueeze(1))
             elif active:
-                column = torch.tensor([values[j] for j in active], device=device).unsqueeze(1)
+                column = tensor_on([values[j] for j in active], None, device).unsqueeze(1)
                 probs[active] = kernel(probs[active], column)
 
         # Inverse CDF: one uniform per row. A seeded row takes its uniform from its own generator, so
@@ -192,7 +197,7 @@ class Sampler:
             uniform[shared] = torch.rand(len(shared), 1, dtype=torch.float64, device=device, generator=generator)
         for j in (j for j, r in enumerate(rows) if r.generator is not None):
             g = rows[j].generator  # drawn where the generator lives: a CPU generator serves GPU logits too
-            uniform[j] = torch.rand(1, dtype=torch.float64, device=g.device, generator=g).to(device)
+            uniform[j] = to_device(torch.rand(1, dtype=torch.float64, device=g.device, generator=g), device)
         total = cdf[:, -1:]
         # Strictly below the total, so the draw lands on a token with positive probability.
         target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -257,7 +262,7 @@ def _untouched(row: SamplingRow) -> bool:
 
 
 def _per_row(rows: list[SamplingRow], name: str, device: torch.device) -> torch.Tensor:
-    return torch.tensor([getattr(r.params, name) for r in rows], dtype=torch.float32, device=device)
+    return tensor_on([getattr(r.params, name) for r in rows], torch.float32, device)
 
 
 def _flatten(row_ids: list[int], token_lists: list, device: torch.device) -> tuple[torch.Tensor, ...]:

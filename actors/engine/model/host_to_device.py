@@ -12,12 +12,13 @@ import torch
 
 
 def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`values` (a CPU tensor) on `device`; on a CPU the same tensor."""
-    if device.type != "cuda":
+    """`values` on `device`: a CPU tensor bound for a GPU through pinned memory; anything else as `to` does."""
+    if device.type != "cuda" or values.device.type != "cpu":
         return values.to(device)
     return values.pin_memory().to(device, non_blocking=True)
 
 
-def tensor_on(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A list (or nested lists) of numbers as a tensor on `device`, built on the host and sent without waiting."""
+def tensor_on(values, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    """A list (or nested lists) of numbers as a tensor on `device`, built on the host and sent without
+    waiting; dtype None: torch's default for the values."""
     return to_device(torch.tensor(values, dtype=dtype), device)
