@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.engine.model.host_to_device import tensor_on
+from actors.engine.model.host_to_device import copy_into
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class DecodeGraphs:
             return None
         graph, input_ids, step, logits = self._graphs[bucket]
         padded = pad_decode(token_ids, computed_lens, block_tables, bucket, self.pad_block)
-        input_ids.copy_(tensor_on(padded.token_ids, torch.long, self.device), non_blocking=True)
+        copy_into(input_ids, torch.tensor(padded.token_ids, dtype=torch.long))
         if feed is not None:
             feed.write_into(input_ids)
         step.plan(padded.query_lens, padded.computed_lens, padded.block_tables)

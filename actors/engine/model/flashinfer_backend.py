@@ -26,7 +26,7 @@ from actors.engine.model.attention import AttentionBatch, build_attention_batch
 from actors.engine.model.attention_backend import (
     GraphableBackend, LayerAttention, StepAttention, positions_and_slots, write_new_kv,
 )
-from actors.engine.model.host_to_device import to_device
+from actors.engine.model.host_to_device import copy_into, to_device
 
 SERVED_HEAD_DIMS = (64, 128, 256)  # what flashinfer-jit-cache ships compiled for the paged kernels
 SERVED_DTYPES = (torch.float16, torch.bfloat16)
@@ -119,8 +119,8 @@ class FlashInferStep(StepAttention):
         b = self.backend
         positions, slots = positions_and_slots(query_lens, computed_lens, block_tables, b.block_size)
         if self.fixed:
-            self.positions.copy_(to_device(positions, b.device), non_blocking=True)
-            self.slot_mapping.copy_(to_device(slots, b.device), non_blocking=True)
+            copy_into(self.positions, positions)
+            copy_into(self.slot_mapping, slots)
         else:
             self.positions, self.slot_mapping = to_device(positions, b.device), to_device(slots, b.device)
         self._lists, self._fallback = (query_lens, computed_lens, block_tables), None

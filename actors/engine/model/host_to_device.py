@@ -22,3 +22,8 @@ def tensor_on(values, dtype: torch.dtype | None, device: torch.device) -> torch.
     """A list (or nested lists) of numbers as a tensor on `device`, built on the host and sent without
     waiting; dtype None: torch's default for the values."""
     return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def copy_into(buffer: torch.Tensor, values: torch.Tensor) -> None:
+    """Fill a fixed device buffer (a CUDA graph's input) from a CPU tensor without waiting for the device."""
+    buffer.copy_(values.pin_memory() if buffer.is_cuda and values.device.type == "cpu" else values, non_blocking=True)

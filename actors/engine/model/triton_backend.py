@@ -16,7 +16,7 @@ from actors.engine.model.attention import SdpaBackend
 from actors.engine.model.attention_backend import (
     GraphableBackend, LayerAttention, StepAttention, positions_and_slots, write_new_kv,
 )
-from actors.engine.model.host_to_device import to_device
+from actors.engine.model.host_to_device import copy_into, to_device
 
 
 class TritonBackend(GraphableBackend):
@@ -68,7 +68,7 @@ class TritonDecodeStep(StepAttention):
         if self.fixed:
             for buffer, value in ((self.positions, positions), (self.slot_mapping, slots),
                                   (self.block_tables, tables), (self.seq_lens, seq_lens)):
-                buffer.copy_(to_device(value, b.device), non_blocking=True)
+                copy_into(buffer, value)
         else:
             self.positions, self.slot_mapping = to_device(positions, b.device), to_device(slots, b.device)
             self.block_tables, self.seq_lens = to_device(tables, b.device), to_device(seq_lens, b.device)
