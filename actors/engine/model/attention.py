@@ -144,7 +144,7 @@ def paged_attention(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     write_new_kv(k, v, k_cache, v_cache, batch.slot_mapping)
 
-    out = torch.empty_like(q)
+    out = torch.empty_like(q)  # untouched (no pages faulted in) when the prefill loop returns early
     for p in batch.prefills:
         rows = slice(p.token_start, p.token_start + p.count * p.query_len)
         qs = q[rows].unflatten(0, (p.count, p.query_len)).transpose(1, 2)  # [n, H, q, D]
@@ -156,8 +156,10 @@ def paged_attention(
         ks = ks.unflatten(0, (p.count, -1)).transpose(1, 2)
         vs = vs.unflatten(0, (p.count, -1)).transpose(1, 2)
         mask = _prefill_mask(p.query_len, p.context_len, sliding_window, q.device)
-        o = _attend(qs, ks, vs, mask, scale, softcap)
-        out[rows] = o.transpose(1, 2).flatten(0, 1)
+        o = _attend(qs, ks, vs, mask, scale, softcap).transpose(1, 2).flatten(0, 1)
+        if o.shape[0] == q.shape[0]:
+            return o  # fresh prompts that fill the batch: no copy into `out` (a prefill's 16 MB a layer)
+        out[rows] = o
 
     if batch.decode_token_idx is not None:
         qd = q[batch.decode_token_idx].unsqueeze(2)  # [B, H, 1, D]
