@@ -8,11 +8,12 @@ With overlapped steps (`overlap`, in_flight.py) `step` launches the next step be
 previous one back: a step's tokens are returned by the call after the one that launched it, and
 `has_work` stays true while a step is in flight.
 
-Why one file of ~430 lines: it is the one owner of a worker's requests and sequences (forks, window
+Why one file of ~400 lines: it is the one owner of a worker's requests and sequences (forks, window
 releases and the step in flight included); the hand-off and adoption of disaggregated serving
-(`disaggregation.py`), a step's inputs and which sequences run blind (`in_flight.py`), stop conditions
-(`postprocess.py`), request checks (`validation.py`), prompt logprobs (`prompt_scores.py`) and
-structured-output grammars (`structured.py`) live beside it.
+(`disaggregation.py`), what it reports of its cache and model (`engine_views.py`), a step's inputs and
+which sequences run blind (`in_flight.py`), stop conditions (`postprocess.py`), request checks
+(`validation.py`), prompt logprobs (`prompt_scores.py`) and structured-output grammars (`structured.py`)
+live beside it.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ import torch
 from actors.engine.batcher import Batcher, ScheduledBatch
 from actors.engine.config import EngineConfig
 from actors.engine.disaggregation import Disaggregation
+from actors.engine.engine_views import EngineViews
 from actors.engine.in_flight import LaunchedStep, StepInputs, may_stay_in_flight, overlap_wanted, runs_blind
 from actors.engine.kv.block_pool import OutOfBlocksError
 from actors.engine.kv.cache_manager import KVCacheManager
 from actors.engine.model.parallel import SINGLE, TPComm
 from actors.engine.model.runner import ModelRunner
-from actors.engine.outputs import CompletionOutput, EngineLoad, GenerationResult, RequestOutput, TokenLogprob
+from actors.engine.outputs import CompletionOutput, GenerationResult, RequestOutput, TokenLogprob
 from actors.engine import prompt_scores
 from actors.engine.postprocess import append_token
 from actors.engine.sampling import Sampler, SampleResult, SamplingRow, skip_draws
@@ -45,7 +47,7 @@ from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 
 
-class Engine(Disaggregation):
+class Engine(Disaggregation, EngineViews):
     def __init__(self, config: EngineConfig, comm: TPComm = SINGLE):
         """`comm`: rank 0 of a tensor-parallel worker's group (the engine leads; see ModelRunner)."""
         self.config = config
@@ -395,51 +397,3 @@ class Engine(Disaggregation):
 
     def take_kv_events(self) -> list:
         return self.kv.take_events()
-
-    def load(self) -> EngineLoad:
-        running, waiting = self.batcher.load()
-        pool = self.kv.pool
-        return EngineLoad(pool.num_free_blocks, pool.num_blocks, pool.num_used_blocks, running, waiting,
-                          self.batcher.queued_prefill_tokens(), self.batcher.num_preemptions)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.kv.pool.num_used_blocks
-
-    @property
-    def model_config(self):
-        """The decoder's shape (layers, heads, sizes), for cost models and benchmarks."""
-        return self.runner.cfg
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.runner.dtype
-
-    def prompts_pending(self) -> bool:
-        """Some request still has prompt tokens to compute (waiting, or mid-prefill)."""
-        return self.batcher.queued_prefill_tokens() > 0
-
-    @property
-    def kv_caches(self):
-        """The cache tensors, for the KV transport to read and write pages (never to allocate blocks)."""
-        return self.runner.kv_caches
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.runner.num_kv_blocks
-
-    @property
-    def bytes_per_block(self) -> int:
-        """KV bytes of one block in this process (a tensor-parallel rank's share of the model's)."""
-        return self.runner.bytes_per_block
-
-    @property
-    def model_bytes_per_block(self) -> int:
-        """KV bytes of one block of the whole model (every rank's heads; a replicated head once)."""
-        total, by_rank = self.kv_heads
-        return self.bytes_per_block * total // (by_rank[0][1] - by_rank[0][0])
-
-    @property
-    def kv_heads(self) -> tuple[int, tuple[tuple[int, int], ...]]:
-        """The model's KV head count, and which of them ([first, end)) each tensor-parallel rank's cache holds."""
-        return self.runner.model.total_kv_heads, self.runner.model.kv_heads_by_rank
