@@ -21,7 +21,6 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import openai
 import ray
 
 from actors.engine.engine import Engine
@@ -111,6 +110,8 @@ def _worker_pids(cluster: Cluster) -> dict[str, int]:
 
 
 def _stream(client: openai.OpenAI, model: str, prompt: list[int], max_tokens: int) -> dict:
+    import openai
+
     started = time.monotonic()
     text, finish = [], None
     try:
@@ -145,6 +146,8 @@ def _kv_after(cluster: Cluster, timeout_s: float = 120.0) -> int:
 
 
 def bench(args: argparse.Namespace) -> dict:
+    import openai  # the 'bench' extra: imported here so that `--help` works without it
+
     config = TandemConfig.from_file(args.config)
     # The scheduler gives a silent worker up after 2 s and a handoff after 5 s (the test suite's values).
     config = config.model_copy(update={"scheduler": config.scheduler.model_copy(

@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -84,7 +83,7 @@ class _Served:
         self._log = config.with_suffix(".log")
         env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(_REPO)}
         with self._log.open("w") as out:
-            self._proc = subprocess.Popen([str(_SCRIPT), "run", "head", sys.executable, "-m", "cluster.cli", "serve",
+            self._proc = subprocess.Popen([str(_SCRIPT), "run", "head", sys.executable, "-m", "tandem.cli", "serve",
                                            "--address", "auto", "--config", str(config)],
                                           stdout=out, stderr=subprocess.STDOUT, env=env)
 
@@ -103,7 +102,7 @@ class _Served:
     def __exit__(self, *exc) -> None:
         # nsenter does not pass signals on: Ctrl-C the server inside the head's PID namespace, and wait
         # until it has stopped, or the next layout's server would find this one still answering.
-        subprocess.run([str(_SCRIPT), "run", "head", "pkill", "-INT", "-f", "cluster.cli serve"],
+        subprocess.run([str(_SCRIPT), "run", "head", "pkill", "-INT", "-f", "tandem.cli serve"],
                        capture_output=True, timeout=60)
         try:
             self._proc.wait(timeout=120)
@@ -181,6 +180,8 @@ def _run_rate(client: openai.OpenAI, rng: random.Random, rate: str, args) -> dic
 
 
 def bench(args) -> dict:
+    import openai  # the 'bench' extra: imported here so that `--help` works without it
+
     if os.geteuid() != 0:
         raise SystemExit("tandem bench link needs root (network namespaces)")
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]

@@ -48,7 +48,7 @@ config["prefill"]["torch_threads"] = 2
 yaml.safe_dump(config, open(sys.argv[1], "w"))
 PY
   fi
-  python -m cluster.cli serve --config "$config" --port 8022 > "$OUT/$variant-server.log" 2>&1 &
+  python -m tandem.cli serve --config "$config" --port 8022 > "$OUT/$variant-server.log" 2>&1 &
   server=$!
   wait_ready http://127.0.0.1:8022/ready
   until curl -s http://127.0.0.1:8022/ready | grep -q '"ready": *true'; do sleep 1; done

@@ -82,7 +82,7 @@ class ServeProcess:
     def _start_once(self, timeout_s: float) -> None:
         if not port_is_free(self.host, self.port):
             raise _PortTaken(f"port {self.port} is taken before the server started")
-        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(self.config_path),
+        cmd = [sys.executable, "-m", "tandem.cli", "serve", "--config", str(self.config_path),
                "--host", self.host, "--port", str(self.port)]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

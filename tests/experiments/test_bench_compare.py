@@ -7,7 +7,7 @@ import json
 import socket
 from pathlib import Path
 
-from cluster.cli import main
+from tandem.cli import main
 from experiments.compare.layouts import parse_layouts
 from experiments.compare.server import ServeProcess, port_is_free, session_pids
 from experiments.planner.profile import EngineLimits, EngineProfile, LinearCost, ModelShape

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster.cli import main
+from tandem.cli import main
 from tests.helpers.bench import check_run
 from tests.helpers.cluster import load, wait_until_idle
 from tests.helpers.http_server import serving

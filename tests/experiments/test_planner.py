@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.cli import main
+from tandem.cli import main
 from experiments.loadgen.spec import LengthDist
 from experiments.planner.metrics import SLO, summarize
 from experiments.planner.profile import BatchShape, EngineLimits, EngineProfile, LinearCost, ModelShape

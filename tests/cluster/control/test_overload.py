@@ -51,7 +51,7 @@ def serving(tmp_path: Path, max_predicted_ttft_s: float | None):
     port = _free_port()
     log = open(tmp_path / f"serve-{port}.log", "w")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(path), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "--config", str(path), "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -12,7 +12,7 @@ import yaml
 
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
-from cluster.cli import main as tandem
+from tandem.cli import main as tandem
 from cluster.control.launch import NAMESPACE, Cluster
 from cluster.control.scaling import ConfigWatcher
 from tests.helpers.cluster import CONFIGS, load, wait_until_idle

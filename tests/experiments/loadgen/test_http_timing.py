@@ -13,7 +13,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from cluster.cli import main
+from tandem.cli import main
 from experiments.loadgen.report import format_run
 from experiments.loadgen.runner import run_benchmark
 from experiments.loadgen.spec import ArrivalSpec, BenchSpec, LengthDist, WorkloadSpec

@@ -1,0 +1,40 @@
+"""Config validation: a typo names the field, keys never show in an error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.control.config import TandemConfig
+
+
+def test_local_config_loads(default_model_dir):
+    config = TandemConfig.from_file(Path(__file__).parents[3] / "configs" / "local.yaml")
+    assert config.engine_config().model == str(default_model_dir)
+
+
+def test_config_typo_names_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine:\n  block_sise: 16\n")
+    with pytest.raises(ValueError, match=r"engine\.block_sise"):
+        TandemConfig.from_file(bad)
+    bad.write_text("engine:\n  max_num_seqs: 0\n")
+    with pytest.raises(ValueError, match=r"engine\.max_num_seqs"):
+        TandemConfig.from_file(bad)
+
+
+def test_keys_in_a_config_error_are_redacted(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ingress:\n  api_keys:\n    sk-live-0123456789: {tenant: 5, extra: 1}\n")
+    with pytest.raises(ValueError) as err:
+        TandemConfig.from_file(bad)
+    assert "ingress.api_keys.<key>.tenant" in str(err.value) and "sk-live" not in str(err.value)
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("sk-file-0123456789: {tenant: 5}\n")
+    bad.write_text(f"ingress:\n  api_keys_file: {keys}\n")
+    with pytest.raises(ValueError) as err:
+        TandemConfig.from_file(bad).ingress.tenants()
+    assert "tenant" in str(err.value) and "sk-file" not in str(err.value)
+    keys.write_text("sk-file-0123456789: {tenant: team-a}\n")
+    assert TandemConfig.from_file(bad).ingress.tenants()["sk-file-0123456789"].tenant == "team-a"

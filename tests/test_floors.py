@@ -1,0 +1,48 @@
+"""The floors of DESIGN.md: imports only point down, at module level and inside functions alike.
+
+    tandem/ (the command line) -> experiments/ -> cluster/ -> actors/ -> kv_transfer/
+
+A product module (cluster/, actors/, kv_transfer/) that imported a measuring tool or the command line
+would make `tandem serve` need the tools' packages, which is how a newcomer's first command broke.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FLOORS = ["tandem", "experiments", "cluster", "actors", "kv_transfer"]  # top first
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level package) of every absolute import in the file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name.partition(".")[0]) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module.partition(".")[0]))
+    return found
+
+
+def upward_imports(floor: str) -> list[str]:
+    level = FLOORS.index(floor)
+    return [f"{path.relative_to(REPO)}:{line} imports {package}"
+            for path in sorted((REPO / floor).rglob("*.py"))
+            for line, package in _imports(path)
+            if package in FLOORS and FLOORS.index(package) < level]
+
+
+@pytest.mark.parametrize("floor", FLOORS)
+def test_imports_point_down(floor):
+    assert upward_imports(floor) == []
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    """The walk finds an import inside a function, where a lazy one would hide."""
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from experiments.smoke import shrink\n")
+    assert _imports(module) == [(2, "experiments")]
