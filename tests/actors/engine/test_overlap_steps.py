@@ -53,6 +53,30 @@ def _serve(engine: Engine, prompts, params) -> dict[str, list]:
     return seen
 
 
+def _assert_same_outputs(got: dict[str, list], want: dict[str, list]) -> None:
+    """Token ids, finish states and cache hits exactly; logprobs within float rounding: a request that
+    waits a step runs in a batch of another size, and on some CPUs (seen on AMD EPYC) a matmul of
+    another row count rounds its last bits differently."""
+    (got_exact, got_floats), (want_exact, want_floats) = _exact_and_floats(got), _exact_and_floats(want)
+    assert got_exact == want_exact
+    torch.testing.assert_close(torch.tensor(got_floats, dtype=torch.float64),
+                               torch.tensor(want_floats, dtype=torch.float64), rtol=1e-4, atol=1e-4)
+
+
+def _exact_and_floats(x) -> tuple[object, list[float]]:
+    """(x with every float replaced by a marker, the floats in order)."""
+    if isinstance(x, float):
+        return "<float>", [x]
+    if dataclasses.is_dataclass(x):
+        x = (type(x).__name__, *(getattr(x, f.name) for f in dataclasses.fields(x)))
+    elif isinstance(x, dict):
+        x = sorted(x.items())
+    if isinstance(x, (list, tuple)):
+        parts = [_exact_and_floats(item) for item in x]
+        return tuple(p[0] for p in parts), [f for p in parts for f in p[1]]
+    return x, []
+
+
 @pytest.mark.parametrize(
     "settings",
     [
@@ -68,7 +92,7 @@ def test_overlapped_steps_give_the_synchronous_tokens(hf_models, settings):
     prompts, params = _prompts(16, 512), _greedy(16)
     sync = _serve(_engine(hf_models["llama"], False, **settings), prompts, params)
     overlapped = _engine(hf_models["llama"], True, **settings)
-    assert _serve(overlapped, prompts, params) == sync
+    _assert_same_outputs(_serve(overlapped, prompts, params), sync)
     if "num_kv_blocks" in settings:
         assert overlapped.batcher.num_preemptions > 0
 
@@ -79,7 +103,7 @@ def test_prefix_hits_and_sliding_windows_under_overlap(hf_models):
     for kind in ("llama", "mistral"):  # mistral: every layer windowed, so old blocks go back as it decodes
         sync, overlapped = _engine(hf_models[kind], False), _engine(hf_models[kind], True)
         for _ in range(2):  # the second time, the prompts' full blocks are cached
-            assert _serve(overlapped, prompts, params) == _serve(sync, prompts, params)
+            _assert_same_outputs(_serve(overlapped, prompts, params), _serve(sync, prompts, params))
 
 
 def test_every_kind_of_request_gives_the_synchronous_outputs(hf_models):
@@ -107,7 +131,7 @@ def test_every_kind_of_request_gives_the_synchronous_outputs(hf_models):
     prompts[8] = prompts[1]
     sync = _serve(_engine(hf_models["llama"], False), prompts, params)
     assert sync["r1"][-1][4] == sync["r8"][-1][4] == "stop" and len(sync["r1"]) == len(sync["r8"]) == at + 1
-    assert _serve(_engine(hf_models["llama"], True), prompts, params) == sync
+    _assert_same_outputs(_serve(_engine(hf_models["llama"], True), prompts, params), sync)
 
 
 def test_tokens_arrive_one_step_later(hf_models):

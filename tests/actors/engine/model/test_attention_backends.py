@@ -126,7 +126,11 @@ def test_a_padded_decode_step_leaves_the_real_rows_as_they_were(tmp_path):
                             list(range(4)))
     torch.testing.assert_close(logits[:3], alone, rtol=1e-5, atol=1e-5)
     assert logits[:3].argmax(-1).tolist() == alone.argmax(-1).tolist()
+    # The step's own K/V (one slot in each sequence's last block) within float rounding: a matmul of 4 rows
+    # may round differently from one of 3 (seen on AMD EPYC); every block the step did not write, exactly.
+    written = [table[length // block] for table, length in zip(tables, step[1])]
+    untouched = [b for b in range(16) if b != pad_block and b not in written]
     for (k, v), (ka, va) in zip(runner.kv_caches, after_alone):
-        others = [b for b in range(16) if b != pad_block]
-        assert torch.equal(k[others], ka[others]) and torch.equal(v[others], va[others])
+        assert torch.equal(k[untouched], ka[untouched]) and torch.equal(v[untouched], va[untouched])
+        torch.testing.assert_close((k[written], v[written]), (ka[written], va[written]), rtol=1e-5, atol=1e-5)
         assert k[pad_block, 1].abs().sum() > 0  # the padding row wrote its K at position 1 of the spare block
