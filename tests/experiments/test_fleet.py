@@ -7,6 +7,7 @@ import random
 import threading
 import time
 
+import pytest
 import ray
 
 from actors.engine.kv.block_hash import PrefixHasher, hash_prompt_blocks
@@ -16,6 +17,8 @@ from cluster.control.worker_order import WorkerOrder
 from cluster.frontend.client import TandemClient
 from experiments.fleet.bench_control_plane import PromptMix
 from experiments.fleet.fleet import Fleet, fleet_settings
+
+pytestmark = pytest.mark.slow  # hundreds of simulated workers in host processes
 
 
 def test_worker_order_reads_the_smallest_keys_as_they_change():

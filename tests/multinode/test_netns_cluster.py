@@ -10,12 +10,15 @@ import time
 
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from tests.helpers.cluster import load, workload
 from tests.multinode.conftest import API_KEY, integrity, netns
+
+pytestmark = pytest.mark.slow  # hosts in network namespaces, links shaped and cut
 
 
 @functools.cache

@@ -17,6 +17,8 @@ import yaml
 
 from tests.multinode.conftest import REPO, _can_run, _env, netns
 
+pytestmark = pytest.mark.slow  # `ray up` onto namespaced hosts
+
 HOSTS = {"head": None, "w1": "prefill", "w2": "decode"}
 
 
@@ -80,7 +82,6 @@ def _workers_by_host() -> dict[str, list[str]]:
     return placed
 
 
-@pytest.mark.slow
 def test_ray_up_over_ssh_serves_a_completion(launcher_config):
     started = time.monotonic()
     up = _ray_cli("up", "-y", "--no-config-cache", str(launcher_config), timeout_s=900)

@@ -12,12 +12,15 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import ray
 
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.launch import Cluster
 from tests.helpers.cluster import load, wait_until_idle
+
+pytestmark = pytest.mark.slow  # workers lost during slowed calls
 
 RESERVE_DELAY_S = 5.0
 

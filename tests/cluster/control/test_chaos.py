@@ -26,6 +26,8 @@ from actors.protocol.sampling_params import SamplingParams
 from cluster.control.launch import Cluster
 from tests.helpers.cluster import load, wait_until_idle
 
+pytestmark = pytest.mark.slow  # kills under load for minutes
+
 N_REQUESTS = 200
 CONCURRENCY = 6
 KILL_EVERY_S = 2.5
@@ -36,7 +38,6 @@ def incarnation(cluster: Cluster, worker_id: str) -> str | None:
     return ray.get(cluster.scheduler.state.remote(), timeout=30).incarnations.get(worker_id)
 
 
-@pytest.mark.slow
 def test_chaos_kills_lose_no_request(ray_session):
     g = torch.Generator().manual_seed(42)
     prompts = [torch.randint(10, 2048, (int(torch.randint(4, 60, (1,), generator=g)),), generator=g).tolist()

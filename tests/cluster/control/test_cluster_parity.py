@@ -12,8 +12,13 @@ from cluster.control.launch import Cluster
 from tests.helpers.cluster import load, wait_until_idle, workload
 
 
-@pytest.mark.parametrize("config_name", ["local.yaml", "disagg-2p2d.yaml", "colocated.yaml", "local.yaml+collective",
-                                         "disagg-2p2d.yaml+2shards", "local.yaml+overlap"])
+# The fast tier keeps one cluster per layout (1P+1D over zmq and over the collective, colocated).
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("config_name", ["local.yaml", pytest.param("disagg-2p2d.yaml", marks=SLOW), "colocated.yaml",
+                                         "local.yaml+collective", pytest.param("disagg-2p2d.yaml+2shards", marks=SLOW),
+                                         pytest.param("local.yaml+overlap", marks=SLOW)])
 def test_layouts_match_the_single_engine(ray_session, expected, config_name):
     prompts, params = workload()
     cluster = Cluster.start(load(config_name))
@@ -47,6 +52,7 @@ def test_layouts_match_the_single_engine(ray_session, expected, config_name):
         cluster.shutdown()
 
 
+@SLOW
 def test_scheduler_shards_each_serve_their_share_and_a_restarted_worker_rejoins_its_own(ray_session, expected):
     """Two scheduler shards over 2P+2D: each has one worker of each pool and admits the requests whose
     prompts hash to it; a decode worker that Ray restarts registers with its own shard again."""

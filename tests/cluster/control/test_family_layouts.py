@@ -1,8 +1,9 @@
 """Model families through every layout: a Gemma 2 and a Gemma 3 model (alternating sliding and full
 layers; soft caps, or a rope per layer type), a Qwen2 that mixes windowed and full layers, a Qwen3-MoE
 (top-3 of 8 experts, one dense layer) and a Mistral (a window in every layer: blocks behind it are handed
-back while decoding) give the single-process engine's greedy tokens colocated, 1P+1D and 2P+2D, the KV
-(every layer's, windows included) crossing the handoff."""
+back while decoding) give the single-process engine's greedy tokens colocated and 1P+1D, the KV
+(every layer's, windows included) crossing the handoff. Several workers per pool, and routing among
+them, are the same code for every family: tests/cluster/control/test_cluster_parity.py runs 2P+2D."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from actors.engine.engine import Engine
 from cluster.control.launch import Cluster
 from tests.helpers.cluster import load, wait_until_idle, workload
 
-LAYOUTS = ["colocated.yaml", "local.yaml", "disagg-2p2d.yaml"]
+pytestmark = pytest.mark.slow  # two clusters per model family
+
+LAYOUTS = ["colocated.yaml", "local.yaml"]
 
 
 def _config(name: str, model_dir):

@@ -17,6 +17,8 @@ from cluster.control.launch import NAMESPACE, Cluster
 from cluster.control.scaling import ConfigWatcher
 from tests.helpers.cluster import CONFIGS, load, wait_until_idle
 
+pytestmark = pytest.mark.slow  # pools resized under load
+
 PROMPTS = [list(range(10 + 7 * i, 40 + 11 * i)) for i in range(8)]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 

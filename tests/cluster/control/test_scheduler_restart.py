@@ -18,6 +18,8 @@ from actors.protocol.sampling_params import SamplingParams
 from cluster.control.launch import Cluster
 from tests.helpers.cluster import load, wait_until_idle
 
+pytestmark = pytest.mark.slow  # scheduler kills, a cluster each
+
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
 

@@ -16,6 +16,8 @@ from cluster.control.config import TandemConfig
 from cluster.control.launch import Cluster
 from tests.helpers.cluster import generate_in_background, load, wait_until_idle, workload
 
+pytestmark = pytest.mark.slow  # tensor-parallel clusters, ranks killed
+
 
 def _tp_config(size: int, replicas: int = 1, **engine) -> TandemConfig:
     config = load("colocated.yaml")

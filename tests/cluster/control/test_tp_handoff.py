@@ -19,6 +19,8 @@ from cluster.control.launch import Cluster
 from tests.helpers.cluster import generate_in_background, load, wait_until_idle, workload
 from tests.helpers.models import make_hf_model
 
+pytestmark = pytest.mark.slow  # tensor-parallel clusters of up to 5 processes a worker
+
 HEAD_DIM, LAYERS, BLOCK = 16, 2, 16  # of the 4-KV-head model below
 
 

@@ -33,6 +33,12 @@ LAYOUTS = [
 IDS = [f"{f}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'base'}-tp{n}" for f, o, n in LAYOUTS]
 
 
+def _params(indices: list[int]) -> list:
+    """Those layouts as test cases; the 4-rank ones (4 processes on this 2-core box) are the slow tier's."""
+    return [pytest.param(*LAYOUTS[i], id=IDS[i], marks=[pytest.mark.slow] if LAYOUTS[i][2] > 2 else [])
+            for i in indices]
+
+
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -58,7 +64,7 @@ def _tp_engine(rank: int, size: int, model_dir: str, prompts: list[list[int]], n
     return [[o.token_ids for o in r.outputs] for r in results], engine.num_used_blocks
 
 
-@pytest.mark.parametrize("family, overrides, size", LAYOUTS, ids=IDS)
+@pytest.mark.parametrize("family, overrides, size", _params(list(range(len(LAYOUTS)))))
 def test_sharded_prefill_logits_match_the_whole_model(tmp_path, family, overrides, size):
     model_dir = make_hf_model(tmp_path / "m", family, seed=3, **overrides)
     whole = load_model(model_dir)
@@ -68,7 +74,7 @@ def test_sharded_prefill_logits_match_the_whole_model(tmp_path, family, override
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("family, overrides, size", [LAYOUTS[0], LAYOUTS[1], LAYOUTS[6]], ids=[IDS[0], IDS[1], IDS[6]])
+@pytest.mark.parametrize("family, overrides, size", _params([0, 1, 6]))
 def test_tp_engine_greedy_equals_one_process(tmp_path, family, overrides, size):
     """Chunked prefill (24-token budget), several sequences per step, and n=2 forks (a copied block)."""
     model_dir = make_hf_model(tmp_path / "m", family, seed=3, **overrides)

@@ -19,6 +19,8 @@ from cluster.frontend.http.openapi import ChatCompletionChunk, CompletionRespons
 from tests.helpers.cluster import load  # noqa: E402
 from tests.helpers.http_server import MODEL, serving  # noqa: E402
 
+pytestmark = pytest.mark.slow  # schemathesis over the whole API
+
 KEY = "fuzz-key-0123456789"
 EXTRAS = ("tools", "tool_choice", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
           "structured_outputs", "prompt_logprobs")

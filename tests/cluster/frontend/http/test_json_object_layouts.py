@@ -35,7 +35,9 @@ def expected(smollm2_dir):
     return result.outputs[0].text
 
 
-@pytest.mark.parametrize("layout", ["colocated.yaml", "local.yaml", "disagg-2p2d.yaml"])
+# The fast tier runs 1P+1D; the other layouts are the slow tier's.
+@pytest.mark.parametrize("layout", [pytest.param("colocated.yaml", marks=pytest.mark.slow), "local.yaml",
+                                    pytest.param("disagg-2p2d.yaml", marks=pytest.mark.slow)])
 def test_json_object_is_the_engines_in_every_layout(ray_session, expected, layout):
     assert isinstance(json.loads(expected), dict)
     with serving(_smollm2(layout)) as (_, base):

@@ -13,6 +13,8 @@ from actors.engine.engine import Engine
 from tests.helpers.cluster import load
 from tests.helpers.http_server import MODEL
 
+pytestmark = pytest.mark.slow  # lm-eval against the trained model
+
 QUESTIONS = [
     ("The capital of France is", [" Paris", " Rome", " Berlin", " Madrid"], 0),
     ("Water freezes at zero degrees", [" Celsius", " Fahrenheit", " Kelvin"], 0),

@@ -81,7 +81,9 @@ def _outputs(base: str) -> dict[str, list[str]]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["colocated.yaml", "local.yaml", "disagg-2p2d.yaml"])
+# The fast tier runs 1P+1D; the other layouts are the slow tier's.
+@pytest.mark.parametrize("layout", [pytest.param("colocated.yaml", marks=pytest.mark.slow), "local.yaml",
+                                    pytest.param("disagg-2p2d.yaml", marks=pytest.mark.slow)])
 def test_outputs_validate_and_match_the_engine_in_every_layout(ray_session, expected, layout):
     with serving(load(layout)) as (cluster, base):
         assert _outputs(base) == expected

@@ -15,6 +15,8 @@ import pytest
 from tests.helpers.cluster import load
 from tests.helpers.http_server import serving
 
+pytestmark = pytest.mark.slow  # the trained model behind a cluster
+
 SERVED = "smollm2"
 TEMPLATE = Path(__file__).resolve().parents[4] / "configs" / "templates" / "chatml-tools.jinja"
 WEATHER = {"type": "function", "function": {
