@@ -72,9 +72,9 @@ def test_every_command_has_help(capsys):
     from tandem.cli import BENCH, PRODUCT, main
 
     for argv in [[name] for name in PRODUCT] + [["bench", name] for name in BENCH] + [["plan"], ["plan", "profile"]]:
-        with pytest.raises(SystemExit) as exit:
+        with pytest.raises(SystemExit) as stopped:
             main([*argv, "--help"])
-        assert exit.value.code == 0 and capsys.readouterr().out.startswith(f"usage: tandem {' '.join(argv)} "), argv
+        assert stopped.value.code == 0 and capsys.readouterr().out.startswith(f"usage: tandem {' '.join(argv)} "), argv
 
 
 def test_a_missing_extra_is_named(tmp_path):
