@@ -80,7 +80,8 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in PRODUCT.items():
         _add(sub, name, command, load=chosen[:1] == [name])
-    bench = sub.add_parser("bench", help="benchmarks", description="benchmarks (a tool that needs the optional 'bench' packages says so)")
+    bench = sub.add_parser("bench", help="benchmarks",
+                           description="benchmarks (a tool that needs the optional 'bench' packages says so)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     for name, command in BENCH.items():
         _add(bench_sub, name, command, load=chosen == ["bench", name])
