@@ -328,12 +328,15 @@ def _run_bash(case: Case, where: Where) -> None:
             cmd = _adapt(_strip_comment(raw), where.port)
             if cmd.endswith("&"):  # serves the rest of the block
                 background.append(Proc(["bash", "-c", cmd[:-1]], where, f"bg-{i}.log"))
+                if cmd.startswith("tandem serve"):  # its failure to start (a port taken) is its own, and shows
+                    _wait_answering(f"http://127.0.0.1:{where.port}", background[-1])
             elif cmd.startswith("tandem serve"):  # serves until Ctrl-C
                 _check_stops(_serve(cmd, where, f"serve-{i}.log")[0])
             else:
                 proc = Proc(["bash", "-euo", "pipefail", "-c", cmd], where, f"cmd-{i}.log")
                 rc = proc.finish()
-                assert rc == 0, f"{cmd}\nexit {rc}:\n{proc.output()}"
+                assert rc == 0, f"{cmd}\nexit {rc}:\n{proc.output()}" + "".join(
+                    f"\n--- background {b.log.name}:\n{b.output(3000)}" for b in background)
                 _check_outputs(cmd, proc.output(1_000_000), where)
     finally:
         for proc in background:
