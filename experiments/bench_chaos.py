@@ -1,11 +1,14 @@
 """`tandem bench chaos`: SIGKILL a random worker process every few seconds while streams run over HTTP.
 
-What an operator would try: a 2P+2D cluster behind the real HTTP ingress, the official `openai` client
-streaming greedy requests at a fixed concurrency, and every `--kill-every-s` a random live worker's
-process gets SIGKILL (Ray restarts it), on a machine kept busy by `--hog` CPU burners. Every request's
-text is compared with the single-process engine's. Reported, from one run: how many completed with
-exactly the fault-free text, how many ended with an error (and which errors), how many hung (no end
-within `--request-timeout-s`), the kills, and the KV still held once the load stopped (must be 0).
+What an operator would try: a 2P+2D cluster as configured (heartbeat, lease and progress bounds as
+shipped) behind the real HTTP ingress, the official `openai` client streaming greedy requests at a fixed
+concurrency, and every `--kill-every-s` a random worker process gets SIGKILL: any `ray::` process of a
+prefill or decode worker, one Ray is still restarting included (`--spare-restarting`: only those Ray shows
+alive), on a machine kept busy by `--hog` CPU burners. Every request's text is compared with the
+single-process engine's. Reported, from one run: how many completed with exactly the fault-free text, how
+many ended with an error (and which errors), how many hung (no end within `--request-timeout-s`), the
+longest silence of any stream (no chunk, from the request to its first chunk or between two chunks)
+against the progress bound, the kills, and the KV still held once the load stopped (must be 0).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import multiprocessing
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -41,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hog", type=int, default=2, help="CPU-burning processes beside the cluster (0: none)")
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="the client's limit per request: a request still open then counts as hung")
+    p.add_argument("--spare-restarting", action="store_true",
+                   help="kill only workers Ray shows alive, never a process still starting after a kill")
     p.add_argument("--seed", type=int, default=0)
     add_out_argument(p, "chaos")
     p.set_defaults(func=report_main("chaos", bench, summarize), smoke={"requests": 6, "hog": 0})
@@ -48,8 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def summarize(r: dict) -> str:
     return (f"{r['exact']}/{r['requests']} exact ({r['exact_fraction']:.1%}), {r['errors']} clean errors, "
-            f"{r['wrong']} wrong text, {r['hung']} hung, {r['kills']} SIGKILLs every {r['kill_every_s']} s "
-            f"with {r['hog']} CPU hogs; KV held after: {r['kv_blocks_after']}")
+            f"{r['wrong']} wrong text, {r['hung']} hung, longest silence {r['longest_silence_s']} s (bound "
+            f"{r['progress_timeout_s']} s), {r['kills']} SIGKILLs every {r['kill_every_s']} s "
+            f"({r['kills_restarting']} of starting processes) with {r['hog']} CPU hogs; KV held after: "
+            f"{r['kv_blocks_after']}")
 
 
 def _burn() -> None:
@@ -67,14 +75,16 @@ def _workload(args, engine: Engine) -> tuple[list[list[int]], list[int], list[st
 
 
 class _Killer:
-    """Every `every_s`, SIGKILL the process of one live worker, chosen at random (one still restarting
-    from an earlier kill is skipped: its process is not there to kill)."""
+    """Every `every_s`, SIGKILL one worker process chosen at random: by default any process of a prefill
+    or decode worker, one still starting after an earlier kill included (a crash loop); with
+    `spare_restarting`, only those Ray shows alive."""
 
-    def __init__(self, cluster: Cluster, every_s: float, seed: int):
-        self._cluster, self._every_s = cluster, every_s
+    def __init__(self, cluster: Cluster, every_s: float, seed: int, spare_restarting: bool):
+        self._cluster, self._every_s, self._spare = cluster, every_s, spare_restarting
         self._rng = random.Random(seed)
         self._stop = threading.Event()
         self.kills: list[str] = []
+        self.restarting_kills = 0  # of a process Ray did not show alive at the kill (still starting)
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def __enter__(self) -> _Killer:
@@ -87,36 +97,54 @@ class _Killer:
 
     def _loop(self) -> None:
         while not self._stop.wait(self._every_s):
-            alive = _worker_pids(self._cluster)  # from Ray's actor table: asking a busy worker would wait
-            ids = sorted(alive)
-            self._rng.shuffle(ids)
-            for wid in ids:
+            alive = {pid: wid for wid, pid in _alive_worker_pids().items()}  # asking a busy worker would wait
+            victims = alive if self._spare else {pid: alive.get(pid, "starting") for pid in _worker_processes()}
+            pids = sorted(victims)
+            self._rng.shuffle(pids)
+            for pid in pids:
                 try:
-                    os.kill(alive[wid], signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     continue
-                self.kills.append(wid)
+                self.kills.append(victims[pid])
+                self.restarting_kills += pid not in alive
                 break
 
 
-def _worker_pids(cluster: Cluster) -> dict[str, int]:
+def _alive_worker_pids() -> dict[str, int]:
     """Worker id -> process id of every worker Ray shows alive (Ray's GCS actor table; no public API
     gives a process id without calling the actor)."""
     from ray._private import state
 
-    names = {f"tandem-{wid}": wid for wid in cluster.workers}
-    return {names[a["Name"]]: a["Pid"] for a in state.actors().values()
-            if a.get("Name") in names and a.get("State") == "ALIVE" and a.get("Pid")}
+    return {a["Name"].removeprefix("tandem-"): a["Pid"] for a in state.actors().values()
+            if a.get("Name", "").startswith("tandem-") and a.get("State") == "ALIVE" and a.get("Pid")}
+
+
+def _worker_processes() -> list[int]:
+    """Every process Ray titled as a worker actor (`ray::tandem-decode-0:Worker.__init__` while it starts,
+    then `ray::Worker.watch`, ...), whatever state Ray shows it in: a restarting worker's new process is one
+    before Ray calls it alive."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            title = (entry / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+        except OSError:
+            continue
+        if entry.name.isdigit() and re.match(r"ray::(tandem-[\w.-]+:)?Worker\b", title):
+            found.append(int(entry.name))
+    return found
 
 
 def _stream(client: openai.OpenAI, model: str, prompt: list[int], max_tokens: int) -> dict:
     import openai
 
-    started = time.monotonic()
-    text, finish = [], None
+    started = last = time.monotonic()
+    text, finish, silence = [], None, 0.0
     try:
         for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                                stream=True, extra_body={"ignore_eos": True}):
+            now = time.monotonic()
+            silence, last = max(silence, now - last), now
             for choice in chunk.choices:
                 text.append(choice.text)
                 finish = choice.finish_reason or finish
@@ -126,6 +154,7 @@ def _stream(client: openai.OpenAI, model: str, prompt: list[int], max_tokens: in
     except openai.APIError as exc:
         out = {"error": f"{type(exc).__name__}: {exc}"}
     out["seconds"] = round(time.monotonic() - started, 2)
+    out["silence_s"] = round(max(silence, time.monotonic() - last), 2)  # an error after a silence counts too
     return out
 
 
@@ -148,10 +177,7 @@ def _kv_after(cluster: Cluster, timeout_s: float = 120.0) -> int:
 def bench(args: argparse.Namespace) -> dict:
     import openai  # the 'bench' extra: imported here so that `--help` works without it
 
-    config = TandemConfig.from_file(args.config)
-    # The scheduler gives a silent worker up after 2 s and a handoff after 5 s (the test suite's values).
-    config = config.model_copy(update={"scheduler": config.scheduler.model_copy(
-        update={"heartbeat_timeout_s": 2.0, "lease_s": 5.0})})
+    config = TandemConfig.from_file(args.config)  # as given: the bounds a user runs with
     engine = Engine(config.engine_config())
     prompts, max_tokens, expected = _workload(args, engine)
     del engine
@@ -169,7 +195,7 @@ def bench(args: argparse.Namespace) -> dict:
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=args.request_timeout_s)
         model = served_model_name(cluster)
         started = time.monotonic()
-        with _Killer(cluster, args.kill_every_s, args.seed) as killer, ThreadPoolExecutor(args.concurrency) as pool:
+        with _Killer(cluster, args.kill_every_s, args.seed, args.spare_restarting) as killer, ThreadPoolExecutor(args.concurrency) as pool:
             results = list(pool.map(lambda i: _stream(client, model, prompts[i], max_tokens[i]), range(args.requests)))
         seconds = time.monotonic() - started
         kv_after = _kv_after(cluster)
@@ -180,13 +206,22 @@ def bench(args: argparse.Namespace) -> dict:
         for h in hogs:
             h.kill()
     exact = sum(r.get("text") == want and r.get("finish_reason") == "length" for r, want in zip(results, expected))
+    wrong = [{"request": i, "finish_reason": r["finish_reason"], "chars": len(r["text"]), "expected_chars": len(want),
+              "first_difference": next((j for j, (a, b) in enumerate(zip(r["text"], want)) if a != b),
+                                       min(len(r["text"]), len(want)))}
+             for i, (r, want) in enumerate(zip(results, expected))
+             if "text" in r and not (r["text"] == want and r["finish_reason"] == "length")]
     errors = [r["error"] for r in results if "error" in r]
     hung = sum("hung" in r for r in results)
     return {
         "requests": args.requests, "exact": exact, "exact_fraction": exact / args.requests,
         "errors": len(errors), "error_kinds": dict(Counter(e.split(":")[0] for e in errors)), "error_samples": errors[:5],
-        "wrong": args.requests - exact - len(errors) - hung, "hung": hung,
+        "wrong": len(wrong), "wrong_samples": wrong[:10], "hung": hung,
+        "longest_silence_s": max(r["silence_s"] for r in results),
+        "progress_timeout_s": config.scheduler.progress_timeout_s,
+        "silent_past_bound": sum(r["silence_s"] > config.scheduler.progress_timeout_s for r in results),
         "kills": len(killer.kills), "killed": dict(Counter(killer.kills)), "kill_every_s": args.kill_every_s,
+        "kills_restarting": killer.restarting_kills,
         "hog": args.hog, "concurrency": args.concurrency, "seconds": round(seconds, 1),
         "kv_blocks_after": kv_after, "request_seconds_max": max(r["seconds"] for r in results),
     }

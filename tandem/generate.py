@@ -86,7 +86,8 @@ def _on_cluster(args: argparse.Namespace, params) -> int:
     schedulers = find_schedulers()
     if not schedulers:
         raise ValueError(f"no tandem cluster at Ray address {args.address!r}: start one with `tandem serve`")
-    client = TandemClient.connect(schedulers, load_tokenizer(config.engine_config().model), host=config.transfer.host)
+    client = TandemClient.connect(schedulers, load_tokenizer(config.engine_config().model), host=config.transfer.host,
+                                  progress_timeout_s=config.scheduler.progress_timeout_s)
     try:
         out = client.generate([_prompt(args, client.tokenizer, config)], params)[0][0]
     finally:

@@ -4,6 +4,7 @@ client -> scheduler   `GenerateRequest` (submit); answer `Admitted` | `Rejected`
 client -> scheduler   a client's submits of one tick in one `submit_many` call (answers stream back)
 worker -> scheduler   `WorkerInfo` + `LiveRequest`s (register), `WorkerReport` (every heartbeat; a
                       process hosting many workers sends its reports in one `reports` call),
+                      `WorkerPulse` (while a long step keeps the reports away),
                       handoff_done(`AttemptId`, prefill worker id) or `HandedOff` in the next report
 scheduler -> worker   `WorkerRequest`s to submit or to reserve for (-> `KvReservation`), release/abort
                       (`AttemptId`), batched per tick and worker process: worker_commands.py
@@ -213,6 +214,15 @@ class WorkerReport:
     received: tuple[AttemptId, ...] = ()  # attempts submitted to this worker since its last report
     transfers: tuple[TransferSample, ...] = ()  # decode: handoffs that landed since the last report
     handed_off: tuple[HandedOff, ...] = ()  # decode: adopted since the last report (else `handoff_done` each)
+
+
+@dataclass(frozen=True)
+class WorkerPulse:
+    """The worker's process lives, though its engine thread (inside a long step, or a long command) has
+    reported nothing for a while. Sent by a thread of its own (pulse.py)."""
+
+    worker_id: str
+    incarnation: str
 
 
 class LivePhase(enum.Enum):

@@ -48,6 +48,7 @@ from actors.worker.inbox import Inbox
 from actors.worker.kv_handoff import HandoffEnds
 from actors.worker.mailbox import addressed, answers
 from actors.worker.meter import WorkerMeter
+from actors.worker.pulse import Pulse
 from actors.worker.running import Running, engine_id
 from actors.worker.scheduler_link import SchedulerLink
 from actors.worker.spec import WorkerSpec
@@ -85,9 +86,11 @@ class Worker:
         self._faults: dict[str, float] = {}
         self._stop = threading.Event()
         self._link = None if scheduler is None else SchedulerLink(scheduler, spec.worker_id, self.info, self._live)
+        self._pulse = None
         if self._link is not None:
             # Registering itself (not from the launcher) is what lets a restarted worker rejoin.
             self._link.register()
+            self._pulse = Pulse(spec.worker_id, self._incarnation, scheduler.pulse.remote)
         self._thread = threading.Thread(target=self._run, name=f"engine-{spec.worker_id}", daemon=True)
         self._thread.start()
 
@@ -163,6 +166,8 @@ class Worker:
 
     def shutdown(self) -> None:
         self._stop.set()
+        if self._pulse is not None:
+            self._pulse.stop()
         self._thread.join(timeout=10)
         if self._tp is not None and not self._thread.is_alive():
             self._tp.stop(self._engine.runner)
@@ -178,6 +183,7 @@ class Worker:
             self._expire_leases()
             if self._engine.has_work():
                 start = time.perf_counter()
+                time.sleep(self._faults.pop("slow_step", 0.0))  # chaos: a step longer than any timeout
                 try:
                     outputs = self._engine.step()
                 except Exception:  # a bug must cost the requests in flight, never the worker
@@ -355,6 +361,7 @@ class Worker:
                               meter.take_first_token_waits(), self._inbox.take_received(), meter.take_transfers())
         if self._link is not None:
             self._link.report(report)
+            self._pulse.reported()
 
     def _live(self) -> list[LiveRequest]:
         """Every request this worker holds state for, so a restarted scheduler can rebuild its view."""

@@ -10,6 +10,7 @@ FAULTS = {
     "slow_reserve": "decode: a reservation takes delay_s longer",
     "kill_kv_receiver": "decode: the receiving thread stops, as if it had crashed: the worker exits and Ray restarts it",
     "drop_next_submit": "the next attempt sent here vanishes unseen",
+    "slow_step": "the next engine step takes delay_s longer, as a long prefill on a slow CPU does",
 }
 
 

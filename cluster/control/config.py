@@ -90,8 +90,13 @@ class SchedulerSection(_Strict):
     transfer_bytes_per_s: float = Field(2e9, gt=0, description="initial KV transfer bandwidth, replaced by measurements")
     heartbeat_s: float = Field(0.05, gt=0, description="how often workers report stats and finished requests")
     heartbeat_timeout_s: float = Field(
-        10.0, gt=0, description="a worker whose engine loop is silent this long is declared dead (or hung) and routed around"
+        10.0, gt=0, description="a worker that sends neither report nor pulse this long is declared dead (or cut "
+        "off) and routed around; a long step is not silence: the worker's pulse thread speaks during it"
     )
+    progress_timeout_s: float = Field(
+        60.0, gt=0, description="the longest a request may go without progress in any phase (waiting for a worker, "
+        "prefilling, handing off, decoding, migrating) before it is moved to another worker or ended with a clean "
+        "error: no stream stays silent longer")
     shards: int = Field(
         1, ge=1, description="scheduler actors, each with its share of every pool; the ingress sends a request to "
         "the shard its prompt's first tokens hash to (requests sharing a system prompt meet on one). More than one "

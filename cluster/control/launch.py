@@ -92,7 +92,8 @@ class Cluster:
             local_prefill=config.scheduler.local_prefill, local_prefill_penalty=config.scheduler.local_prefill_penalty,
             prefill_s_per_token=config.scheduler.prefill_s_per_token,
             transfer_bytes_per_s=config.scheduler.transfer_bytes_per_s,
-            heartbeat_timeout_s=config.scheduler.heartbeat_timeout_s, curve_keys=keys,
+            heartbeat_timeout_s=config.scheduler.heartbeat_timeout_s,
+            progress_timeout_s=config.scheduler.progress_timeout_s, curve_keys=keys,
         )
         _clear_orphaned_schedulers()
         schedulers = [ray.remote(Scheduler).options(
@@ -202,7 +203,8 @@ class Cluster:
 
     def client(self) -> TandemClient:
         tokenizer = load_tokenizer(self.model_dir) if has_tokenizer(self.model_dir) else None
-        client = TandemClient(self.schedulers, tokenizer, host=self.config.transfer.host, keys=self.keys)
+        client = TandemClient(self.schedulers, tokenizer, host=self.config.transfer.host, keys=self.keys,
+                              progress_timeout_s=self.config.scheduler.progress_timeout_s)
         self.clients.append(client)
         return client
 

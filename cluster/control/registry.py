@@ -1,9 +1,12 @@
 """The scheduler's worker registry: who is registered, their latest report, who is draining, who died.
 
 One owner of the worker entries. Workers register themselves (again after a restart: a new
-incarnation). A worker is declared lost as soon as Ray reports its process dead (`watch_process`), or
-when its reports stop for the heartbeat timeout (`watch_heartbeats`); `on_lost(worker_id, why)` then
-lets the scheduler deal with its requests. A worker declared lost while it was only stalled comes back
+incarnation). A worker is declared lost as soon as Ray reports its process dead (`watch_process`), when
+neither reports nor pulses come for the heartbeat timeout (the process hangs or is cut off), or when its
+engine thread sends no report for the progress bound while its pulse says the process lives (a step or a
+command that never ends; `watch_heartbeats`). A long step alone is never a death: the pulse (the worker's
+pulse.py) keeps a busy worker alive. `on_lost(worker_id, why)` then lets the scheduler deal with its
+requests. A worker declared lost while it was only stalled comes back
 with the same incarnation: `was_declared_lost` tells the scheduler to stop its stale copies.
 """
 
@@ -16,7 +19,7 @@ from typing import Callable
 
 import ray
 
-from actors.protocol.messages import WorkerInfo, WorkerStats
+from actors.protocol.messages import WorkerInfo, WorkerPulse, WorkerStats
 from cluster.control.routing import WorkerView
 from cluster.control.scheduler_state import WorkerEntry
 
@@ -24,7 +27,7 @@ log = logging.getLogger("tandem.scheduler")
 
 
 class WorkerRegistry:
-    def __init__(self, heartbeat_timeout_s: float, on_lost: Callable[[str, str], None]):
+    def __init__(self, heartbeat_timeout_s: float, progress_timeout_s: float, on_lost: Callable[[str, str], None]):
         self._workers: dict[str, WorkerEntry] = {}
         self._pools: dict[str, dict[str, WorkerView]] = {}  # role -> views of its workers that take work
         self._sums: dict[str, tuple[int, int, float | None]] = {}  # role -> (blocks, largest, mean cost), cached
@@ -33,6 +36,7 @@ class WorkerRegistry:
         self._draining: set[str] = set()  # no new work; what they serve finishes
         self._retired: dict[str, str] = {}  # worker id -> incarnation removed after draining
         self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._progress_timeout_s = progress_timeout_s
         self._on_lost = on_lost
         self.workers_lost = 0
 
@@ -112,7 +116,7 @@ class WorkerRegistry:
         entry = self._workers.get(stats.worker_id)
         if entry is None:
             return False
-        entry.last_seen = time.monotonic()
+        entry.last_seen = entry.last_report = time.monotonic()
         entry.stats = stats
         v = entry.view
         if v.num_blocks != stats.num_blocks or v.prefill_s_per_token != stats.prefill_s_per_token:
@@ -123,6 +127,12 @@ class WorkerRegistry:
         v.prefill_s_per_token = stats.prefill_s_per_token
         self.on_change(stats.worker_id)
         return True
+
+    def pulse(self, pulse: WorkerPulse) -> None:
+        """The worker's process lives, its engine thread busy (a long step): not a death."""
+        entry = self._workers.get(pulse.worker_id)
+        if entry is not None and entry.info.incarnation == pulse.incarnation:
+            entry.last_seen = time.monotonic()
 
     def drain(self, worker_id: str) -> None:
         entry = self._workers.get(worker_id)
@@ -171,13 +181,20 @@ class WorkerRegistry:
     # ---- liveness ----
 
     async def watch_heartbeats(self) -> None:
-        """Declare workers lost when their reports stop."""
+        """Declare workers lost when they fall silent, or when their engine thread never comes back."""
         while True:
             await asyncio.sleep(min(0.5, self._heartbeat_timeout_s / 4))
             now = time.monotonic()
             for wid, entry in list(self._workers.items()):
-                if now - entry.last_seen > self._heartbeat_timeout_s and self._workers.get(wid) is entry:
-                    log.warning("worker %s sent no report for %.1fs: routing around it", wid, now - entry.last_seen)
+                silent_s, busy_s = now - entry.last_seen, now - entry.last_report
+                if silent_s > self._heartbeat_timeout_s:
+                    why = f"sent no report or pulse for {silent_s:.1f}s"
+                elif busy_s > self._progress_timeout_s:
+                    why = f"its engine has sent no report for {busy_s:.1f}s (a step or command that does not end)"
+                else:
+                    continue
+                if self._workers.get(wid) is entry:
+                    log.warning("worker %s %s: routing around it", wid, why)
                     self._lost[wid] = entry.info.incarnation
                     self._declare_lost(wid, "it stopped responding")
 

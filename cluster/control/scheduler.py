@@ -47,6 +47,7 @@ from actors.protocol.messages import (
     LiveRequest,
     Rejected,
     WorkerInfo,
+    WorkerPulse,
     WorkerReport,
     WorkerRequest,
 )
@@ -76,7 +77,7 @@ _CALL_TIMEOUT_S = 30.0
 class Scheduler:
     def __init__(self, settings: SchedulerSettings):
         self.s = settings
-        self._registry = WorkerRegistry(settings.heartbeat_timeout_s, self._worker_gone)
+        self._registry = WorkerRegistry(settings.heartbeat_timeout_s, settings.progress_timeout_s, self._worker_gone)
         self._table = RequestTable()
         self._index = PrefixIndex()
         self._hasher = PrefixHasher(settings.block_size, settings.model_id)
@@ -127,6 +128,10 @@ class Scheduler:
     async def report(self, report: WorkerReport) -> bool:
         """False tells the worker this scheduler does not know it: it registers again."""
         return self._take_report(report)
+
+    async def pulse(self, pulse: WorkerPulse) -> None:
+        """A worker inside a long step: alive, though its report waits for the step's end."""
+        self._registry.pulse(pulse)
 
     async def reports(self, batch: tuple[WorkerReport, ...]) -> tuple[bool, ...]:
         """The reports of every worker one process hosts, in one call."""
@@ -204,8 +209,8 @@ class Scheduler:
             for tracked in self._table.unconfirmed(older_than=now - self.s.heartbeat_timeout_s):
                 target = tracked.prefill.worker_id if tracked.prefill is not None else tracked.decode_id
                 entry = self._registry.get(target)
-                if entry is None or entry.last_seen - tracked.sent_at < self.s.heartbeat_timeout_s:
-                    continue  # not heard from since: the heartbeat watchdog decides about that worker
+                if entry is None or entry.last_report - tracked.sent_at < self.s.heartbeat_timeout_s:
+                    continue  # no report since (a pulse is no confirmation): the watchdog decides about it
                 log.warning("attempt %s never reached worker %s: placing it again", tracked.attempt, target)
                 self._lost_submits += 1
                 self._reclaim(tracked.attempt, failed=True)

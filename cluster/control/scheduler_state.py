@@ -7,9 +7,13 @@ from dataclasses import asdict, dataclass, field, fields
 
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import GenerateRequest, WorkerInfo, WorkerStats
+from cluster.control.config import SchedulerSection
 from cluster.control.link_costs import LinkEstimate
 from kv_transfer.curve import CurveKeys
 from cluster.control.routing import PrefillPlan, WorkerView
+
+
+_DEFAULTS = SchedulerSection()  # the bounds' defaults live in the config, documented there
 
 
 @dataclass
@@ -25,7 +29,8 @@ class SchedulerSettings:
     local_prefill_penalty: float
     prefill_s_per_token: float
     transfer_bytes_per_s: float
-    heartbeat_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = _DEFAULTS.heartbeat_timeout_s
+    progress_timeout_s: float = _DEFAULTS.progress_timeout_s
     max_predicted_ttft_s: float | None = None  # shed requests predicted to miss this (None: no shedding)
     curve_keys: CurveKeys | None = None  # the data plane's keys: clients that join later fetch them here
 
@@ -35,7 +40,8 @@ class WorkerEntry:
     handle: object
     info: WorkerInfo
     view: WorkerView
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)  # its last report or pulse: the process lives
+    last_report: float = field(default_factory=time.monotonic)  # its engine thread's last report
     stats: WorkerStats | None = None  # the worker's latest report; None until its first
 
 

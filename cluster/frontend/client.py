@@ -30,6 +30,7 @@ import zmq
 from actors.protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, decode_deltas
 from actors.protocol.messages import Admitted, AdmittedBy, Forgotten, GenerateRequest, Rejected
 from actors.protocol.sampling_params import SamplingParams
+from cluster.control.config import SchedulerSection
 from cluster.frontend.shards import shard_for
 from cluster.frontend.submit_batcher import SubmitBatcher
 from cluster.frontend.request_stream import (
@@ -37,6 +38,7 @@ from cluster.frontend.request_stream import (
     RequestStream,
     SampleResult,
     SchedulerForgot,
+    Stalled,
     StreamEvent,
 )
 from kv_transfer.curve import CurveKeys, secure_server
@@ -46,6 +48,7 @@ from kv_transfer.endpoints import advertised_host
 log = logging.getLogger("tandem.client")
 # A submit whose scheduler died under it is sent again (marked `retried`: admitted at most once) after this.
 _RESEND_S = 0.5
+_DEFAULTS = SchedulerSection()
 
 
 class AdmissionRejected(RuntimeError):
@@ -70,11 +73,13 @@ class Submitted:
 
 class TandemClient:
     def __init__(self, scheduler, tokenizer=None, host: str = "127.0.0.1", keys: CurveKeys | None = None,
-                 audit_s: float = 2.0):
+                 audit_s: float = 2.0, progress_timeout_s: float = _DEFAULTS.progress_timeout_s):
         """`scheduler`: the scheduler actor, or a list of scheduler shards (each with its own workers; a
         request goes to `shard_for` its prompt). `keys`: the cluster's data-plane keys (`Cluster.client`
         passes them; `connect` fetches them). `audit_s`: how often to ask the schedulers whether a
-        restart lost any request in flight."""
+        restart lost any request in flight. `progress_timeout_s`: the most a request may go without any
+        news before it is moved, then failed (request_stream.py)."""
+        self.progress_timeout_s = progress_timeout_s
         self.schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
         self.scheduler = self.schedulers[0]
         self.tokenizer = tokenizer
@@ -100,11 +105,12 @@ class TandemClient:
         threading.Thread(target=self._audit_loop, name="tandem-client-audit", daemon=True).start()
 
     @classmethod
-    def connect(cls, scheduler, tokenizer=None, host: str = "127.0.0.1", timeout_s: float = 30.0) -> TandemClient:
+    def connect(cls, scheduler, tokenizer=None, host: str = "127.0.0.1", timeout_s: float = 30.0,
+                progress_timeout_s: float = _DEFAULTS.progress_timeout_s) -> TandemClient:
         """A client of a running cluster: its keys come from the scheduler, through Ray."""
         first = scheduler[0] if isinstance(scheduler, (list, tuple)) else scheduler
         keys = ray.get(first.data_plane_keys.remote(), timeout=timeout_s)
-        return cls(scheduler, tokenizer, host, keys)
+        return cls(scheduler, tokenizer, host, keys, progress_timeout_s=progress_timeout_s)
 
     @property
     def sink_alive(self) -> bool:
@@ -307,9 +313,11 @@ class TandemClient:
             while not stream.finished:
                 remaining = deadline - time.monotonic()
                 try:
-                    item = submitted.queue.get(timeout=max(remaining, 0.001))
+                    item = submitted.queue.get(timeout=max(min(remaining, self.progress_timeout_s), 0.001))
                 except queue.Empty:
-                    raise TimeoutError(f"request {submitted.request_id} produced nothing for {timeout_s}s") from None
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"request {submitted.request_id} produced nothing for {timeout_s}s") from None
+                    item = Stalled(self.progress_timeout_s)
                 yield from stream.feed(item)
                 if stream.migration_pending:
                     self.migrate(stream, submitted.queue)

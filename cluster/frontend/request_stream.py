@@ -6,6 +6,11 @@ offset (the first token comes from the prefill worker, the rest from the decode 
 stop strings are computed here because workers only produce token ids. A retryable failure (its
 worker was lost) sets `migration_pending`; the client's `migrate` resubmits `migration_request()`,
 and every later delta of the given-up attempt is stale.
+
+The progress bound (`scheduler.progress_timeout_s`): a pump that receives nothing for a request that
+long, in whatever phase (admission, a worker's queue, prefill, handoff, decode, a migration), feeds it a
+`Stalled`. The first stall moves the request like a worker loss (its old attempt is aborted, so no work
+is done twice); a second one ends it with a clean error. No stream stays silent past the bound twice.
 """
 
 from __future__ import annotations
@@ -106,6 +111,13 @@ class SchedulerForgot:
     epoch: str
 
 
+@dataclass(frozen=True)
+class Stalled:
+    """Fed by a pump when nothing arrived for the request within the progress bound."""
+
+    seconds: float
+
+
 class RequestStream:
     """All samples of one request; `feed` every delta that arrives, in any order."""
 
@@ -123,6 +135,7 @@ class RequestStream:
         self._dead_attempts: set[AttemptId] = set()  # given up on: their late deltas are stale
         self._attempts_seen: set[AttemptId] = set()
         self._ended_here = False  # ended by this side (deadline, refused migration): abort it in the cluster
+        self._moved_after_stall = False
 
     @property
     def request_id(self) -> str:
@@ -171,11 +184,26 @@ class RequestStream:
         self._dead_attempts |= self._attempts_seen  # whatever still arrives from them is stale
         return []
 
+    def _stalled(self, stall: Stalled) -> list[StreamEvent]:
+        if self.finished:
+            return []
+        if self._moved_after_stall or self.migrations_left <= 0:
+            return self.fail(f"the request made no progress for {stall.seconds:.0f}s (the progress bound, "
+                             "scheduler.progress_timeout_s), also after it was moved: the cluster is overloaded "
+                             "or losing workers; retry later")
+        self._moved_after_stall = True
+        self.migrations_left -= 1
+        self.migration_pending = True
+        self._dead_attempts |= self._attempts_seen
+        return []
+
     @property
     def results(self) -> list[SampleResult]:
         return [s.result for s in self.samples]
 
-    def feed(self, delta: TokenDelta | MigrationRefused | SchedulerForgot) -> list[StreamEvent]:
+    def feed(self, delta: TokenDelta | MigrationRefused | SchedulerForgot | Stalled) -> list[StreamEvent]:
+        if isinstance(delta, Stalled):
+            return self._stalled(delta)
         if isinstance(delta, MigrationRefused):
             return self.fail(f"worker lost and the request could not be migrated: {delta.reason}")
         if isinstance(delta, SchedulerForgot):

@@ -55,7 +55,7 @@ def _stats(wid: str, role: str, rng: random.Random) -> WorkerStats:
 async def _cost(num_workers: int, decisions: int, seed: int = 0) -> float:
     rng = random.Random(seed)
     settings = _SETTINGS
-    registry = WorkerRegistry(settings.heartbeat_timeout_s, lambda wid, why: None)
+    registry = WorkerRegistry(settings.heartbeat_timeout_s, settings.progress_timeout_s, lambda wid, why: None)
     table, index = RequestTable(), PrefixIndex()
     links = LinkCosts(settings.transfer_bytes_per_s)
     placer = Placer(settings, registry, table, index, TtftGuard(None), links)

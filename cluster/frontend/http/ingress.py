@@ -25,7 +25,7 @@ from cluster.frontend.http import responses
 from cluster.frontend.http.gate import Gate
 from cluster.frontend.http.metrics import IngressMetrics
 from cluster.frontend.http.protocol import ApiError, RequestCaps
-from cluster.frontend.request_stream import RequestStream, StreamEvent
+from cluster.frontend.request_stream import RequestStream, Stalled, StreamEvent
 
 _OVERFLOW = object()
 log = logging.getLogger("tandem.ingress")
@@ -123,14 +123,20 @@ class Ingress:
         deadline = arrival + min(sink.timeout_s or self.request_timeout_s, self.request_timeout_s)
         try:
             while not stream.finished:
+                remaining = deadline - time.perf_counter()
+                bound = self.client.progress_timeout_s
                 try:
-                    item = await asyncio.wait_for(sink.queue.get(), max(deadline - time.perf_counter(), 0.0))
+                    item = await asyncio.wait_for(sink.queue.get(), max(min(remaining, bound), 0.0))
                 except asyncio.TimeoutError:
-                    # The request's deadline, wherever it is in the cluster: TIMED_OUT, then aborted.
-                    self.metrics.rejected.labels("timed_out").inc()
-                    for ev in stream.fail("the request ran past its deadline", RequestStatus.TIMED_OUT):
-                        yield ev
-                    return
+                    if time.perf_counter() < deadline:
+                        item = Stalled(bound)  # nothing for the progress bound: moved, or ended cleanly
+                        self.metrics.stalls.inc()
+                    else:
+                        # The request's deadline, wherever it is in the cluster: TIMED_OUT, then aborted.
+                        self.metrics.rejected.labels("timed_out").inc()
+                        for ev in stream.fail("the request ran past its deadline", RequestStatus.TIMED_OUT):
+                            yield ev
+                        return
                 if item is _OVERFLOW:
                     self.metrics.rejected.labels("slow_client").inc()
                     return

@@ -26,6 +26,8 @@ class IngressMetrics:
         self.finished = Counter("tandem:requests_finished", "requests finished, by finish reason", ["reason"], registry=r)
         self.rejected = Counter("tandem:requests_rejected", "requests rejected, by reason", ["reason"], registry=r)
         self.migrations = Counter("tandem:request_migrations", "requests resubmitted after their worker was lost", registry=r)
+        self.stalls = Counter("tandem:request_stalls", "times a request made no progress within the progress bound "
+                              "(scheduler.progress_timeout_s): moved the first time, ended the second", registry=r)
         self.prompt_tokens = Counter("tandem:prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("tandem:generation_tokens", "tokens emitted to clients", registry=r)
         self.running = Gauge("tandem:pool_running_requests", "running sequences per pool", ["pool"], registry=r)

@@ -16,7 +16,7 @@ def _request(tenant: str | None, share: float | None) -> GenerateRequest:
 
 
 def test_a_tenant_fills_only_its_share_of_the_queue():
-    shares = TenantShares(RequestTable(), WorkerRegistry(10.0, lambda *_: None), max_queued=4)
+    shares = TenantShares(RequestTable(), WorkerRegistry(10.0, 60.0, lambda *_: None), max_queued=4)
     a, b, anonymous = _request("a", 0.5), _request("b", 0.5), _request(None, None)
     assert shares.enter_queue(a) is None and shares.enter_queue(a) is None
     refused = shares.enter_queue(a)  # a third: tenant a would hold more than half the queue

@@ -77,3 +77,24 @@ def test_an_attempt_that_never_reaches_its_worker_is_placed_again(cluster):
     after = ray.get(cluster.scheduler.state.remote(), timeout=10).counters
     assert after.lost_submits == before.lost_submits + 1, after
     wait_until_idle(cluster, timeout_s=30)
+
+
+@pytest.mark.parametrize("worker_id", ["prefill-0", "decode-0"])
+def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_death(cluster, worker_id):
+    """A step that takes 2.5x the heartbeat timeout (a long prefill on a slow CPU: ~9 s for 2048 tokens of
+    SmolLM2 on one core here) is work, not silence: the worker's pulse keeps it alive, nothing is routed
+    around it, and the request ends with the engine's output. (Before the pulse, reports waited for the
+    step's end and the worker was declared dead.)"""
+    prompt = list(range(700, 740))
+    (expected,) = Engine(load("local.yaml").engine_config()).generate([prompt], GREEDY)
+    cluster.wait_registered(set(cluster.workers), timeout_s=60)  # back from the tests before: a loss now is ours
+    wait_until_idle(cluster, timeout_s=30)
+    worker = cluster.workers[worker_id]
+    ray.get(worker.inject_fault.remote("slow_step", 5.0), timeout=30)
+    before = ray.get(cluster.scheduler.state.remote(), timeout=10).counters
+    (result,) = cluster.client().generate([prompt], GREEDY, timeout_s=60)[0]
+    assert result.token_ids == expected.outputs[0].token_ids and result.finish_reason == "length"
+    after = ray.get(cluster.scheduler.state.remote(), timeout=10).counters
+    assert (after.workers_lost, after.rerouted, after.lost_submits) == (
+        before.workers_lost, before.rerouted, before.lost_submits), after
+    wait_until_idle(cluster, timeout_s=30)

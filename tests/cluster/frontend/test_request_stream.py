@@ -1,0 +1,43 @@
+"""The progress bound on the client side: a request that hears nothing within it is moved once (its old
+attempt given up, so none of its late deltas count), and ended with a clean error the second time."""
+
+from __future__ import annotations
+
+from actors.protocol.ids import AttemptId
+from actors.protocol.messages import GenerateRequest, TokenDelta
+from actors.protocol.request_status import RequestStatus
+from actors.protocol.sampling_params import SamplingParams
+from cluster.frontend.request_stream import RequestStream, Stalled
+
+
+def _stream(n: int = 1) -> RequestStream:
+    return RequestStream(GenerateRequest("r", (1, 2, 3), SamplingParams(max_tokens=4, n=n), "tcp://sink"))
+
+
+def _delta(attempt: AttemptId, offset: int, token: int) -> TokenDelta:
+    return TokenDelta(attempt, 0, offset, (token,), RequestStatus.DECODING, 3, 0)
+
+
+def test_a_first_stall_moves_the_request_and_its_old_attempt_goes_stale():
+    stream, first = _stream(), AttemptId("r", "e:1")
+    assert [list(ev.token_ids) for ev in stream.feed(_delta(first, 0, 7))] == [[7]]
+    assert stream.feed(Stalled(60.0)) == [] and stream.migration_pending
+    assert stream.migration_request().output_prefix == (7,)
+    assert stream.feed(_delta(first, 1, 8)) == []  # the given-up attempt's late token
+    assert [list(ev.token_ids) for ev in stream.feed(_delta(AttemptId("r", "e:2"), 1, 9))] == [[9]]
+    assert not stream.finished
+
+
+def test_a_second_stall_ends_the_request_with_a_clean_error():
+    stream = _stream()
+    stream.feed(Stalled(60.0))
+    stream.migration_request()
+    (event,) = stream.feed(Stalled(60.0))
+    assert event.finished and event.finish_reason == "error" and "no progress for 60s" in event.error
+    assert stream.finished and stream.needs_abort
+
+
+def test_a_request_that_cannot_move_ends_at_its_first_stall():
+    stream = _stream(n=2)  # several samples are never migrated
+    events = stream.feed(Stalled(30.0))
+    assert [ev.finish_reason for ev in events] == ["error", "error"] and not stream.migration_pending
