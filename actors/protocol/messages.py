@@ -2,10 +2,10 @@
 
 client -> scheduler   `GenerateRequest` (submit); answer `Admitted` | `Rejected`; abort(request id)
 client -> scheduler   a client's submits of one tick in one `submit_many` call (answers stream back)
-worker -> scheduler   `WorkerInfo` + `LiveRequest`s (register), `WorkerReport` (every heartbeat; a
-                      process hosting many workers sends its reports in one `reports` call),
-                      `WorkerPulse` (while a long step keeps the reports away),
-                      handoff_done(`AttemptId`, prefill worker id) or `HandedOff` in the next report
+worker -> scheduler   `WorkerInfo` + `LiveRequest`s (register), `WorkerReport`s (every heartbeat, and at
+                      once when an attempt finished or was handed off: `HandedOff`; one `reports` call,
+                      with every report of the workers a process hosts), `WorkerPulse` (while a long
+                      step keeps the reports away)
 scheduler -> worker   `WorkerRequest`s to submit or to reserve for (-> `KvReservation`), release/abort
                       (`AttemptId`), batched per tick and worker process: worker_commands.py
 prefill -> decode     `HandoffNote` inside the KV transfer header (kv_transfer carries it as bytes)
@@ -213,7 +213,7 @@ class WorkerReport:
     first_token_waits: tuple[FirstTokenWait, ...] = ()
     received: tuple[AttemptId, ...] = ()  # attempts submitted to this worker since its last report
     transfers: tuple[TransferSample, ...] = ()  # decode: handoffs that landed since the last report
-    handed_off: tuple[HandedOff, ...] = ()  # decode: adopted since the last report (else `handoff_done` each)
+    handed_off: tuple[HandedOff, ...] = ()  # decode: adopted since the last report
 
 
 @dataclass(frozen=True)
@@ -288,3 +288,9 @@ class TokenDelta:
     times: StageTimes | None = None  # on the first and the last delta of an attempt only
     retryable: bool = False  # a FAILED delta the client may retry elsewhere (its worker was lost)
     prompt_logprobs: list | None = None  # the first delta: one entry per prompt token (None for the first)
+
+    @classmethod
+    def failure(cls, request: WorkerRequest, message: str, retryable: bool) -> TokenDelta:
+        """The attempt ended with an error, wherever it was: every sample of it, no tokens."""
+        return cls(request.attempt, 0, 0, (), RequestStatus.FAILED, len(request.request.prompt_token_ids), 0, message,
+                   retryable=retryable)

@@ -35,7 +35,7 @@ from actors.engine.model.default_model import ensure_on_this_node
 from actors.protocol.codec import ProtocolError, decode_note, encode
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import (
-    FinishedAttempt, HandoffNote, KvReservation, LivePhase, LiveRequest, StageTimes, TokenDelta, WorkerInfo,
+    FinishedAttempt, HandedOff, HandoffNote, KvReservation, LivePhase, LiveRequest, StageTimes, TokenDelta, WorkerInfo,
     WorkerReport, WorkerRequest, WorkerStats,
 )
 from actors.protocol.request_status import RequestStatus
@@ -74,6 +74,7 @@ class Worker:
         self._running: dict[str, Running] = {}
         self._handoffs = HandoffTable(self._engine, spec.lease_s)
         self._finished: list[FinishedAttempt] = []  # not yet reported
+        self._handed_off: list[HandedOff] = []  # adopted, not yet reported: their prefill copies wait for it
         self._meter = WorkerMeter()
         comm = self._tp.comm if self._tp else SINGLE
         self._ends = HandoffEnds(spec, self._engine.kv_caches, self._engine.kv_heads, comm, self._handoffs.admit,
@@ -195,7 +196,7 @@ class Worker:
                 self._meter.step(time.perf_counter() - start, self._engine.last_step_tokens)
                 self._publish(outputs)
             now = time.monotonic()
-            if self._finished or now - last_report >= self.spec.heartbeat_s:
+            if self._finished or self._handed_off or now - last_report >= self.spec.heartbeat_s:
                 self._exit_if_broken()
                 if self._tp is not None:
                     self._tp.between_steps(self._engine.runner)
@@ -261,8 +262,7 @@ class Worker:
         self._meter.adopted += 1
         self._meter.landed(note.prefill_worker, len(lease.block_ids) * self._engine.model_bytes_per_block,
                            note.times.sent, landed_at)
-        if self.scheduler is not None:
-            self.scheduler.handoff_done.remote(request.attempt, note.prefill_worker)
+        self._handed_off.append(HandedOff(request.attempt, note.prefill_worker))  # reported at once
 
     def _do_abort(self, attempt: AttemptId) -> None:
         # The handoff table first: a reservation whose pages are being written keeps its blocks until
@@ -340,9 +340,7 @@ class Worker:
         self._running.clear()
 
     def _fail(self, request: WorkerRequest, message: str, retryable: bool = False) -> None:
-        delta = TokenDelta(request.attempt, 0, 0, (), RequestStatus.FAILED, len(request.request.prompt_token_ids), 0,
-                           message, retryable=retryable)
-        self._publisher.publish(request.request.sink, [delta])
+        self._publisher.publish(request.request.sink, [TokenDelta.failure(request, message, retryable)])
         self._finished.append(FinishedAttempt(request.attempt, RequestStatus.FAILED))
 
     def _on_piece(self, event: PieceEvent) -> None:  # on a KV receiver's thread, or the piece desk's
@@ -356,9 +354,11 @@ class Worker:
 
     def _report(self) -> None:
         finished, self._finished = self._finished, []
+        handed_off, self._handed_off = self._handed_off, []
         events, meter = tuple(self._engine.take_kv_events()), self._meter
         report = WorkerReport(self.spec.worker_id, self._stats(), tuple(finished), events,
-                              meter.take_first_token_waits(), self._inbox.take_received(), meter.take_transfers())
+                              meter.take_first_token_waits(), self._inbox.take_received(), meter.take_transfers(),
+                              tuple(handed_off))
         if self._link is not None:
             self._link.report(report)
             self._pulse.reported()

@@ -30,7 +30,7 @@ class SchedulerLink:
     def report(self, report: WorkerReport) -> None:
         if self._forgotten():
             self.register()
-        self._last_report = self.scheduler.report.remote(report)
+        self._last_report = self.scheduler.reports.remote((report,))  # the one report path, simulated fleets' too
 
     def _forgotten(self) -> bool:
         if self._last_report is None or (self._registering is not None and not _done(self._registering)):
@@ -38,7 +38,7 @@ class SchedulerLink:
         if not _done(self._last_report):
             return False
         try:
-            known = ray.get(self._last_report, timeout=0)
+            (known,) = ray.get(self._last_report, timeout=0)
         except Exception:  # the scheduler is down or restarting: keep reporting until it answers
             return False
         self._last_report = None

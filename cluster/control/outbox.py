@@ -12,7 +12,6 @@ import ray
 
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import KvReservation, TokenDelta, WorkerRequest
-from actors.protocol.request_status import RequestStatus
 from actors.protocol.token_stream import TokenPublisher
 from actors.protocol.worker_commands import AbortAttempt, ReleaseAttempt, ReserveBlocks, WorkerCommand
 from cluster.control.registry import WorkerRegistry
@@ -65,6 +64,5 @@ class Outbox:
             self.mail.send(entry.handle, ReleaseAttempt(worker_id, attempt))
 
     def tell_client(self, tracked: Tracked, message: str, retryable: bool = True) -> None:
-        delta = TokenDelta(tracked.attempt, 0, 0, (), RequestStatus.FAILED, len(tracked.request.prompt_token_ids), 0,
-                           message, retryable=retryable)
+        delta = TokenDelta.failure(WorkerRequest(tracked.attempt, tracked.request), message, retryable)
         self._publisher.publish(tracked.request.sink, [delta])

@@ -16,13 +16,13 @@ anything happen: after one, a placement is checked again (`still_valid`) before 
 
 Request path (disaggregated): place the request (a decode worker with room, a prefill plan), reserve
 the prompt's blocks on the decode worker, then send the attempt to the prefill worker with the
-destination. When the decode worker has adopted the pages it calls `handoff_done`, and the prefill
-worker is told to release its hold. Every terminal path runs one idempotent reclaim.
+destination. When the decode worker has adopted the pages it says so in its next report (sent at once),
+and the prefill worker is told to release its hold. Every terminal path runs one idempotent reclaim.
 
 Calls to workers leave batched per tick (worker_mail.py), a client's submits of one tick arrive in one
-`submit_many`, a process hosting many workers sends their reports in one `reports`: one Ray call costs
-about what one placement does, so at thousands of requests per second the calls, not the decisions,
-would be the scheduler's work.
+`submit_many`, and reports arrive in one `reports` call per process (a real worker's one report, or every
+report of a simulated host; the same messages either way): one Ray call costs about what one placement
+does, so at thousands of requests per second the calls, not the decisions, would be the scheduler's work.
 
 Why ~400 lines: what is left here are the Ray entry points (single and batched) and the paths that
 await (admission, reservation, re-routing after a loss), which must re-check state after each await in
@@ -125,16 +125,13 @@ class Scheduler:
             self._confirmations = loop.create_task(self._watch_unconfirmed())
         return True
 
-    async def report(self, report: WorkerReport) -> bool:
-        """False tells the worker this scheduler does not know it: it registers again."""
-        return self._take_report(report)
-
     async def pulse(self, pulse: WorkerPulse) -> None:
         """A worker inside a long step: alive, though its report waits for the step's end."""
         self._registry.pulse(pulse)
 
     async def reports(self, batch: tuple[WorkerReport, ...]) -> tuple[bool, ...]:
-        """The reports of every worker one process hosts, in one call."""
+        """Workers' reports: a real worker's one, or those of every worker a process hosts, in one call.
+        False tells a worker this scheduler does not know it: it registers again."""
         return tuple([self._take_report(report) for report in batch])
 
     def _take_report(self, report: WorkerReport) -> bool:
@@ -147,14 +144,11 @@ class Scheduler:
             tracked = self._table.current(attempt)
             if tracked is not None:
                 tracked.sent_at = None
-        for done in report.finished:
-            self._reclaim(done.attempt, failed=done.status == RequestStatus.FAILED)
+        for done in report.finished:  # the reporting worker has let go of the attempt already
+            self._reclaim(done.attempt, failed=done.status == RequestStatus.FAILED, skip=report.worker_id)
         for adopted in report.handed_off:
             self._handed_off(adopted.attempt, adopted.prefill_worker)
         return True
-
-    async def handoff_done(self, attempt: AttemptId, prefill_worker: str) -> None:
-        self._handed_off(attempt, prefill_worker)
 
     def _handed_off(self, attempt: AttemptId, prefill_worker: str) -> None:
         tracked = self._table.current(attempt)
