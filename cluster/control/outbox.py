@@ -52,12 +52,6 @@ class Outbox:
         if entry is not None:
             self.mail.send(entry.handle, command)
 
-    def release_prefill(self, tracked: Tracked) -> None:
-        """The decode side adopted the pages: the prefill worker frees its held copy."""
-        prefill_id = tracked.prefill.worker_id
-        self.release_on(prefill_id, attempt=tracked.attempt)
-        tracked.workers.discard(prefill_id)
-
     def release_on(self, worker_id: str, attempt: AttemptId, role: str | None = None) -> None:
         entry = self._registry.get(worker_id)
         if entry is not None and (role is None or entry.view.role == role):

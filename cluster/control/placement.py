@@ -55,10 +55,10 @@ class Placer:
         self.shed = 0
         self._queued = WorkerOrder()  # prefill (and colocated) workers, least queued prompt tokens first
         self._room = WorkerOrder()  # decode (and colocated) workers, most uncommitted KV first
-        registry.on_change = table.on_change = self._refresh
 
-    def _refresh(self, worker_id: str) -> None:
-        """A worker's load, room or standing changed: its place in the orders follows."""
+    def refresh(self, worker_id: str) -> None:
+        """A worker's load, room or standing changed (the registry's and the table's `on_change`, wired by
+        their owner): its place in the orders follows."""
         entry = self._registry.get(worker_id)
         view = None if entry is None else self._registry.view(entry.view.role, worker_id)
         if view is None:  # gone, or draining

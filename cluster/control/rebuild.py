@@ -31,7 +31,6 @@ class Rebuild:
         """`reclaim(attempt)`: the scheduler's one terminal path, as a failure."""
         self._table, self._placer, self._out, self._incarnation = table, placer, outbox, incarnation
         self._reclaim = reclaim
-        self.admitting: set[str] = set()  # request ids whose submit is being decided now (the scheduler's)
         self._orphans_dropped = False
 
     def adopt(self, entry, live: list[LiveRequest]) -> None:
@@ -44,7 +43,7 @@ class Rebuild:
         admitted it already, and then its worker announces it once this one has settled. Until then the
         request waits; if it is known by then, its admission is answered again instead of run twice."""
         rid = request.request_id
-        while (not self._incarnation.settled() and not self._table.claimed(rid)) or rid in self.admitting:
+        while (not self._incarnation.settled() and not self._table.claimed(rid)) or self._table.admitting(rid):
             await asyncio.sleep(0.05)  # (the first send may still be admitting, if only its answer was lost)
         self.drop_orphans()
         tracked = self._table.get(rid)  # re-read after the awaits

@@ -1,23 +1,37 @@
 """The scheduler's request table: every request in flight, as its current attempt, and the KV each one
 has committed on its decode worker.
 
-One owner: admission reads `committed` to know a worker's room; every terminal path (finish report,
-failure, abort, worker loss, a superseded attempt) ends in `reclaim`, which is idempotent and ignores a
-report about any attempt but the current one. The same commitments summed by tenant (the request's cache
-salt) bound what one tenant may hold.
+One owner, and the only writer of a request's record (`Tracked`): it enters with `commit` (or
+`adopt_live`, from a worker that registers again), moves through its phases by named transitions
+(`confirm`, `handed_off`), and every terminal path (finish report, failure, abort, worker loss, a
+superseded attempt) ends in `reclaim`, which is idempotent and ignores a report about any attempt but the
+current one. Admission reads `committed` to know a worker's room; the same commitments summed by tenant
+(the request's cache salt) bound what one tenant may hold.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import OrderedDict
 from typing import Callable
 
 from actors.protocol.ids import AttemptId
-from cluster.control.scheduler_state import Tracked
+from actors.protocol.messages import LivePhase, LiveRequest
+from cluster.control.routing import PrefillPlan
+from cluster.control.scheduler_state import Phase, Tracked
 
 _ABORTS_KEPT_S = 600.0  # an abort for a request not tracked (yet): long enough for a restart to settle
 _ABORTS_KEPT = 100_000
+
+
+class Adoption(enum.Enum):
+    """What the announcing worker (or the request's prefill worker) is told about an attempt it holds."""
+
+    KEEP = "keep"
+    RELEASE = "release"  # a hold of pages sent in full: the decode side announces the request itself
+    ABORT = "abort"  # superseded, or its client gave up meanwhile
+    RELEASE_PREFILL = "release_prefill"  # adopted by its decode worker while no scheduler heard of it
 
 
 class RequestTable:
@@ -27,6 +41,7 @@ class RequestTable:
         self._committed: dict[str, int] = {}  # worker id -> KV blocks promised to requests in flight
         self._by_tenant: dict[str | None, int] = {}  # cache salt -> the same blocks, summed by tenant
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # request id -> when its abort came
+        self._admitting: dict[str, int] = {}  # request id -> submits of it being decided now (not tracked yet)
         self.finished = 0
         self.failed = 0
         self.cancelled = 0  # ended by their client (abort, deadline, disconnect) before the cluster finished
@@ -47,7 +62,71 @@ class RequestTable:
 
     def unconfirmed(self, older_than: float) -> list[Tracked]:
         """Attempts sent to a worker before `older_than` (monotonic) that it has not confirmed yet."""
-        return [t for t in self._requests.values() if t.sent_at is not None and t.sent_at < older_than]
+        return [t for t in self._requests.values() if t.phase is Phase.SENT and t.since < older_than]
+
+    # ---- admission ----
+
+    def admission_started(self, request_id: str) -> None:
+        self._admitting[request_id] = self._admitting.get(request_id, 0) + 1
+
+    def admission_ended(self, request_id: str) -> None:
+        left = self._admitting.pop(request_id) - 1
+        if left:
+            self._admitting[request_id] = left
+
+    def admitting(self, request_id: str) -> bool:
+        """A submit of the request is being decided now (a resent one waits for it: it must run once)."""
+        return request_id in self._admitting
+
+    # ---- transitions ----
+
+    def confirm(self, attempt: AttemptId) -> None:
+        """The worker computing the attempt's prompt has it (its report named it)."""
+        tracked = self.current(attempt)
+        if tracked is not None and tracked.phase is Phase.SENT:
+            self._enter(tracked, Phase.RUNNING)
+
+    def handed_off(self, attempt: AttemptId) -> None:
+        """Its decode worker adopted the pages: the prefill worker's copy is no longer the request's."""
+        tracked = self.current(attempt)
+        if tracked is None:
+            return
+        if tracked.prefill is not None:
+            tracked.workers.discard(tracked.prefill.worker_id)
+        # (prefill None: rebuilt from a reservation after a restart; its pages came after all)
+        self._enter(tracked, Phase.HANDED_OFF if tracked.prefill is not None else Phase.RUNNING)
+
+    def adopt_live(self, worker_id: str, role: str, item: LiveRequest, blocks: int) -> Adoption:
+        """A worker that registers (again) holds `item`: track it from what the worker knows. Idempotent:
+        a worker may announce the same request more than once."""
+        attempt = item.request.attempt
+        if item.phase is LivePhase.HELD:
+            # Tracking the hold would outlive a request that finished while no scheduler could hear of it.
+            return Adoption.RELEASE
+        tracked = self._requests.get(attempt.request_id)
+        if (tracked is not None and tracked.attempt != attempt) or self.was_aborted(attempt.request_id):
+            return Adoption.ABORT
+        if tracked is None:
+            decode_id = item.request.dest.decode_worker if role == "prefill" else worker_id
+            tracked = Tracked(item.request.request, attempt, set(), decode_id, blocks, phase=Phase.RUNNING)
+            self.commit(tracked)
+        tracked.workers.add(worker_id)
+        if role == "prefill":
+            tracked.prefill = PrefillPlan(worker_id, False, 0, 0.0)
+        if role == "decode" and item.phase is LivePhase.RESERVED:
+            self._enter(tracked, Phase.AWAITING_PAGES)
+        elif role != "prefill" and tracked.prefill is not None and tracked.prefill.worker_id != worker_id:
+            self._enter(tracked, Phase.HANDED_OFF)  # running on its decode worker: the pages were adopted
+        elif tracked.phase is not Phase.HANDED_OFF:
+            self._enter(tracked, Phase.RUNNING)
+        if tracked.phase is Phase.HANDED_OFF and tracked.prefill is not None and tracked.prefill.worker_id in tracked.workers:
+            tracked.workers.discard(tracked.prefill.worker_id)
+            return Adoption.RELEASE_PREFILL
+        return Adoption.KEEP
+
+    def _enter(self, tracked: Tracked, phase: Phase) -> None:
+        if tracked.phase is not phase:
+            tracked.phase, tracked.since = phase, time.monotonic()
 
     def commit(self, tracked: Tracked) -> Tracked | None:
         """Track an attempt and commit its KV. Returns the older attempt it replaces, already reclaimed
@@ -145,4 +224,4 @@ class RequestTable:
 
 
 def _unclaimed(tracked: Tracked) -> bool:
-    return tracked.awaiting_pages and tracked.prefill is None
+    return tracked.phase is Phase.AWAITING_PAGES and tracked.prefill is None

@@ -64,7 +64,7 @@ from cluster.control.rebuild import Rebuild
 from cluster.control.registry import WorkerRegistry
 from cluster.control.request_table import RequestTable
 from cluster.control.room_waiters import RoomWaiters
-from cluster.control.scheduler_state import SchedulerCounters, SchedulerSettings, SchedulerState, Tracked
+from cluster.control.scheduler_state import Phase, SchedulerCounters, SchedulerSettings, SchedulerState, Tracked
 from cluster.control.tenant_shares import TenantShares
 from cluster.control.ttft_guard import TtftGuard
 from cluster.control.worker_mail import WorkerMail
@@ -84,6 +84,8 @@ class Scheduler:
         self._guard = TtftGuard(settings.max_predicted_ttft_s)
         self._links = LinkCosts(settings.transfer_bytes_per_s)
         self._placer = Placer(settings, self._registry, self._table, self._index, self._guard, self._links)
+        # The one observer of worker standing and committed KV: the placer keeps its orders from them.
+        self._registry.on_change = self._table.on_change = self._placer.refresh
         self._shares = TenantShares(self._table, self._registry, settings.max_queued)
         self._out = Outbox(self._registry, WorkerMail(_CALL_TIMEOUT_S), settings.curve_keys)
         self._clock = DecisionClock()
@@ -141,9 +143,7 @@ class Scheduler:
         self._guard.observe(report.worker_id, report.first_token_waits)
         self._links.observe(report.worker_id, report.transfers)
         for attempt in report.received:
-            tracked = self._table.current(attempt)
-            if tracked is not None:
-                tracked.sent_at = None
+            self._table.confirm(attempt)
         for done in report.finished:  # the reporting worker has let go of the attempt already
             self._reclaim(done.attempt, failed=done.status == RequestStatus.FAILED, skip=report.worker_id)
         for adopted in report.handed_off:
@@ -151,16 +151,10 @@ class Scheduler:
         return True
 
     def _handed_off(self, attempt: AttemptId, prefill_worker: str) -> None:
-        tracked = self._table.current(attempt)
-        if tracked is not None:
-            tracked.awaiting_pages = False  # (a reservation rebuilt after a restart got its pages after all)
-        if tracked is None or tracked.prefill is None:
-            # Not tracked (this scheduler restarted since, or the attempt ended): the prefill worker
-            # still holds the pages.
-            self._out.release_on(prefill_worker, attempt, role="prefill")
-            return
-        tracked.handed_off = True
-        self._out.release_prefill(tracked)
+        """The decode worker adopted the pages: the prefill worker frees its copy (also when the attempt is
+        not tracked: this scheduler restarted since, or it ended; the prefill worker still holds them)."""
+        self._table.handed_off(attempt)
+        self._out.release_on(prefill_worker, attempt, role="prefill")
 
     async def drain(self, worker_id: str) -> None:
         """Route nothing new to the worker; what it serves now finishes there."""
@@ -182,7 +176,7 @@ class Scheduler:
         self._links.forget(worker_id)
         for tracked in self._table.touching(worker_id):
             prefill_only = (tracked.prefill is not None and tracked.prefill.worker_id == worker_id
-                            and not tracked.handed_off)
+                            and tracked.phase is not Phase.HANDED_OFF)
             self._reclaim(tracked.attempt, failed=not prefill_only, skip=worker_id)
             if prefill_only:
                 # Nothing has reached the client from a prefill that never handed off: run it again.
@@ -203,7 +197,7 @@ class Scheduler:
             for tracked in self._table.unconfirmed(older_than=now - self.s.heartbeat_timeout_s):
                 target = tracked.prefill.worker_id if tracked.prefill is not None else tracked.decode_id
                 entry = self._registry.get(target)
-                if entry is None or entry.last_report - tracked.sent_at < self.s.heartbeat_timeout_s:
+                if entry is None or entry.last_report - tracked.since < self.s.heartbeat_timeout_s:
                     continue  # no report since (a pulse is no confirmation): the watchdog decides about it
                 log.warning("attempt %s never reached worker %s: placing it again", tracked.attempt, target)
                 self._lost_submits += 1
@@ -236,27 +230,28 @@ class Scheduler:
         """`patient`: the request lost its worker (a migration, a re-routed prefill): it waits for a
         worker until its own deadline, since one that Ray restarts is back in seconds."""
         self._submitted += 1
-        self._rebuild.admitting.add(request.request_id)
+        self._table.admission_started(request.request_id)
         arrived = time.perf_counter()
         try:
             answer = await self._submit_once(request, patient)
-            if isinstance(answer, Admitted):
-                self._clock.decided(time.perf_counter() - arrived)
-            return answer
         finally:
-            self._rebuild.admitting.discard(request.request_id)
+            self._table.admission_ended(request.request_id)
+        if isinstance(answer, Admitted):
+            self._clock.decided(time.perf_counter() - arrived)
+        else:
+            self._rejected += 1  # counted here only, whichever owner refused it
+        return answer
 
     async def _submit_once(self, request: GenerateRequest, patient: bool) -> Admitted | Rejected:
         tracked = self._table.get(request.request_id)
         if tracked is not None and request.output_prefix:
             self._reclaim(tracked.attempt, failed=True)  # a migration: the old attempt's worker is gone
         elif tracked is not None:
-            return self._reject(f"request_id {request.request_id!r} is already in flight", None)
+            return Rejected(f"request_id {request.request_id!r} is already in flight", None)
         if self._shares.queued() >= self.s.max_queued:
-            return self._reject("the admission queue is full", self._placer.retry_after_s())
+            return Rejected("the admission queue is full", self._placer.retry_after_s())
         refused = self._shares.enter_queue(request)
         if refused is not None:
-            self._rejected += 1
             return refused
         try:
             return await self._admit(request, patient)
@@ -276,16 +271,14 @@ class Scheduler:
         while True:
             workers, biggest = self._registry.pool_size(pool), self._registry.largest(pool)
             if workers and blocks_needed > biggest:
-                return self._reject(f"the request needs {blocks_needed} KV blocks (prompt + max_tokens x n); the "
+                return Rejected(f"the request needs {blocks_needed} KV blocks (prompt + max_tokens x n); the "
                                     f"largest {pool} worker has {biggest}: lower max_tokens or n", None)
             too_big = self._shares.too_big(request, blocks_needed, pool)
             if too_big is not None:
-                self._rejected += 1
                 return too_big
             if workers and self._shares.fits(request, blocks_needed, pool):
                 placed = self._placer.place(request, hashes, blocks_needed, arrived)
                 if isinstance(placed, Rejected):
-                    self._rejected += 1
                     return placed
                 if placed is not None:
                     answer = await self._carry_out(request, placed, blocks_needed)
@@ -293,11 +286,10 @@ class Scheduler:
                         return answer
             if time.monotonic() >= deadline:
                 if not self._registry.pool_size(pool):
-                    return self._reject(f"no {pool} worker is ready", 5.0, unavailable=True)
+                    return Rejected(f"no {pool} worker is ready", 5.0, unavailable=True)
                 if not self._shares.fits(request, blocks_needed, pool):
-                    self._rejected += 1
                     return self._shares.over_share(request, blocks_needed, pool, self._placer.retry_after_s())
-                return self._reject("no worker has room for the request's KV", self._placer.retry_after_s())
+                return Rejected("no worker has room for the request's KV", self._placer.retry_after_s())
             await self._waiters.wait(arrived, deadline - time.monotonic())
 
     async def _carry_out(self, request: GenerateRequest, placement: Placement, blocks: int) -> Admitted | None:
@@ -320,8 +312,7 @@ class Scheduler:
         prefill_id = placement.prefill_id
         workers = {placement.decode_id, prefill_id}
         superseded = self._table.commit(Tracked(request, attempt, workers, placement.decode_id, blocks,
-                                                None if placement.local else placement.prefill,
-                                                sent_at=time.monotonic()))
+                                                None if placement.local else placement.prefill))
         if superseded is not None:
             self._abort_on_workers(superseded)
         if placement.prefill is not None and placement.prefill.worker_id == prefill_id:
@@ -357,10 +348,6 @@ class Scheduler:
     def _abort_on_workers(self, tracked: Tracked, skip: str | None = None) -> None:
         self._guard.forget(tracked.attempt)
         self._out.abort(tracked, skip)
-
-    def _reject(self, reason: str, retry_after_s: float | None, unavailable: bool = False) -> Rejected:
-        self._rejected += 1
-        return Rejected(reason, retry_after_s, unavailable)
 
     # ---- introspection (for people, tests and metrics; not the control path) ----
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import asdict, dataclass, field, fields
 
@@ -45,22 +46,27 @@ class WorkerEntry:
     stats: WorkerStats | None = None  # the worker's latest report; None until its first
 
 
+class Phase(enum.Enum):
+    """Where a request's current attempt is, as the scheduler knows it."""
+
+    SENT = "sent"  # sent to the worker that computes its prompt, which has not confirmed it yet
+    RUNNING = "running"  # confirmed: queued, prefilling, or (prefilled on its decode worker) decoding
+    AWAITING_PAGES = "awaiting_pages"  # rebuilt after a restart from a decode worker's reservation
+    HANDED_OFF = "handed_off"  # the decode worker adopted its pages and decodes it
+
+
 @dataclass
 class Tracked:
-    """One request in flight, as its current attempt."""
+    """One request in flight, as its current attempt. Written only by the RequestTable's transitions."""
 
     request: GenerateRequest  # as submitted: enough to re-route it or to tell its client it failed
     attempt: AttemptId  # what workers know it as
     workers: set[str]  # every worker that may hold state for the attempt
     decode_id: str  # the worker whose KV is committed to it until reclaim
     blocks: int  # KV blocks committed on the decode (or colocated) worker
-    prefill: PrefillPlan | None = None  # None: prefilled on its decode worker
-    handed_off: bool = False
-    # When the attempt was sent to the worker that computes its prompt, until that worker's report
-    # confirms it arrived (None: confirmed, or rebuilt from a worker that holds it).
-    sent_at: float | None = None
-    # Rebuilt after a restart from a decode worker's reservation, its prefill worker not known (yet).
-    awaiting_pages: bool = False
+    prefill: PrefillPlan | None = None  # None: prefilled on its decode worker (or not known, after a restart)
+    phase: Phase = Phase.SENT
+    since: float = field(default_factory=time.monotonic)  # when it entered its phase (monotonic)
 
     @property
     def request_id(self) -> str:

@@ -59,6 +59,7 @@ async def _cost(num_workers: int, decisions: int, seed: int = 0) -> float:
     table, index = RequestTable(), PrefixIndex()
     links = LinkCosts(settings.transfer_bytes_per_s)
     placer = Placer(settings, registry, table, index, TtftGuard(None), links)
+    registry.on_change = table.on_change = placer.refresh
     roles = {f"w{i}": ("prefill" if i % 2 == 0 else "decode") for i in range(num_workers)}
     for wid, role in roles.items():
         endpoints = (KvRankEndpoint("tcp://127.0.0.1:1", 0, 1, 1),) if role == "decode" else ()
