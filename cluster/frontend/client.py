@@ -311,9 +311,9 @@ class TandemClient:
         deadline = time.monotonic() + timeout_s
         try:
             while not stream.finished:
-                remaining = deadline - time.monotonic()
+                until = min(deadline, stream.next_stall_check(self.progress_timeout_s))
                 try:
-                    item = submitted.queue.get(timeout=max(min(remaining, self.progress_timeout_s), 0.001))
+                    item = submitted.queue.get(timeout=max(until - time.monotonic(), 0.001))
                 except queue.Empty:
                     if time.monotonic() >= deadline:
                         raise TimeoutError(f"request {submitted.request_id} produced nothing for {timeout_s}s") from None

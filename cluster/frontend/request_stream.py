@@ -7,14 +7,16 @@ stop strings are computed here because workers only produce token ids. A retryab
 worker was lost) sets `migration_pending`; the client's `migrate` resubmits `migration_request()`,
 and every later delta of the given-up attempt is stale.
 
-The progress bound (`scheduler.progress_timeout_s`): a pump that receives nothing for a request that
-long, in whatever phase (admission, a worker's queue, prefill, handoff, decode, a migration), feeds it a
-`Stalled`. The first stall moves the request like a worker loss (its old attempt is aborted, so no work
-is done twice); a second one ends it with a clean error. No stream stays silent past the bound twice.
+The progress bound (`scheduler.progress_timeout_s`) holds in whatever phase the request is (admission,
+a worker's queue, prefill, handoff, decode, a migration): a pump that has received nothing for the request
+for half the bound feeds it a `Stalled`, and the request moves like a worker loss (its old attempt is
+aborted, so no work is done twice); still nothing at the full bound, it ends with a clean error. No
+stream stays silent longer than the bound.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 from actors.engine.text.detokenizer import IncrementalDetokenizer
@@ -113,9 +115,9 @@ class SchedulerForgot:
 
 @dataclass(frozen=True)
 class Stalled:
-    """Fed by a pump when nothing arrived for the request within the progress bound."""
+    """Fed by a pump at `RequestStream.next_stall_check(bound)` when nothing arrived since."""
 
-    seconds: float
+    bound_s: float
 
 
 class RequestStream:
@@ -136,6 +138,7 @@ class RequestStream:
         self._attempts_seen: set[AttemptId] = set()
         self._ended_here = False  # ended by this side (deadline, refused migration): abort it in the cluster
         self._moved_after_stall = False
+        self.last_progress = time.monotonic()  # the last delta of a live attempt (or the request's start)
 
     @property
     def request_id(self) -> str:
@@ -184,13 +187,19 @@ class RequestStream:
         self._dead_attempts |= self._attempts_seen  # whatever still arrives from them is stale
         return []
 
+    def next_stall_check(self, bound_s: float) -> float:
+        """When (monotonic) a pump that hears nothing more should feed a `Stalled`: at half the bound the
+        request moves, at the full bound it ends."""
+        return self.last_progress + (bound_s if self._moved_after_stall else bound_s / 2)
+
     def _stalled(self, stall: Stalled) -> list[StreamEvent]:
+        silent_s = time.monotonic() - self.last_progress
         if self.finished:
             return []
-        if self._moved_after_stall or self.migrations_left <= 0:
-            return self.fail(f"the request made no progress for {stall.seconds:.0f}s (the progress bound, "
-                             "scheduler.progress_timeout_s), also after it was moved: the cluster is overloaded "
-                             "or losing workers; retry later")
+        if self._moved_after_stall or self.migrations_left <= 0 or silent_s >= stall.bound_s:
+            return self.fail(f"the request made no progress for {silent_s:.0f}s (the progress bound is "
+                             f"{stall.bound_s:.0f}s, scheduler.progress_timeout_s), also after it was moved: the "
+                             "cluster is overloaded or losing workers; retry later")
         self._moved_after_stall = True
         self.migrations_left -= 1
         self.migration_pending = True
@@ -210,6 +219,7 @@ class RequestStream:
             return self._forgotten(delta)
         if delta.attempt in self._dead_attempts:
             return []
+        self.last_progress = time.monotonic()
         self._attempts_seen.add(delta.attempt)
         self.received_tokens += len(delta.token_ids)
         self.times = self.times.merged(delta.times)

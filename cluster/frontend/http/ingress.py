@@ -123,10 +123,11 @@ class Ingress:
         deadline = arrival + min(sink.timeout_s or self.request_timeout_s, self.request_timeout_s)
         try:
             while not stream.finished:
-                remaining = deadline - time.perf_counter()
                 bound = self.client.progress_timeout_s
+                # (the deadline is on the perf_counter clock of `arrival`, the stall check on the monotonic one)
+                wait_s = min(deadline - time.perf_counter(), stream.next_stall_check(bound) - time.monotonic())
                 try:
-                    item = await asyncio.wait_for(sink.queue.get(), max(min(remaining, bound), 0.0))
+                    item = await asyncio.wait_for(sink.queue.get(), max(wait_s, 0.0))
                 except asyncio.TimeoutError:
                     if time.perf_counter() < deadline:
                         item = Stalled(bound)  # nothing for the progress bound: moved, or ended cleanly

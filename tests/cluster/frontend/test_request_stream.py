@@ -1,5 +1,5 @@
-"""The progress bound on the client side: a request that hears nothing within it is moved once (its old
-attempt given up, so none of its late deltas count), and ended with a clean error the second time."""
+"""The progress bound on the client side: a request that hears nothing for half the bound is moved (its
+old attempt given up, so none of its late deltas count), and ended with a clean error at the full bound."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_a_second_stall_ends_the_request_with_a_clean_error():
     stream.feed(Stalled(60.0))
     stream.migration_request()
     (event,) = stream.feed(Stalled(60.0))
-    assert event.finished and event.finish_reason == "error" and "no progress for 60s" in event.error
+    assert event.finished and event.finish_reason == "error" and "the progress bound is 60s" in event.error
     assert stream.finished and stream.needs_abort
 
 
@@ -41,3 +41,18 @@ def test_a_request_that_cannot_move_ends_at_its_first_stall():
     stream = _stream(n=2)  # several samples are never migrated
     events = stream.feed(Stalled(30.0))
     assert [ev.finish_reason for ev in events] == ["error", "error"] and not stream.migration_pending
+
+
+def test_the_checks_fall_at_half_the_bound_then_at_the_bound_counted_from_the_last_progress():
+    stream, attempt = _stream(), AttemptId("r", "e:1")
+    stream.feed(_delta(attempt, 0, 7))
+    assert stream.next_stall_check(60.0) == stream.last_progress + 30.0
+    stream.feed(Stalled(60.0))
+    assert stream.next_stall_check(60.0) == stream.last_progress + 60.0  # the move is no progress
+
+
+def test_a_stall_found_late_ends_the_request_at_once():
+    stream = _stream()
+    stream.last_progress -= 61.0  # its pump was held up past the whole bound
+    (event,) = stream.feed(Stalled(60.0))
+    assert event.finish_reason == "error" and not stream.migration_pending
