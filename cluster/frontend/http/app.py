@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.control.scheduler_state import SchedulerState
 from cluster.frontend.http import responses
-from cluster.frontend.http.body_guard import BodyGuard
+from cluster.frontend.http.body_guard import BodyGuard, tenant_of
 from cluster.frontend.http.chat_request import prepare_chat
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.lifecycle import ClientGone, raise_if_failed, run_unless_disconnected
@@ -119,7 +119,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
 
     @app.get("/v1/models", response_model=None, responses=documented(ModelList, 401))
     async def models(request: Request):
-        ingress.gate.authenticate(request.headers.get("authorization"))
+        tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
         return {"object": "list", "data": [{"id": ingress.model_name, "object": "model", "created": 0, "owned_by": "tandem",
                                             "max_model_len": ingress.max_model_len}]}
 
@@ -130,7 +130,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
               responses=documented(CompletionResponse, 400, 401, 404, 408, 413, 429, 500, 503, 504, streams=True))
     async def completions(req: CompletionRequest, request: Request):
         arrival = time.perf_counter()
-        tenant = ingress.gate.authenticate(request.headers.get("authorization"))
+        tenant = tenant_of(request)
         # echo with max_tokens 0 scores the prompt only: one token is generated and not shown.
         max_tokens = ingress.check_common(req, 1 if req.scores_only else req.max_tokens)
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
@@ -160,7 +160,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
               responses=documented(ChatCompletionResponse, 400, 401, 404, 408, 413, 429, 500, 503, 504, streams=True))
     async def chat(req: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
-        tenant = ingress.gate.authenticate(request.headers.get("authorization"))
+        tenant = tenant_of(request)
         chat = await prepare_chat(ingress, req)
         prompt, calls = chat.prompt, chat.calls
         ((stream, sink),) = await ingress.open_all([prompt], chat.params, tenant, req.timeout)

@@ -20,8 +20,8 @@ Send = Callable[[dict], Awaitable[None]]
 
 
 class BodyGuard:
-    def __init__(self, app, gate: Gate, max_body_bytes: int, prefixes: tuple[str, ...] = ("/v1/", "/tokenize",
-                                                                                            "/detokenize")):
+    def __init__(self, app, gate: Gate, max_body_bytes: int,
+                 prefixes: tuple[str, ...] = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")):
         self.app = app
         self.gate = gate
         self.max_body_bytes = max_body_bytes
@@ -33,7 +33,8 @@ class BodyGuard:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
         try:
-            self.gate.authenticate(headers.get("authorization"))
+            # Here, once, before a byte of the body is read; the routes read the tenant from the scope.
+            scope.setdefault("state", {})["tenant"] = self.gate.authenticate(headers.get("authorization"))
             length = headers.get("content-length")
             if length is not None and length.strip().isdigit() and int(length) > self.max_body_bytes:
                 raise _too_large(self.max_body_bytes)
@@ -85,3 +86,9 @@ async def _reply(send: Send, error: ApiError) -> None:
     headers += [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in error.headers.items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
+
+
+def tenant_of(request) -> str | None:
+    """The tenant the guard authenticated the request as. A route outside the guard's prefixes has none, and
+    fails here (a 500) rather than serving an unauthenticated caller."""
+    return request.state.tenant

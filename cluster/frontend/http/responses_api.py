@@ -19,6 +19,7 @@ from cluster.frontend.http.lifecycle import raise_if_failed, run_unless_disconne
 from cluster.frontend.http.openapi import ResponseObject, documented
 from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest
 from cluster.frontend.http.streaming import sse
+from cluster.frontend.http.body_guard import tenant_of
 
 
 class ResponsesRequest(BaseModel):
@@ -97,7 +98,7 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
                                                                          500, 503, 504, streams=True))
     async def create_response(req: ResponsesRequest, request: Request):
         arrival = time.perf_counter()
-        tenant = ingress.gate.authenticate(request.headers.get("authorization"))
+        tenant = tenant_of(request)
         chat = await prepare_chat(ingress, _chat_request(req))
         ((stream, sink),) = await ingress.open_all([chat.prompt], chat.params, tenant)
         rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"

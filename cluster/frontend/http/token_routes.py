@@ -16,6 +16,7 @@ from cluster.frontend.http.openapi import (
     DetokenizeResponse, TokenizeResponse, TokenizerInfoResponse, VersionResponse, documented,
 )
 from cluster.frontend.http.protocol import ApiError, ChatMessage
+from cluster.frontend.http.body_guard import tenant_of
 
 
 class TokenizeRequest(BaseModel):
@@ -35,7 +36,7 @@ class DetokenizeRequest(BaseModel):
 def add_token_routes(app: FastAPI, ingress: Ingress) -> None:
     @app.post("/tokenize", response_model=None, responses=documented(TokenizeResponse, 400, 401, 404, 413))
     async def tokenize(req: TokenizeRequest, request: Request):
-        ingress.gate.authenticate(request.headers.get("authorization"))
+        tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
         ingress.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
@@ -50,7 +51,7 @@ def add_token_routes(app: FastAPI, ingress: Ingress) -> None:
 
     @app.post("/detokenize", response_model=None, responses=documented(DetokenizeResponse, 400, 401, 404, 413))
     async def detokenize(req: DetokenizeRequest, request: Request):
-        ingress.gate.authenticate(request.headers.get("authorization"))
+        tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
         ingress.check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < ingress.vocab_size]
         if bad:
@@ -59,7 +60,7 @@ def add_token_routes(app: FastAPI, ingress: Ingress) -> None:
 
     @app.get("/tokenizer_info", response_model=None, responses=documented(TokenizerInfoResponse, 401))
     async def tokenizer_info(request: Request):
-        ingress.gate.authenticate(request.headers.get("authorization"))
+        tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
         tok = ingress.tokenizer
         return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
                 "pad_token": tok.pad_token, "chat_template": tok.chat_template, "model_max_length": ingress.max_model_len}

@@ -1,6 +1,7 @@
 """The body guard under a real uvicorn server and raw sockets: a chunked body without a key gets 401
 before it is read, an oversized chunked body with a key gets 413 at the limit, and a body within it
-reaches the app whole. The app behind the guard only records what reached it."""
+reaches the app whole, with the tenant the guard authenticated it as (the routes authenticate no more).
+The app behind the guard only records what reached it."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ CHUNK = b"x" * 65536
 
 
 class Recorder:
-    """The app behind the guard: answers 200 with the number of body bytes it received."""
+    """The app behind the guard: answers 200 with the number of body bytes it received and its tenant."""
 
     def __init__(self):
         self.calls = 0
@@ -34,7 +35,7 @@ class Recorder:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
-        payload = json.dumps({"received": len(body)}).encode()
+        payload = json.dumps({"received": len(body), "tenant": scope.get("state", {}).get("tenant")}).encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]})
         await send({"type": "http.response.body", "body": payload})
@@ -98,7 +99,7 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/detokenize"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/detokenize", "/tokenizer_info"])
 def test_no_key_gets_401_before_the_body_is_read(server, path):
     app, port = server
     before = _rss()
@@ -122,5 +123,5 @@ def test_an_oversized_chunked_body_gets_413_at_the_limit(server):
 def test_a_body_within_the_limit_reaches_the_app_whole(server):
     app, port = server
     status, body, sent = _chunked_post(port, "k1", LIMIT)
-    assert (status, body, sent) == (200, {"received": LIMIT}, LIMIT)
+    assert (status, body, sent) == (200, {"received": LIMIT, "tenant": "a"}, LIMIT)
     assert app.calls == 1
