@@ -18,9 +18,11 @@ class WorkerSpec:
     # colocated: whole requests, prefill and decode in one engine.
     role: str
     engine: EngineConfig
+    # The bounds come from the cluster's config (scheduler.lease_s, scheduler.heartbeat_s), where their
+    # defaults live: no second default here.
+    lease_s: float
+    heartbeat_s: float
     torch_threads: int = 1
-    lease_s: float = 30.0
-    heartbeat_s: float = 0.05
     zmq_transport: str = "ipc"
     host: str = "127.0.0.1"
     transfer_backend: str = "zmq"  # or "collective": torch.distributed over every worker of the cluster

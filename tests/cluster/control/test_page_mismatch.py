@@ -26,8 +26,9 @@ def start_mismatched(decode_dtype: str) -> Cluster:
     )
     scheduler = ray.remote(Scheduler).options(num_cpus=0).remote(settings)
     specs = {
-        "prefill-0": WorkerSpec("prefill-0", "prefill", engine, lease_s=5.0),
-        "decode-0": WorkerSpec("decode-0", "decode", dataclasses.replace(engine, dtype=decode_dtype), lease_s=5.0),
+        "prefill-0": WorkerSpec("prefill-0", "prefill", engine, lease_s=5.0, heartbeat_s=0.05),
+        "decode-0": WorkerSpec("decode-0", "decode", dataclasses.replace(engine, dtype=decode_dtype), lease_s=5.0,
+                                heartbeat_s=0.05),
     }
     workers = {wid: worker_actor().options(num_cpus=0.5, max_concurrency=16).remote(spec, scheduler)
                for wid, spec in specs.items()}
