@@ -41,14 +41,15 @@ class GenerateRequest:
     deadline: float | None = None  # wall-clock time (time.time()) its client gives up: a moved request waits till then
     output_prefix: tuple[int, ...] = ()  # tokens the client already has: a migrated request continues after them
     retried: bool = False  # sent again: the scheduler died while admitting it (it must still run only once)
+    moved: bool = False  # its client moved it (a lost worker, a stall): it supersedes the attempt in flight
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
         object.__setattr__(self, "output_prefix", tuple(self.output_prefix))
 
     def continued(self, output_prefix) -> GenerateRequest:
-        """The same request, to be continued after `output_prefix` (a migration)."""
-        return replace(self, output_prefix=tuple(output_prefix), retried=False)
+        """The same request, moved: to be continued after `output_prefix` (possibly none yet)."""
+        return replace(self, output_prefix=tuple(output_prefix), retried=False, moved=True)
 
 
 @dataclass(frozen=True)

@@ -220,11 +220,11 @@ class Scheduler:
 
     async def submit(self, request: GenerateRequest) -> Admitted | Rejected:
         """Admit and route one request (or the next attempt of a migrated one)."""
-        if request.retried and not request.output_prefix:
+        if request.retried and not request.moved:
             again = await self._rebuild.admitted_before(request)
             if again is not None:
                 return again
-        return await self._submit(request, patient=bool(request.output_prefix))
+        return await self._submit(request, patient=request.moved)
 
     async def _submit(self, request: GenerateRequest, patient: bool) -> Admitted | Rejected:
         """`patient`: the request lost its worker (a migration, a re-routed prefill): it waits for a
@@ -244,8 +244,10 @@ class Scheduler:
 
     async def _submit_once(self, request: GenerateRequest, patient: bool) -> Admitted | Rejected:
         tracked = self._table.get(request.request_id)
-        if tracked is not None and request.output_prefix:
-            self._reclaim(tracked.attempt, failed=True)  # a migration: the old attempt's worker is gone
+        if tracked is not None and request.moved:
+            # Moved by its client (its worker lost, or no progress within the bound): the old attempt is
+            # stopped wherever it still runs, so no work is done twice.
+            self._reclaim(tracked.attempt, failed=True)
         elif tracked is not None:
             return Rejected(f"request_id {request.request_id!r} is already in flight", None)
         if self._shares.queued() >= self.s.max_queued:
