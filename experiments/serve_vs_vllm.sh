@@ -61,9 +61,10 @@ import json, sys
 out = sys.argv[1]
 runs = {name: json.load(open(f"{out}/{name}.json")) for name in ("vllm", "tandem", "tandem-prefill2")}
 v = runs["vllm"]
+ratio = lambda a, b: f"{a / b:.2f}x" if b else "n/a (vLLM's is 0)"
 for name in ("tandem", "tandem-prefill2"):
     r = runs[name]
-    print(f"{name} vs vLLM: goodput {r['request_goodput'] / v['request_goodput']:.2f}x "
-          f"({r['request_goodput']:.3f} vs {v['request_goodput']:.3f} req/s), TTFT p50 {r['median_ttft_ms'] / v['median_ttft_ms']:.2f}x "
-          f"({r['median_ttft_ms']:.0f} vs {v['median_ttft_ms']:.0f} ms), p99 ITL {r['p99_itl_ms'] / v['p99_itl_ms']:.2f}x")
+    print(f"{name} vs vLLM: goodput {ratio(r['request_goodput'], v['request_goodput'])} "
+          f"({r['request_goodput']:.3f} vs {v['request_goodput']:.3f} req/s), TTFT p50 {ratio(r['median_ttft_ms'], v['median_ttft_ms'])} "
+          f"({r['median_ttft_ms']:.0f} vs {v['median_ttft_ms']:.0f} ms), p99 ITL {ratio(r['p99_itl_ms'], v['p99_itl_ms'])}")
 PY

@@ -18,7 +18,7 @@ from actors.protocol.messages import WorkerPulse
 
 
 class Pulse:
-    def __init__(self, worker_id: str, incarnation: str, send: Callable[[WorkerPulse], None], every_s: float = 1.0):
+    def __init__(self, worker_id: str, incarnation: str, send: Callable[[WorkerPulse], None], every_s: float = 0.25):
         self._worker_id, self._incarnation, self._send, self._every_s = worker_id, incarnation, send, every_s
         # Written by the engine thread, read here: a float store and load need no lock.
         self._last_report = time.monotonic()
