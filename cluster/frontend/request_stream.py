@@ -182,9 +182,7 @@ class RequestStream:
             return []  # its last delta came in before the audit's answer
         if self.migrations_left <= 0:
             return self.fail(f"the scheduler restarted (now {forgot.epoch}) and no worker holds the request")
-        self.migrations_left -= 1
-        self.migration_pending = True
-        self._dead_attempts |= self._attempts_seen  # whatever still arrives from them is stale
+        self._move(self._attempts_seen)
         return []
 
     def next_stall_check(self, bound_s: float) -> float:
@@ -197,14 +195,19 @@ class RequestStream:
         if self.finished:
             return []
         if self._moved_after_stall or self.migrations_left <= 0 or silent_s >= stall.bound_s:
+            moved = ", also after it was moved" if self._moved_after_stall else ""
             return self.fail(f"the request made no progress for {silent_s:.0f}s (the progress bound is "
-                             f"{stall.bound_s:.0f}s, scheduler.progress_timeout_s), also after it was moved: the "
-                             "cluster is overloaded or losing workers; retry later")
+                             f"{stall.bound_s:.0f}s, scheduler.progress_timeout_s){moved}: the cluster is "
+                             "overloaded or losing workers; retry later")
         self._moved_after_stall = True
+        self._move(self._attempts_seen)
+        return []
+
+    def _move(self, given_up: set[AttemptId]) -> None:
+        """Resubmit it (the client's `migrate`); whatever still arrives from `given_up` is stale."""
         self.migrations_left -= 1
         self.migration_pending = True
-        self._dead_attempts |= self._attempts_seen
-        return []
+        self._dead_attempts |= given_up
 
     @property
     def results(self) -> list[SampleResult]:
@@ -220,13 +223,12 @@ class RequestStream:
         if delta.attempt in self._dead_attempts:
             return []
         self.last_progress = time.monotonic()
+        self._moved_after_stall = False  # progress again: a later stall may move it again
         self._attempts_seen.add(delta.attempt)
         self.received_tokens += len(delta.token_ids)
         self.times = self.times.merged(delta.times)
         if delta.status == RequestStatus.FAILED and delta.retryable and self.migrations_left > 0:
-            self.migrations_left -= 1
-            self.migration_pending = True
-            self._dead_attempts.add(delta.attempt)
+            self._move({delta.attempt})
             return []
         if delta.status == RequestStatus.FAILED and not delta.token_ids:
             events = []  # a request-wide failure ends every sample

@@ -56,3 +56,14 @@ def test_a_stall_found_late_ends_the_request_at_once():
     stream.last_progress -= 61.0  # its pump was held up past the whole bound
     (event,) = stream.feed(Stalled(60.0))
     assert event.finish_reason == "error" and not stream.migration_pending
+
+
+def test_progress_after_a_move_lets_a_later_stall_move_it_again():
+    stream, first, second = _stream(), AttemptId("r", "e:1"), AttemptId("r", "e:2")
+    stream.feed(_delta(first, 0, 7))
+    stream.feed(Stalled(60.0))
+    assert stream.migration_request().output_prefix == (7,)
+    assert [list(ev.token_ids) for ev in stream.feed(_delta(second, 1, 8))] == [[8]]  # the moved attempt progresses
+    assert stream.next_stall_check(60.0) == stream.last_progress + 30.0
+    assert stream.feed(Stalled(60.0)) == [] and stream.migration_pending
+    assert stream.feed(_delta(first, 2, 9)) == [] and stream.feed(_delta(second, 2, 9)) == []  # both given up
