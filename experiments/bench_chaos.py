@@ -56,8 +56,9 @@ def summarize(r: dict) -> str:
     return (f"{r['exact']}/{r['requests']} exact ({r['exact_fraction']:.1%}), {r['errors']} clean errors, "
             f"{r['wrong']} wrong text, {r['hung']} hung, longest silence {r['longest_silence_s']} s (bound "
             f"{r['progress_timeout_s']} s), {r['kills']} SIGKILLs every {r['kill_every_s']} s "
-            f"({r['kills_restarting']} of starting processes) with {r['hog']} CPU hogs; KV held after: "
-            f"{r['kv_blocks_after']}")
+            f"({r['kills_restarting']} of starting processes) with {r['hog']} CPU hogs; a killed worker back after "
+            f"{r['worker_back_after_s']['p50']} s (p50), pools with no worker alive {r['pool_down_fraction']} of the "
+            f"run; KV held after: {r['kv_blocks_after']}")
 
 
 def _burn() -> None:
@@ -85,6 +86,10 @@ class _Killer:
         self._stop = threading.Event()
         self.kills: list[str] = []
         self.restarting_kills = 0  # of a process Ray did not show alive at the kill (still starting)
+        self._down_since: dict[str, float] = {}  # worker id -> when it was killed alive, until Ray shows it alive
+        self.back_after_s: list[float] = []
+        self.ticks = 0
+        self.pool_down_ticks = {"prefill": 0, "decode": 0}
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def __enter__(self) -> _Killer:
@@ -96,9 +101,11 @@ class _Killer:
         self._thread.join(timeout=60)
 
     def _loop(self) -> None:
+        raylet = _raylet_pid()
         while not self._stop.wait(self._every_s):
             alive = {pid: wid for wid, pid in _alive_worker_pids().items()}  # asking a busy worker would wait
-            victims = alive if self._spare else {pid: alive.get(pid, "starting") for pid in _worker_processes()}
+            self._observe(set(alive.values()))
+            victims = alive if self._spare else {pid: alive.get(pid, "starting") for pid in _worker_processes(raylet)}
             pids = sorted(victims)
             self._rng.shuffle(pids)
             for pid in pids:
@@ -108,7 +115,29 @@ class _Killer:
                     continue
                 self.kills.append(victims[pid])
                 self.restarting_kills += pid not in alive
+                if pid in alive:
+                    self._down_since.setdefault(alive[pid], time.monotonic())
                 break
+
+    def _observe(self, alive: set[str]) -> None:
+        """Before each kill: which pools have no worker alive, and which killed workers are back."""
+        now = time.monotonic()
+        self.ticks += 1
+        for pool in ("prefill", "decode"):
+            self.pool_down_ticks[pool] += not any(w.startswith(pool) for w in alive)
+        for wid in [w for w in self._down_since if w in alive]:
+            self.back_after_s.append(now - self._down_since.pop(wid))
+
+    def summary(self) -> dict:
+        """How long a killed worker took to be back (Ray shows it alive; kills while it started count in),
+        and the share of the run each pool had no worker alive."""
+        back = sorted(self.back_after_s)
+        return {
+            "worker_back_after_s": {"n": len(back), "p50": round(back[len(back) // 2], 1) if back else None,
+                                    "max": round(back[-1], 1) if back else None,
+                                    "never": len(self._down_since)},
+            "pool_down_fraction": {pool: round(n / max(self.ticks, 1), 2) for pool, n in self.pool_down_ticks.items()},
+        }
 
 
 def _alive_worker_pids() -> dict[str, int]:
@@ -120,17 +149,28 @@ def _alive_worker_pids() -> dict[str, int]:
             if a.get("Name", "").startswith("tandem-") and a.get("State") == "ALIVE" and a.get("Pid")}
 
 
-def _worker_processes() -> list[int]:
-    """Every process Ray titled as a worker actor (`ray::tandem-decode-0:Worker.__init__` while it starts,
-    then `ray::Worker.watch`, ...), whatever state Ray shows it in: a restarting worker's new process is one
-    before Ray calls it alive."""
+def _raylet_pid() -> int | None:
+    """This cluster's raylet: every worker process is its child (the killer spares other Ray instances on
+    the box, such as a test session's)."""
+    from ray._private import worker
+
+    node = worker._global_node
+    raylets = node.all_processes.get("raylet") if node is not None else None
+    return raylets[0].process.pid if raylets else None
+
+
+def _worker_processes(raylet: int | None) -> list[int]:
+    """Every process of this cluster that Ray titled as a worker actor (`ray::tandem-decode-0:Worker.__init__`
+    while it starts, then `ray::Worker.watch`, ...), whatever state Ray shows it in: a restarting worker's
+    new process is one before Ray calls it alive."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             title = (entry / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
-        except OSError:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if entry.name.isdigit() and re.match(r"ray::(tandem-[\w.-]+:)?Worker\b", title):
+        if entry.name.isdigit() and re.match(r"ray::(tandem-[\w.-]+:)?Worker\b", title) and parent == raylet:
             found.append(int(entry.name))
     return found
 
@@ -226,7 +266,7 @@ def bench(args: argparse.Namespace) -> dict:
         "progress_timeout_s": config.scheduler.progress_timeout_s,
         "silent_past_bound": sum(r["silence_s"] > config.scheduler.progress_timeout_s for r in results),
         "kills": len(killer.kills), "killed": dict(Counter(killer.kills)), "kill_every_s": args.kill_every_s,
-        "kills_restarting": killer.restarting_kills,
+        "kills_restarting": killer.restarting_kills, **killer.summary(),
         "hog": args.hog, "concurrency": args.concurrency, "seconds": round(seconds, 1),
         "kv_blocks_after": kv_after, "request_seconds_max": max(r["seconds"] for r in results),
     }

@@ -1,7 +1,7 @@
 """What every `tandem bench ...` command shares at its end.
 
 `--out` means the same everywhere: the path of the result JSON (default `bench-<name>-<time>.json` in
-the working directory); a command that draws PNGs puts them beside it. The last line printed sums the
+the working directory, or in `--out` when that is a directory); a command that draws PNGs puts them beside it. The last line printed sums the
 run up in one line, `tandem bench <name>: ...; wrote <path>`, so a log or a CI job shows the result
 without opening the file.
 """
@@ -21,7 +21,10 @@ def add_out_argument(p: argparse.ArgumentParser, name: str, beside: str = "") ->
 
 
 def out_path(name: str, out: str | None) -> Path:
-    path = Path(out or f"bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    default = f"bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = Path(out or default)
+    if path.is_dir():  # a long run must not end without its report because --out named a folder
+        path = path / default
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Hashable
 
 from actors.protocol.request_status import RequestStatus
 
@@ -32,7 +33,7 @@ class TokenLogprob:
 class RequestOutput:
     """New tokens of one sequence (sample `index` of `request_id`) from one engine step."""
 
-    request_id: str
+    request_id: Hashable
     index: int
     new_token_ids: list[int]
     new_text: str
@@ -44,6 +45,7 @@ class RequestOutput:
     num_output_tokens: int = 0  # output tokens of this sequence so far, these included
     first_scheduled_time: float | None = None  # wall clock of the sequence's first step
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when asked for
+    tag: Any = None  # the caller's context of the request (Engine.add_request's `tag`)
 
     @property
     def finished(self) -> bool:

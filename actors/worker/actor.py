@@ -7,8 +7,10 @@ stats, finished attempts and KV events to the global scheduler (fire-and-forget)
 
 The roles (prefill, decode, colocated) are described with `WorkerSpec` (spec.py).
 
-State: `_running` (attempts in the engine, by engine id), the inbox and the handoff table
-(reservations and holds) are this worker's; the engine owns its blocks and queues behind its methods.
+State: an attempt has one record, the engine's (actors/engine/requests.py), under its `AttemptId`, with
+the worker's context of it (`Running`: what was asked, stage times) as its tag; it is running, reserved
+or handed off there. The handoff table keeps the leases of reserved and handed-off attempts (deadlines,
+writes in flight) and is the only way their blocks are freed. The inbox holds commands not yet taken.
 
 Why one file of ~370 lines: every engine-thread command (submit, adopt, abort, hand-off, expiry,
 failure, report) is a short method on the one thread that may touch the engine; splitting them would
@@ -41,15 +43,16 @@ from actors.protocol.messages import (
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.token_stream import TokenPublisher
 from actors.protocol.tp_messages import KvSendPlan, PieceEvent
-from actors.protocol.worker_commands import ReleaseAttempt, ReserveBlocks, SubmitAttempt, WorkerCommand
-from actors.worker.faults import apply_fault, check_fault
+from actors.protocol.worker_commands import AbortAttempt, ReleaseAttempt, ReserveBlocks, SubmitAttempt, WorkerCommand
+from actors.engine.requests import Phase
+from actors.worker.faults import HeldWrites, apply_fault, check_fault
 from actors.worker.handoff_table import HandoffTable, LeaseKind
 from actors.worker.inbox import Inbox
 from actors.worker.kv_handoff import HandoffEnds
 from actors.worker.mailbox import addressed, answers
 from actors.worker.meter import WorkerMeter
 from actors.worker.pulse import Pulse
-from actors.worker.running import Running, engine_id
+from actors.worker.running import Running
 from actors.worker.scheduler_link import SchedulerLink
 from actors.worker.spec import WorkerSpec
 from actors.worker.tp_group import TPGroup
@@ -71,13 +74,13 @@ class Worker:
         self._engine = Engine(dataclasses.replace(spec.engine, model=model_dir), self._tp.comm if self._tp else SINGLE)
         self._inbox = Inbox(spec.worker_id)
         self._publisher = TokenPublisher(keys=spec.curve_keys)
-        self._running: dict[str, Running] = {}
         self._handoffs = HandoffTable(self._engine, spec.lease_s)
+        self._held_writes = HeldWrites(self._handoffs.admit)  # the hold_kv_writes fault, around the table
         self._finished: list[FinishedAttempt] = []  # not yet reported
         self._handed_off: list[HandedOff] = []  # adopted, not yet reported: their prefill copies wait for it
         self._meter = WorkerMeter()
         comm = self._tp.comm if self._tp else SINGLE
-        self._ends = HandoffEnds(spec, self._engine.kv_caches, self._engine.kv_heads, comm, self._handoffs.admit,
+        self._ends = HandoffEnds(spec, self._engine.kv_caches, self._engine.kv_heads, comm, self._held_writes,
                                  self._on_piece)
         self._ends.join()  # with the group's other ranks, which do the same (tp_group.py)
         self._receiver = self._ends.receiver
@@ -117,38 +120,36 @@ class Worker:
         check_fault(fault)
         self._inbox.put(self._do_fault, (fault, delay_s))
 
-    def submit(self, request: WorkerRequest) -> None:
-        if self._faults.pop("drop_next_submit", None) is not None:
-            return  # chaos: this attempt never arrives, as if its delivery were lost
-        # Prompts waiting in the inbox behind a long step are queued prefill work too: without them the
-        # scheduler's TTFT prediction misses exactly the backlog that overload builds.
-        self._inbox.arrived(request.attempt, len(request.request.prompt_token_ids))
-        self._inbox.put(self._do_submit, (request, time.time()))
+    def deliver(self, commands: tuple[WorkerCommand, ...]) -> None:
+        """The scheduler's fire-and-forget commands of one tick: each goes to `handle`."""
+        for command in commands:
+            if addressed(self.spec.worker_id, command):
+                self.handle(command)
 
-    def reserve(self, request: WorkerRequest) -> KvReservation | None:
-        return self.reserve_many((ReserveBlocks(self.spec.worker_id, request),))[0]
+    def handle(self, command: WorkerCommand) -> None:
+        """The one entry of every command (any thread): it only queues the engine thread's part."""
+        match command:
+            case SubmitAttempt(request=request):
+                if self._faults.pop("drop_next_submit", None) is not None:
+                    return  # chaos: this attempt never arrives, as if its delivery were lost
+                # Prompts waiting in the inbox behind a long step are queued prefill work too: without them
+                # the scheduler's TTFT prediction misses exactly the backlog that overload builds.
+                self._inbox.arrived(request.attempt, len(request.request.prompt_token_ids))
+                self._inbox.put(self._do_submit, (request, time.time()))
+            case ReleaseAttempt(attempt=attempt):
+                self._inbox.put(self._handoffs.release, attempt)
+            case AbortAttempt(attempt=attempt):
+                self._inbox.put(self._do_abort, attempt)
+            case _:
+                log.error("worker %s: dropped an unknown command %s", self.spec.worker_id, type(command).__name__)
 
     def reserve_many(self, asks: tuple[ReserveBlocks, ...]) -> tuple[KvReservation | None, ...]:
         """The scheduler's reservations of one tick, answered in order (None: no room, or it failed)."""
         delay = self._faults.get("slow_reserve")
         if delay:
             time.sleep(delay)
-        return answers([self._inbox.ask(self._handoffs.reserve, (ask.request, engine_id(ask.request.attempt)))
+        return answers([self._inbox.ask(self._do_reserve, ask.request)
                         if addressed(self.spec.worker_id, ask) else None for ask in asks], _CALL_TIMEOUT_S)
-
-    def deliver(self, commands: tuple[WorkerCommand, ...]) -> None:
-        """The scheduler's fire-and-forget commands of one tick."""
-        for command in (c for c in commands if addressed(self.spec.worker_id, c)):
-            if isinstance(command, SubmitAttempt):
-                self.submit(command.request)
-            else:
-                (self.release if isinstance(command, ReleaseAttempt) else self.abort)(command.attempt)
-
-    def release(self, attempt: AttemptId) -> None:
-        self._inbox.put(self._handoffs.release, attempt)
-
-    def abort(self, attempt: AttemptId) -> None:
-        self._inbox.put(self._do_abort, attempt)
 
     def check_integrity(self) -> WorkerStats:
         return self._inbox.call(self._do_integrity, None, _CALL_TIMEOUT_S)
@@ -224,14 +225,16 @@ class Worker:
     def _do_submit(self, request: WorkerRequest, received_at: float) -> None:
         req = request.request
         self._inbox.taken(len(req.prompt_token_ids))
-        key = engine_id(request.attempt)
         try:
-            self._engine.add_request(key, list(req.prompt_token_ids), req.params, req.cache_salt,
-                                     hand_off=request.dest is not None, output_prefix=req.output_prefix)
+            self._engine.add_request(request.attempt, list(req.prompt_token_ids), req.params, req.cache_salt,
+                                     hand_off=request.dest is not None, output_prefix=req.output_prefix,
+                                     tag=Running(request, StageTimes(received=received_at)))  # inbox wait included
         except Exception as exc:  # whatever went wrong, the request ends with an error, never hangs
             self._fail(request, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
-            return
-        self._running[key] = Running(request, StageTimes(received=received_at))  # inbox wait included
+
+    def _do_reserve(self, request: WorkerRequest) -> KvReservation | None:
+        return self._handoffs.reserve(request.attempt, len(request.request.prompt_token_ids),
+                                      Running(request, StageTimes()))
 
     def _do_piece(self, event: PieceEvent, landed_at: float) -> None:
         """A piece of an attempt's pages was written, failed, or was refused (by any rank of this worker)."""
@@ -239,41 +242,41 @@ class Worker:
         if event.stage == "refused":  # before a byte was written
             lease = self._handoffs.refused(piece.lease_id)
             if lease is not None:
-                self._fail(lease.request, f"KV transfer refused: {event.error}")
+                self._fail(lease.context.request, f"KV transfer refused: {event.error}")
             return
         adopt = "ignore_kv_arrivals" not in self._faults  # ignored: the sender never gets an ack
         lease = self._handoffs.landed(piece, ok=event.stage == "landed", note=event.note, adopt=adopt)
         if lease is None:
             return
+        run: Running = lease.context
+        request = run.request
         if event.stage != "landed":
-            self._fail(lease.request, f"KV transfer failed while writing: {event.error}", retryable=True)
+            self._fail(request, f"KV transfer failed while writing: {event.error}", retryable=True)
             return
-        request = lease.request
+        blocks = len(self._engine.lease_blocks(request.attempt))
         try:
             note = decode_note(lease.note)
-            self._engine.adopt(lease.engine_id, list(request.request.prompt_token_ids), note.first_token,
+            self._engine.adopt(request.attempt, list(request.request.prompt_token_ids), note.first_token,
                                request.request.params, request.request.cache_salt, note.num_cached_tokens)
         except (ProtocolError, ValueError) as exc:
-            self._engine.release_reservation(lease.engine_id)
+            self._handoffs.release(request.attempt)
             self._fail(request, f"KV handoff refused: {exc}", retryable=True)
             return
-        self._running[lease.engine_id] = Running(
-            request, note.times.merged(StageTimes(landed=landed_at, adopted=time.time())))
+        self._handoffs.adopted(request.attempt)
+        run.times = note.times.merged(StageTimes(landed=landed_at, adopted=time.time()))
         self._meter.adopted += 1
-        self._meter.landed(note.prefill_worker, len(lease.block_ids) * self._engine.model_bytes_per_block,
+        self._meter.landed(note.prefill_worker, blocks * self._engine.model_bytes_per_block,
                            note.times.sent, landed_at)
         self._handed_off.append(HandedOff(request.attempt, note.prefill_worker))  # reported at once
 
     def _do_abort(self, attempt: AttemptId) -> None:
-        # The handoff table first: a reservation whose pages are being written keeps its blocks until
-        # the write is over, and the engine must not free them under it.
-        self._handoffs.release(attempt)
-        key = engine_id(attempt)
-        if self._running.pop(key, None) is not None:
-            self._engine.abort(key)
+        # A leased attempt ends through the handoff table only: a reservation whose pages are being
+        # written keeps its blocks until the write is over.
+        if self._handoffs.release(attempt) is None:
+            self._engine.abort(attempt)
 
     def _do_fault(self, fault: str | None, delay_s: float) -> None:
-        apply_fault(self._faults, fault, delay_s, self._receiver, self._handoffs)
+        apply_fault(self._faults, fault, delay_s, self._receiver, self._held_writes)
 
     def _do_integrity(self, _) -> WorkerStats:
         self._engine.check_integrity()
@@ -284,41 +287,38 @@ class Worker:
 
     def _publish(self, outputs) -> None:
         by_sink: dict[str, list[TokenDelta]] = {}
-        done: list[tuple[str, RequestStatus]] = []
+        done: dict[AttemptId, RequestStatus] = {}
         for out in outputs:
-            run = self._running.get(out.request_id)
-            if run is None:
-                continue
+            run: Running = out.tag
             by_sink.setdefault(run.request.request.sink, []).append(run.delta(out, self._meter))
             if out.status == RequestStatus.TRANSFERRING:
-                self._hand_off(out.request_id, run, out)
+                self._hand_off(run, out)
             elif out.finished:
-                done.append((out.request_id, out.status))
+                done[run.attempt] = out.status
         for sink, deltas in by_sink.items():
             self._publisher.publish(sink, deltas)
-        for key, status in done:
-            if not self._engine.is_live(key) and key in self._running:
-                self._finished.append(FinishedAttempt(self._running.pop(key).request.attempt, status))
+        for attempt, status in done.items():
+            if not self._engine.is_live(attempt):  # every sample of it ended
+                self._finished.append(FinishedAttempt(attempt, status))
 
-    def _hand_off(self, key: str, run: Running, out) -> None:
+    def _hand_off(self, run: Running, out) -> None:
         request, dest = run.request, run.request.dest
-        del self._running[key]
+        self._handoffs.hold(request.attempt)  # before the send: the lease owns the blocks being read
         note = HandoffNote(out.new_token_ids[0], out.num_cached_tokens, self.spec.worker_id,
                            run.times.merged(StageTimes(sent=time.time())))
-        plan = KvSendPlan(dest.reservation.lease_id, tuple(self._engine.handoff_blocks(key)),
+        plan = KvSendPlan(dest.reservation.lease_id, tuple(self._engine.lease_blocks(request.attempt)),
                           dest.reservation.block_ids, dest.endpoints, encode(note), min(self.spec.lease_s, 10.0))
         try:
             if "drop_kv_sends" not in self._faults:
                 self._ends.hand_off(plan, self._engine.runner.lead_task if self._tp else None)
         except Exception as exc:
             self._meter.transfers_failed += 1
-            self._engine.release_handoff(key)
+            self._handoffs.release(request.attempt)
             # The decode side is gone or unreachable: the client may continue the request elsewhere.
             self._fail(request, f"KV transfer to the decode worker failed: {exc}", retryable=True)
             return
         self._meter.transfers_sent += 1
         self._meter.kv_bytes_sent += len(dest.reservation.block_ids) * self._engine.model_bytes_per_block
-        self._handoffs.hold(request, key)
 
     def _expire_leases(self) -> None:
         for lease in self._handoffs.expire(time.monotonic()):
@@ -327,17 +327,17 @@ class Worker:
                             self.spec.worker_id, lease.attempt)
             else:
                 # The first token may have reached the client already: it can continue the request elsewhere.
-                self._fail(lease.request, f"KV for {lease.attempt} did not arrive within the "
+                self._fail(lease.context.request, f"KV for {lease.attempt} did not arrive within the "
                                           f"{self.spec.lease_s}s lease", retryable=True)
 
     def _fail_everything(self, message: str, retryable: bool = False) -> None:
         for lease in self._handoffs.release_all():
             if lease.kind is LeaseKind.RESERVED:
-                self._fail(lease.request, message, retryable)
-        for key, run in list(self._running.items()):
-            self._engine.abort(key)
-            self._fail(run.request, message, retryable)
-        self._running.clear()
+                self._fail(lease.context.request, message, retryable)
+        for phase, run in self._engine.tags():
+            if phase is Phase.RUNNING:
+                self._engine.abort(run.attempt)
+                self._fail(run.request, message, retryable)
 
     def _fail(self, request: WorkerRequest, message: str, retryable: bool = False) -> None:
         self._publisher.publish(request.request.sink, [TokenDelta.failure(request, message, retryable)])
@@ -349,7 +349,8 @@ class Worker:
     # ---- reporting ----
 
     def _stats(self) -> WorkerStats:
-        return self._meter.stats(self.spec, self._engine.load(), self._handoffs, len(self._running),
+        running = sum(phase is Phase.RUNNING for phase, _ in self._engine.tags())
+        return self._meter.stats(self.spec, self._engine.load(), self._handoffs, running,
                                  self._inbox.prompt_tokens, self._publisher.dropped, self._receiver)
 
     def _report(self) -> None:
@@ -365,8 +366,10 @@ class Worker:
 
     def _live(self) -> list[LiveRequest]:
         """Every request this worker holds state for, so a restarted scheduler can rebuild its view."""
-        running = [LiveRequest(LivePhase.RUNNING, run.request) for run in list(self._running.values())]
-        return running + self._handoffs.live()
+        phases = {Phase.RUNNING: LivePhase.RUNNING, Phase.RESERVED: LivePhase.RESERVED, Phase.HANDED_OFF: LivePhase.HELD}
+        # (a reservation aborted during a page write keeps its blocks until the write ends: not live)
+        return [LiveRequest(phases[phase], run.request) for phase, run in self._engine.tags()
+                if phase is Phase.RUNNING or self._handoffs.get(run.attempt) is not None]
 
 
 def worker_actor():

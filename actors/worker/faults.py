@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Callable
+
+from actors.protocol.tp_messages import KvPiece
+
 FAULTS = {
     "drop_kv_sends": "prefill: pages are lost on the wire",
     "ignore_kv_arrivals": "decode: pages land but are never adopted or acked",
@@ -19,7 +24,7 @@ def check_fault(fault: str | None) -> None:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
 
 
-def apply_fault(faults: dict[str, float], fault: str | None, delay_s: float, receiver, handoffs) -> None:
+def apply_fault(faults: dict[str, float], fault: str | None, delay_s: float, receiver, writes: "HeldWrites") -> None:
     """On the engine thread: set (or, with None, clear) a fault in `faults`."""
     if fault == "kill_kv_receiver" and receiver is not None:  # rank 0's
         receiver.close()
@@ -28,4 +33,29 @@ def apply_fault(faults: dict[str, float], fault: str | None, delay_s: float, rec
         faults.clear()
     else:
         faults[fault] = delay_s
-    handoffs.hold_writes(faults.get("hold_kv_writes"))
+    writes.hold(faults.get("hold_kv_writes"))
+
+
+class HeldWrites:
+    """`hold_kv_writes` as a wrapper around the handoff table's `admit` (what a receiver thread asks before
+    it writes a piece), so the lease owner itself has no fault hook: while held, an admitted piece waits
+    (up to `max_s`) before its pages are written."""
+
+    def __init__(self, admit: Callable[[KvPiece], None]):
+        self._admit = admit
+        self._open = threading.Event()
+        self._open.set()
+        self._max_s = 0.0
+
+    def __call__(self, piece: KvPiece) -> None:
+        self._admit(piece)
+        if not self._open.is_set():
+            self._open.wait(self._max_s)
+
+    def hold(self, max_s: float | None) -> None:
+        """Admitted pieces wait up to `max_s` before being written; None lets them go."""
+        self._max_s = max_s or 0.0
+        if max_s is None:
+            self._open.set()
+        else:
+            self._open.clear()

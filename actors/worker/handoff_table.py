@@ -1,9 +1,12 @@
-"""The worker's handoff table: the one owner of reservations, holds, lease deadlines and page writes.
+"""The worker's handoff table: the one owner of lease deadlines and page writes in flight.
 
 A decode worker *reserves* blocks for an attempt's incoming pages under a lease; a prefill worker
-*holds* the blocks of pages it sent until the scheduler releases them. Every way such a lease ends goes
-through this table: adopt, release, abort, expiry, transfer failure, worker failure. The blocks
-themselves belong to the engine; the table frees them through the engine's methods only.
+*holds* the blocks of pages it sent until the scheduler releases them. The attempt itself, its blocks
+and its phase (RESERVED, HANDED_OFF) are the engine's one record of it (actors/engine/requests.py), under
+the attempt's one key; the table keeps only what is its own: when each lease ends, the transfer name
+senders use, and which pieces are being written. Every way a lease ends goes through this table (adopt,
+release, abort, expiry, transfer failure, worker failure), and it is the only caller of the engine's
+`release`, so no path can free blocks a write is still filling.
 
 Pieces: a reservation's pages may come as several transfers (*pieces*): in a tensor-parallel worker
 each rank's cache holds some of the KV heads, and each rank receives its heads, possibly from several
@@ -26,9 +29,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from typing import Any
+
 from actors.engine.engine import Engine
+from actors.engine.requests import Phase
 from actors.protocol.ids import AttemptId
-from actors.protocol.messages import KvReservation, LivePhase, LiveRequest, WorkerRequest
+from actors.protocol.messages import KvReservation
 from actors.protocol.tp_messages import KvPiece
 from kv_transfer.page_format import PageFormatError
 
@@ -43,23 +49,23 @@ class LeaseKind(enum.Enum):
     RESERVED = "reserved"  # decode: blocks set aside, pages not adopted yet
     HELD = "held"  # prefill: pages sent, blocks kept until released
 
+    @property
+    def phase(self) -> Phase:
+        """The engine's phase of a request under such a lease."""
+        return Phase.RESERVED if self is LeaseKind.RESERVED else Phase.HANDED_OFF
+
 
 @dataclass
 class Lease:
     kind: LeaseKind
-    request: WorkerRequest
-    engine_id: str
+    attempt: AttemptId  # the engine's key of the attempt too
     deadline: float  # time.monotonic()
     lease_id: str | None = None  # reservations: the transfer name senders use
-    block_ids: tuple[int, ...] = ()
     writing: set[Piece] = field(default_factory=set)  # pieces being written right now
     landed: set[tuple[int, int]] = field(default_factory=set)  # (rank, head) written
     cancelled: bool = False  # ended during a write: freed once the writes are over
     note: bytes = b""  # the sender's handoff note, from the pieces that landed
-
-    @property
-    def attempt(self) -> AttemptId:
-        return self.request.attempt
+    context: Any = None  # once handed back to the worker (ended, or to adopt): the engine record's tag
 
 
 class HandoffTable:
@@ -71,28 +77,25 @@ class HandoffTable:
         self._lock = threading.Lock()
         self._leases: dict[AttemptId, Lease] = {}
         self._by_lease_id: dict[str, Lease] = {}
-        self._writes_open = threading.Event()  # fault hook: cleared, admitted pages wait before being written
-        self._writes_open.set()
-        self._hold_max_s = 0.0
         self.late_pages_dropped = 0  # transfers refused because their lease had ended
         self.expired = 0
         self.overrun_s = 0.0  # the latest any lease was released after its deadline
 
     # ---- decode: reservations ----
 
-    def reserve(self, request: WorkerRequest, engine_id: str) -> KvReservation | None:
-        """Set blocks aside for the attempt's prompt; None when they do not fit now."""
-        if request.attempt in self._leases:
-            raise ValueError(f"attempt {request.attempt} already has a lease here")
-        blocks = self._engine.reserve(engine_id, len(request.request.prompt_token_ids))
+    def reserve(self, attempt: AttemptId, num_tokens: int, context: Any) -> KvReservation | None:
+        """Set blocks aside in the engine for the attempt's prompt (`context`: the worker's, kept in the
+        engine's record); None when they do not fit now."""
+        if attempt in self._leases:
+            raise ValueError(f"attempt {attempt} already has a lease here")
+        blocks = self._engine.reserve(attempt, num_tokens, context)
         if blocks is None:
             return None
-        lease = Lease(LeaseKind.RESERVED, request, engine_id, time.monotonic() + self._lease_s,
-                      uuid.uuid4().hex, tuple(blocks))
+        lease = Lease(LeaseKind.RESERVED, attempt, time.monotonic() + self._lease_s, uuid.uuid4().hex)
         with self._lock:
-            self._leases[request.attempt] = lease
+            self._leases[attempt] = lease
             self._by_lease_id[lease.lease_id] = lease
-        return KvReservation(lease.lease_id, lease.block_ids)
+        return KvReservation(lease.lease_id, tuple(blocks))
 
     def admit(self, piece: KvPiece) -> None:
         """A receiver thread, before any byte of a piece is written: only into a live reservation's own
@@ -104,7 +107,9 @@ class HandoffTable:
             if lease is None or lease.cancelled:
                 self.late_pages_dropped += 1
                 raise LeaseRefused(f"transfer {piece.lease_id}: no live reservation (lease ended)")
-            if tuple(piece.dest_block_ids) != lease.block_ids:
+            # The engine's blocks of a reservation never change while its lease is here (only this table
+            # frees them, after dropping the lease under this lock), so a receiver thread may read them.
+            if list(piece.dest_block_ids) != self._engine.lease_blocks(lease.attempt):
                 raise PageFormatError(f"transfer {piece.lease_id}: destination blocks are not the reservation's")
             if not heads <= self._needed:
                 raise PageFormatError(f"transfer {piece.lease_id}: rank {piece.rank} does not hold heads "
@@ -112,21 +117,12 @@ class HandoffTable:
             if heads & (lease.landed | {(r, h) for r, a, n in lease.writing for h in range(a, a + n)}):
                 raise LeaseRefused(f"transfer {piece.lease_id}: heads of rank {piece.rank} written twice")
             lease.writing.add(key)
-        if not self._writes_open.is_set():
-            self._writes_open.wait(self._hold_max_s)
-
-    def hold_writes(self, max_s: float | None) -> None:
-        """Fault hook: admitted pages wait (up to `max_s`) before being written; None lets them go."""
-        self._hold_max_s = max_s or 0.0
-        if max_s is None:
-            self._writes_open.set()
-        else:
-            self._writes_open.clear()
 
     def landed(self, piece: KvPiece, ok: bool, note: bytes = b"", adopt: bool = True) -> Lease | None:
         """Engine thread, after an admitted piece's write ended (`ok`: every page written). Returns the
-        reservation to adopt (ok, and every head of every rank has landed) or to fail (the first piece
-        that failed). None when there is nothing to do: more pieces are due, the lease had ended (its
+        reservation to adopt (ok, and every head of every rank has landed: the caller then ends it with
+        `adopted`, or with `release` when the engine refuses the pages) or to fail (the first piece that
+        failed: ended). None when there is nothing to do: more pieces are due, the lease had ended (its
         blocks are freed once no piece is being written), or `adopt` is False (a fault hook: the pages
         are ignored and the reservation waits for its lease to end)."""
         key = (piece.rank, piece.first_head, piece.num_heads)
@@ -140,18 +136,19 @@ class HandoffTable:
                 result = None
             elif not ok:
                 self._cancel(lease)
+                lease.context = self._engine.tag(lease.attempt)
                 result = lease
             else:
                 lease.landed |= {(piece.rank, h) for h in range(piece.first_head, piece.first_head + piece.num_heads)}
                 lease.note = lease.note or note
                 if lease.writing or lease.landed != self._needed or not adopt:
                     return None
-                self._forget(lease)
-                return lease  # its blocks now belong to the adopted request
+                lease.context = self._engine.tag(lease.attempt)
+                return lease  # to adopt: then `adopted`, or `release` if the engine refuses it
             if lease.writing:
                 return result  # the other pieces' writes end first; the last one frees the blocks
             self._forget(lease)
-        self._engine.release_reservation(lease.engine_id)
+        self._engine.release(lease.attempt)
         return result
 
     def refused(self, lease_id: str) -> Lease | None:
@@ -163,18 +160,27 @@ class HandoffTable:
             if lease is None or lease.cancelled:
                 return None
             self._cancel(lease)
+            lease.context = self._engine.tag(lease.attempt)
             if lease.writing:
                 return lease
             self._forget(lease)
-        self._engine.release_reservation(lease.engine_id)
+        self._engine.release(lease.attempt)
         return lease
+
+    def adopted(self, attempt: AttemptId) -> None:
+        """The engine runs the attempt in its reserved blocks now: the lease is over, the blocks stay."""
+        with self._lock:
+            lease = self._leases.get(attempt)
+            if lease is not None and not lease.writing:
+                self._forget(lease)
 
     # ---- prefill: holds ----
 
-    def hold(self, request: WorkerRequest, engine_id: str) -> None:
-        """The attempt's pages were sent: keep its blocks until `release` or the lease ends."""
+    def hold(self, attempt: AttemptId) -> None:
+        """The attempt was handed off (its pages are being sent): keep its blocks until `release` or the
+        lease ends."""
         with self._lock:
-            self._leases[request.attempt] = Lease(LeaseKind.HELD, request, engine_id, time.monotonic() + self._lease_s)
+            self._leases[attempt] = Lease(LeaseKind.HELD, attempt, time.monotonic() + self._lease_s)
 
     # ---- every end of a lease ----
 
@@ -184,11 +190,12 @@ class HandoffTable:
             lease = self._leases.get(attempt)
             if lease is None:
                 return None
+            lease.context = self._engine.tag(attempt)
             if lease.writing:
                 self._cancel(lease)  # `landed` frees the blocks once the writes are over
                 return lease
             self._forget(lease)
-        self._free(lease)
+        self._engine.release(attempt)
         return lease
 
     def expire(self, now: float) -> list[Lease]:
@@ -219,10 +226,6 @@ class HandoffTable:
     def writing(self) -> int:
         return sum(bool(lease.writing) for lease in list(self._by_lease_id.values()))
 
-    def live(self) -> list[LiveRequest]:
-        phase = {LeaseKind.RESERVED: LivePhase.RESERVED, LeaseKind.HELD: LivePhase.HELD}
-        return [LiveRequest(phase[lease.kind], lease.request) for lease in list(self._leases.values())]
-
     def check_integrity(self) -> None:
         with self._lock:
             reserved = {lease.lease_id: lease for lease in self._leases.values() if lease.kind is LeaseKind.RESERVED}
@@ -237,11 +240,15 @@ class HandoffTable:
                 if not lease.landed <= self._needed:
                     raise RuntimeError(f"handoff table: reservation {lease.lease_id} landed heads no rank holds")
             leases = list(self._by_lease_id.values())
-        for lease in leases:
-            held = self._engine.reserved_blocks(lease.engine_id)
-            if held != lease.block_ids:
-                raise RuntimeError(f"handoff table: reservation {lease.lease_id} has blocks {lease.block_ids}, "
-                                   f"the engine holds {held}")
+            leased = {lease.attempt for lease in self._leases.values()} | {lease.attempt for lease in leases}
+            for lease in self._leases.values():
+                if self._engine.phase(lease.attempt) is not lease.kind.phase:
+                    raise RuntimeError(f"handoff table: a {lease.kind.value} lease of {lease.attempt}, which the "
+                                       f"engine has {self._engine.phase(lease.attempt)}")
+        unleased = set(self._engine.holding()) - leased
+        if unleased:
+            raise RuntimeError(f"handoff table: {len(unleased)} requests hold lease blocks in the engine without a "
+                               f"lease (e.g. {next(iter(unleased))})")
 
     # ---- internals (callers hold the lock where noted) ----
 
@@ -253,9 +260,3 @@ class HandoffTable:
         self._leases.pop(lease.attempt, None)
         if lease.lease_id is not None:
             self._by_lease_id.pop(lease.lease_id, None)
-
-    def _free(self, lease: Lease) -> None:
-        if lease.kind is LeaseKind.RESERVED:
-            self._engine.release_reservation(lease.engine_id)
-        else:
-            self._engine.release_handoff(lease.engine_id)

@@ -1,4 +1,5 @@
-"""An attempt running in a worker's engine, and what each of its engine outputs becomes on the wire."""
+"""The worker's context of an attempt (the tag of its engine record: what was asked, and when each stage
+happened), and what each of its engine outputs becomes on the wire."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ from actors.protocol.messages import FirstTokenWait, StageTimes, TokenDelta, Wor
 from actors.worker.meter import WorkerMeter
 
 
-def engine_id(attempt: AttemptId) -> str:
-    """The engine's key for an attempt; only ever looked up, never parsed."""
-    return f"{attempt.request_id}/{attempt.attempt}"
-
-
 @dataclass
 class Running:
     request: WorkerRequest
     times: StageTimes
+
+    @property
+    def attempt(self) -> AttemptId:
+        """The attempt's one key: the scheduler's, the engine's and the handoff table's."""
+        return self.request.attempt
 
     def delta(self, out: RequestOutput, meter: WorkerMeter) -> TokenDelta:
         """The token delta of one engine output; stamps travel on the first and the last delta only."""

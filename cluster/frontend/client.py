@@ -61,6 +61,15 @@ class AdmissionRejected(RuntimeError):
 
 
 @dataclass
+class _Listening:
+    """What the client keeps of a request it streams: its one record here, under the request's id."""
+
+    queue: object  # where its deltas go (anything with a thread-safe `put`)
+    shard: int  # the scheduler shard that admits it
+    epoch: str | None = None  # the scheduler incarnation that admitted its attempt (None while one is pending)
+
+
+@dataclass
 class Submitted:
     request: GenerateRequest  # as sent: a migration resubmits it with the tokens already received
     queue: object  # where its deltas go (anything with a thread-safe `put`)
@@ -89,10 +98,7 @@ class TandemClient:
         secure_server(self._socket, keys)
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.sink = f"tcp://{advertised_host(host)}:{port}"  # workers on other nodes connect to it
-        self._queues: dict[str, object] = {}
-        # The scheduler incarnation that admitted each request's attempt (None while a migration waits).
-        self._epochs: dict[str, str | None] = {}
-        self._shards: dict[str, int] = {}  # request id -> the shard that admits it
+        self._listening: dict[str, _Listening] = {}  # this client's one record of each request, by id
         self._latest: list[str | None] = [None] * len(self.schedulers)  # each shard's latest incarnation heard of
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -144,13 +150,13 @@ class TandemClient:
             return
         for delta in deltas:
             with self._lock:
-                q = self._queues.get(delta.attempt.request_id)
-            if q is not None:
-                q.put(delta)
+                listening = self._listening.get(delta.attempt.request_id)
+            if listening is not None:
+                listening.queue.put(delta)
 
     def _audit_loop(self) -> None:
         while not self._closed.wait(self._audit_s):
-            if not self._epochs or not ray.is_initialized():
+            if not self._listening or not ray.is_initialized():
                 continue  # nothing in flight to lose
             try:
                 self.audit()
@@ -166,20 +172,21 @@ class TandemClient:
 
     def _audit(self, shard: int, timeout_s: float) -> Forgotten:
         with self._lock:
-            asked = tuple(AdmittedBy(rid, epoch) for rid, epoch in self._epochs.items()
-                          if epoch is not None and epoch != self._latest[shard] and self._shards.get(rid) == shard)
+            asked = tuple(AdmittedBy(rid, r.epoch) for rid, r in self._listening.items()
+                          if r.epoch is not None and r.epoch != self._latest[shard] and r.shard == shard)
         answer: Forgotten = ray.get(self.schedulers[shard].forgotten.remote(asked), timeout=timeout_s)
         with self._lock:
             self._latest[shard] = answer.epoch
             for rid in answer.known:
-                if rid in self._epochs:
-                    self._epochs[rid] = answer.epoch
-            lost = [(rid, self._queues[rid]) for rid in answer.lost if self._epochs.get(rid) is not None]
-            for rid, _ in lost:
-                self._epochs[rid] = None  # its stream migrates it (or fails): not lost twice
-        for rid, q in lost:
+                if rid in self._listening:
+                    self._listening[rid].epoch = answer.epoch
+            lost = [(rid, self._listening[rid]) for rid in answer.lost
+                    if rid in self._listening and self._listening[rid].epoch is not None]
+            for _, listening in lost:
+                listening.epoch = None  # its stream migrates it (or fails): not lost twice
+        for rid, listening in lost:
             log.warning("request %s was lost with a restarted scheduler: migrating it", rid)
-            q.put(SchedulerForgot(answer.epoch))
+            listening.queue.put(SchedulerForgot(answer.epoch))
         return answer
 
     def close(self) -> None:
@@ -230,7 +237,7 @@ class TandemClient:
         try:
             while True:
                 try:
-                    batcher = self._submits[self._shards[request.request_id]]
+                    batcher = self._submits[self._listening[request.request_id].shard]
                     answer = await asyncio.wait_for(batcher.submit(request), give_up_at - time.monotonic())
                     break
                 except ray.exceptions.RayActorError:
@@ -245,11 +252,9 @@ class TandemClient:
 
     def _listen(self, request: GenerateRequest, deltas) -> object:
         q = deltas if deltas is not None else queue.Queue()
+        shard = shard_for(request.prompt_token_ids, request.cache_salt, len(self.schedulers))
         with self._lock:
-            self._queues[request.request_id] = q
-            self._epochs[request.request_id] = None
-            self._shards[request.request_id] = shard_for(request.prompt_token_ids, request.cache_salt,
-                                                         len(self.schedulers))
+            self._listening[request.request_id] = _Listening(q, shard)
         return q
 
     def _admitted(self, request: GenerateRequest, q, answer: Admitted | Rejected) -> Submitted:
@@ -261,11 +266,12 @@ class TandemClient:
 
     def _admitted_by(self, request_id: str, epoch: str | None) -> None:
         with self._lock:
-            if request_id in self._epochs:
-                self._epochs[request_id] = epoch
-            shard = self._shards.get(request_id)
-            if epoch is not None and shard is not None and self._latest[shard] is None:
-                self._latest[shard] = epoch
+            listening = self._listening.get(request_id)
+            if listening is None:
+                return
+            listening.epoch = epoch
+            if epoch is not None and self._latest[listening.shard] is None:
+                self._latest[listening.shard] = epoch
 
     def migrate(self, stream: RequestStream, deltas) -> None:
         """Resubmit a request whose worker was lost, continuing after the tokens the client already has.
@@ -353,11 +359,10 @@ class TandemClient:
 
     def forget(self, request_id: str) -> None:
         with self._lock:
-            self._queues.pop(request_id, None)
-            self._epochs.pop(request_id, None)
-            self._shards.pop(request_id, None)
+            self._listening.pop(request_id, None)
 
     def _scheduler(self, request_id: str):
         """The shard that admits the request (the first one for a request this client does not track)."""
         with self._lock:
-            return self.schedulers[self._shards.get(request_id, 0)]
+            listening = self._listening.get(request_id)
+        return self.schedulers[listening.shard if listening is not None else 0]

@@ -138,7 +138,7 @@ class RequestStream:
         self._attempts_seen: set[AttemptId] = set()
         self._ended_here = False  # ended by this side (deadline, refused migration): abort it in the cluster
         self._moved_after_stall = False
-        self.last_progress = time.monotonic()  # the last delta of a live attempt (or the request's start)
+        self.last_progress = time.monotonic()  # the last token that reached the client (or the request's start)
 
     @property
     def request_id(self) -> str:
@@ -222,14 +222,15 @@ class RequestStream:
             return self._forgotten(delta)
         if delta.attempt in self._dead_attempts:
             return []
-        self.last_progress = time.monotonic()
-        self._moved_after_stall = False  # progress again: a later stall may move it again
         self._attempts_seen.add(delta.attempt)
         self.received_tokens += len(delta.token_ids)
         self.times = self.times.merged(delta.times)
         if delta.status == RequestStatus.FAILED and delta.retryable and self.migrations_left > 0:
             self._move({delta.attempt})
-            return []
+            return []  # no progress: the client saw nothing, so its silence goes on counting
+        if delta.token_ids:
+            self.last_progress = time.monotonic()
+            self._moved_after_stall = False  # progress again: a later stall may move it again
         if delta.status == RequestStatus.FAILED and not delta.token_ids:
             events = []  # a request-wide failure ends every sample
             for s in self.samples:

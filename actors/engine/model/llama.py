@@ -270,7 +270,9 @@ class LlamaModel(nn.Module):
         self.tp: TPComm = SINGLE
         self.vocab_rows = shard.vocab(cfg.vocab_size)
         rows = self.vocab_rows[1] - self.vocab_rows[0]
-        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
+        # Given its weight, the embedding skips its random init: a normal_ on the meta device the loader
+        # builds on imports torch._dynamo, 1-3 s of every worker's start (and of every restart).
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
         self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)

@@ -103,10 +103,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, spec: RopeSpec, context_len: int):
         super().__init__()
-        inv_freq, scale = inverse_frequencies(spec, context_len)
-        angles = torch.outer(torch.arange(context_len, dtype=torch.float32), inv_freq)
+        # Computed on the CPU even while a model is built on the meta device: arithmetic on meta tensors
+        # imports torch._dynamo, 1-3 s of every worker's start.
+        with torch.device("cpu"):
+            inv_freq, scale = inverse_frequencies(spec, context_len)
+            angles = torch.outer(torch.arange(context_len, dtype=torch.float32), inv_freq)
+            turns = torch.polar(torch.full_like(angles, scale), angles)
         self.rotary_dim = spec.rotary_dim
-        self.register_buffer("turns", torch.polar(torch.full_like(angles, scale), angles), persistent=False)
+        self.register_buffer("turns", turns, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         turns = self.turns[positions].unsqueeze(1)  # [T, 1, rotary_dim / 2], complex

@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
 
 DEFAULT_TOKENIZER_DIR: Path = Path(__file__).resolve().parent / "assets" / "default_tokenizer"
 
@@ -40,9 +40,30 @@ def load_tokenizer(path: str | Path = DEFAULT_TOKENIZER_DIR) -> PreTrainedTokeni
             f"no tokenizer in {str(path)!r}: expected one of {', '.join(_TOKENIZER_FILES)}"
         )
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, config=_plain_config(path))
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load the tokenizer in {str(path)!r}: {exc}") from exc
+
+
+def _plain_config(path: Path) -> PreTrainedConfig | None:
+    """config.json as a plain config, when tokenizer_config.json names the tokenizer's class. AutoTokenizer
+    otherwise loads the model's own config class to read the same fields, and importing it pulls in
+    torch.distributed.tensor: 1-3 s of every worker's and ingress's start. None: AutoTokenizer's way."""
+    config_file, tokenizer_config = path / "config.json", path / "tokenizer_config.json"
+    if not (config_file.is_file() and tokenizer_config.is_file()):
+        return None
+    try:
+        if not json.loads(tokenizer_config.read_text()).get("tokenizer_class"):
+            return None
+        hf = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None  # AutoTokenizer reports it
+    if not isinstance(hf, dict):
+        return None
+    config = PreTrainedConfig.from_dict(hf)
+    config.model_type = hf.get("model_type", "")  # a class attribute of the model's config class
+    config._name_or_path = str(path)
+    return config
 
 
 def eos_token_ids(

@@ -34,10 +34,10 @@ def _disaggregated(model_dir, prompts, params):
             if out.status == RequestStatus.TRANSFERRING:
                 i = int(out.request_id[1:])
                 dest = decode.reserve(out.request_id, len(prompts[i]))
-                _copy_pages(prefill, prefill.handoff_blocks(out.request_id), decode, dest)
+                _copy_pages(prefill, prefill.lease_blocks(out.request_id), decode, dest)
                 decode.adopt(out.request_id, prompts[i], out.new_token_ids[0], params[i])
-                assert prefill.release_handoff(out.request_id)
-                assert not prefill.release_handoff(out.request_id)
+                assert prefill.release(out.request_id)
+                assert not prefill.release(out.request_id)
     prefill.check_integrity()
     assert prefill.num_used_blocks == 0
     while decode.has_unfinished():
@@ -69,13 +69,13 @@ def test_reservation_is_released_and_bounded(default_model_dir):
     assert len(blocks) == 3 and decode.num_used_blocks == 3
     with pytest.raises(ValueError, match="already"):
         decode.reserve("r", 10)
-    assert decode.release_reservation("r") and not decode.release_reservation("r")
+    assert decode.release("r") and not decode.release("r")
     assert decode.num_used_blocks == 0
     assert decode.reserve("big", 96 * BLOCK - 1) is not None  # fills the cache
     assert decode.reserve("nope", 8) is None  # no room: nothing held
     assert not decode.abort("big")  # a reservation is not a request: abort leaves it to its owner
-    assert sorted(decode.reserved_blocks("big")) == list(range(96))
-    assert decode.release_reservation("big")
+    assert sorted(decode.lease_blocks("big")) == list(range(96))
+    assert decode.release("big")
     decode.check_integrity()
     assert decode.num_used_blocks == 0
 
@@ -85,5 +85,5 @@ def test_adopt_checks_the_reserved_size(default_model_dir):
     decode.reserve("r", 6)
     with pytest.raises(ValueError, match="6 tokens reserved, 5 adopted"):
         decode.adopt("r", [11, 12, 13, 14, 15], 20, SamplingParams())
-    assert decode.release_reservation("r")
+    assert decode.release("r")
     assert decode.num_used_blocks == 0

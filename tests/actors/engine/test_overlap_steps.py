@@ -182,8 +182,8 @@ def test_a_handed_off_prompt_waits_for_its_first_token(hf_models):
         engine.check_integrity()
     handed = [out for out in outputs if out.request_id == "h"]
     assert [(o.new_token_ids, o.status) for o in handed] == [(first.new_token_ids, RequestStatus.TRANSFERRING)]
-    assert engine.handoff_blocks("h") == sync.handoff_blocks("h")
-    assert engine.release_handoff("h") and engine.num_used_blocks == 0
+    assert engine.lease_blocks("h") == sync.lease_blocks("h")
+    assert engine.release("h") and engine.num_used_blocks == 0
 
 
 def test_a_failed_step_leaves_nothing_in_flight(hf_models, monkeypatch):
@@ -194,7 +194,7 @@ def test_a_failed_step_leaves_nothing_in_flight(hf_models, monkeypatch):
     monkeypatch.setattr(engine.runner, "execute", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         engine.step()
-    assert not engine.has_work() or engine._in_flight is None
+    assert not engine.has_work() or engine._stepper.in_flight is None
     engine.check_integrity()  # no sequence counts a token that will never come
     assert engine.abort("r") and engine.num_used_blocks == 0
 

@@ -22,6 +22,7 @@ from actors.protocol.ids import AttemptId
 from actors.protocol.messages import GenerateRequest, HandoffNote, WorkerRequest
 from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.tp_messages import KvSendPlan
+from actors.protocol.worker_commands import AbortAttempt, ReserveBlocks, SubmitAttempt
 from actors.worker.actor import Worker
 from actors.worker.kv_handoff import HandoffSender
 from actors.worker.spec import WorkerSpec
@@ -55,7 +56,7 @@ def test_abort_during_a_page_write_keeps_the_blocks_until_the_write_is_over(deco
         params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
         aborted = WorkerRequest(AttemptId("tenant-a", "0"), GenerateRequest("tenant-a", range(100, 196), params,
                                                                             sink_url))
-        reservation = worker.reserve(aborted)
+        (reservation,) = worker.reserve_many((ReserveBlocks("decode-t", aborted),))
         assert len(reservation.block_ids) == 6
 
         # Pages of garbage from a "prefill worker": were they written into another request's blocks,
@@ -71,10 +72,11 @@ def test_abort_during_a_page_write_keeps_the_blocks_until_the_write_is_over(deco
                                worker.info().kv_endpoints, note, timeout_s=10.0))
         wait_for(lambda: worker.check_integrity().writing == 1)
 
-        worker.abort(aborted.attempt)  # mid-write
+        worker.handle(AbortAttempt("decode-t", aborted.attempt))  # mid-write
         prompt = list(range(300, 340))
         (expected,) = Engine(engine).generate([prompt], params)
-        worker.submit(WorkerRequest(AttemptId("tenant-b", "0"), GenerateRequest("tenant-b", prompt, params, sink_url)))
+        worker.handle(SubmitAttempt("decode-t", WorkerRequest(AttemptId("tenant-b", "0"),
+                                                    GenerateRequest("tenant-b", prompt, params, sink_url))))
         tokens = []
         if not sink.poll(500):  # it cannot start while the aborted blocks are still being written
             worker.inject_fault(None)
@@ -102,8 +104,8 @@ def test_pages_for_an_ended_lease_are_refused_before_writing(decode):
     worker, engine = decode
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     request = WorkerRequest(AttemptId("r", "0"), GenerateRequest("r", range(10, 42), params, "tcp://127.0.0.1:9"))
-    reservation = worker.reserve(request)
-    worker.abort(request.attempt)
+    (reservation,) = worker.reserve_many((ReserveBlocks("decode-t", request),))
+    worker.handle(AbortAttempt("decode-t", request.attempt))
     wait_for(lambda: worker.check_integrity().reserved == 0)
     source = Engine(engine)
     sender = HandoffSender(source.kv_caches)

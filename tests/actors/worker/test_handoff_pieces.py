@@ -26,7 +26,7 @@ def table():
     assert engine.kv_heads == (2, ((0, 2),))
     table = HandoffTable(engine, lease_s=30.0)
     request = WorkerRequest(AttemptId("r", "0"), GenerateRequest("r", range(10, 50), SamplingParams(), "tcp://x:1"))
-    reservation = table.reserve(request, "r@0")
+    reservation = table.reserve(request.attempt, len(request.request.prompt_token_ids), request)
     pieces = [KvPiece(reservation.lease_id, 0, head, 1, reservation.block_ids) for head in (0, 1)]
     yield table, engine, request, pieces
     table.check_integrity()
@@ -34,7 +34,7 @@ def table():
 
 
 def _held(engine: Engine) -> int:
-    return len(engine.reserved_blocks("r@0"))
+    return len(engine.lease_blocks(AttemptId("r", "0")))
 
 
 def test_adopted_only_when_every_head_landed(table):
@@ -44,9 +44,14 @@ def test_adopted_only_when_every_head_landed(table):
     assert table.landed(a, ok=True, note=b"n") is None  # head 1 is still being written
     table.check_integrity()
     lease = table.landed(b, ok=True)
-    assert lease is not None and lease.request == request and lease.note == b"n"
-    assert _held(engine) == 3  # the blocks now belong to the adopted request
-    engine.release_reservation("r@0")
+    assert lease is not None and lease.context == request and lease.note == b"n"
+    assert _held(engine) == 3  # still the lease's until the engine adopts the request
+    table.check_integrity()
+    engine.adopt(request.attempt, list(request.request.prompt_token_ids), 7, request.request.params)
+    table.adopted(request.attempt)
+    table.check_integrity()
+    assert table.release(request.attempt) is None  # the running request's blocks are no lease
+    assert engine.abort(request.attempt) and engine.num_used_blocks == 0
 
 
 def test_abort_mid_write_frees_the_blocks_after_the_last_write(table):
@@ -93,4 +98,4 @@ def test_each_head_is_admitted_once_and_only_for_its_rank(table):
         table.admit(dataclasses.replace(b, dest_block_ids=b.dest_block_ids[::-1]))
     table.admit(b)
     assert table.landed(b, ok=True) is not None
-    engine.release_reservation("r@0")
+    assert table.release(request.attempt) is not None and _held(engine) == 0

@@ -14,6 +14,7 @@ from actors.protocol.ids import AttemptId
 from actors.protocol.messages import GenerateRequest, KvDestination, KvRankEndpoint, KvReservation, WorkerRequest
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.worker_commands import ReserveBlocks, SubmitAttempt
 from actors.worker.actor import worker_actor
 from actors.worker.spec import WorkerSpec
 from tests.helpers.cluster import load
@@ -34,7 +35,7 @@ def test_reservation_without_pages_expires_within_the_lease(ray_session):
         request = WorkerRequest(attempt, GenerateRequest("never-sent", range(10, 50), SamplingParams(max_tokens=4),
                                                          f"tcp://127.0.0.1:{port}"))
         start = time.monotonic()
-        reservation = ray.get(worker.reserve.remote(request), timeout=30)
+        (reservation,) = ray.get(worker.reserve_many.remote((ReserveBlocks("decode-lease", request),)), timeout=30)
         assert len(reservation.block_ids) == 3  # 40 tokens in blocks of 16
         assert sink.poll(int((LEASE_S + NO_HANG_S) * 1000)), "no failure reported after the lease"
         (delta,) = decode_deltas(sink.recv())
@@ -66,7 +67,7 @@ def test_hold_without_release_expires_within_the_lease(ray_session):
         request = WorkerRequest(AttemptId("never-acked", "a0"), GenerateRequest(
             "never-acked", range(10, 50), SamplingParams(max_tokens=4, temperature=0.0),
             f"tcp://127.0.0.1:{sink_port}"), dest)
-        worker.submit.remote(request)
+        worker.deliver.remote((SubmitAttempt("prefill-lease", request),))
         assert pages.poll(30_000) and pages.recv_multipart()  # the pages left the prefill worker
         sent = time.monotonic()
         (first,) = decode_deltas(sink.recv())

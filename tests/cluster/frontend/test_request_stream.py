@@ -4,7 +4,7 @@ old attempt given up, so none of its late deltas count), and ended with a clean 
 from __future__ import annotations
 
 from actors.protocol.ids import AttemptId
-from actors.protocol.messages import GenerateRequest, TokenDelta
+from actors.protocol.messages import GenerateRequest, TokenDelta, WorkerRequest
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 from cluster.frontend.request_stream import RequestStream, Stalled
@@ -67,3 +67,14 @@ def test_progress_after_a_move_lets_a_later_stall_move_it_again():
     assert stream.next_stall_check(60.0) == stream.last_progress + 30.0
     assert stream.feed(Stalled(60.0)) == [] and stream.migration_pending
     assert stream.feed(_delta(first, 2, 9)) == [] and stream.feed(_delta(second, 2, 9)) == []  # both given up
+
+
+def test_a_lost_worker_is_no_progress_the_client_sees():
+    """A retryable failure moves the request but brings the client nothing: its silence goes on counting
+    toward the bound (seen under crash loops: streams silent 66 s against a 60 s bound)."""
+    stream, first = _stream(), AttemptId("r", "e:1")
+    stream.feed(_delta(first, 0, 7))
+    heard = stream.last_progress
+    lost = TokenDelta.failure(WorkerRequest(first, stream.request), "worker lost", retryable=True)
+    assert stream.feed(lost) == [] and stream.migration_pending
+    assert stream.last_progress == heard
