@@ -57,7 +57,7 @@ def summarize(r: dict) -> str:
             f"{r['wrong']} wrong text, {r['hung']} hung, longest silence {r['longest_silence_s']} s (bound "
             f"{r['progress_timeout_s']} s), {r['kills']} SIGKILLs every {r['kill_every_s']} s "
             f"({r['kills_restarting']} of starting processes) with {r['hog']} CPU hogs; a killed worker back after "
-            f"{r['worker_back_after_s']['p50']} s (p50), pools with no worker alive {r['pool_down_fraction']} of the "
+            f"{r['worker_back_after_s']['p50']} s (p50), pools with no worker routed to {r['pool_down_fraction']} of the "
             f"run; KV held after: {r['kv_blocks_after']}")
 
 
@@ -104,7 +104,7 @@ class _Killer:
         raylet = _raylet_pid()
         while not self._stop.wait(self._every_s):
             alive = {pid: wid for wid, pid in _alive_worker_pids().items()}  # asking a busy worker would wait
-            self._observe(set(alive.values()))
+            self._observe(self._routed_to())
             victims = alive if self._spare else {pid: alive.get(pid, "starting") for pid in _worker_processes(raylet)}
             pids = sorted(victims)
             self._rng.shuffle(pids)
@@ -119,8 +119,17 @@ class _Killer:
                     self._down_since.setdefault(alive[pid], time.monotonic())
                 break
 
-    def _observe(self, alive: set[str]) -> None:
-        """Before each kill: which pools have no worker alive, and which killed workers are back."""
+    def _routed_to(self) -> set[str] | None:
+        """The workers the scheduler routes to now (None: it did not answer in time)."""
+        try:
+            return set(ray.get(self._cluster.scheduler.state.remote(), timeout=5).workers)
+        except (ray.exceptions.RayError, TimeoutError):
+            return None
+
+    def _observe(self, alive: set[str] | None) -> None:
+        """Before each kill: which pools the scheduler has no worker in, and which killed workers are back."""
+        if alive is None:
+            return
         now = time.monotonic()
         self.ticks += 1
         for pool in ("prefill", "decode"):
@@ -129,8 +138,8 @@ class _Killer:
             self.back_after_s.append(now - self._down_since.pop(wid))
 
     def summary(self) -> dict:
-        """How long a killed worker took to be back (Ray shows it alive; kills while it started count in),
-        and the share of the run each pool had no worker alive."""
+        """How long a killed worker took to be back (the scheduler routes to it again; kills while it started
+        count in), and the share of the run the scheduler had no worker of a pool to route to."""
         back = sorted(self.back_after_s)
         return {
             "worker_back_after_s": {"n": len(back), "p50": round(back[len(back) // 2], 1) if back else None,

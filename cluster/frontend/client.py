@@ -38,7 +38,6 @@ from cluster.frontend.request_stream import (
     RequestStream,
     SampleResult,
     SchedulerForgot,
-    Stalled,
     StreamEvent,
 )
 from kv_transfer.curve import CurveKeys, secure_server
@@ -74,6 +73,7 @@ class Submitted:
     request: GenerateRequest  # as sent: a migration resubmits it with the tokens already received
     queue: object  # where its deltas go (anything with a thread-safe `put`)
     route: Admitted  # the scheduler's answer: which workers prefill and decode it, cached tokens
+    sent_at: float  # time.monotonic() when it was first sent: the progress bound counts its admission
 
     @property
     def request_id(self) -> str:
@@ -212,7 +212,8 @@ class TandemClient:
         requests, read by one thread), else to a queue of its own that `events` reads."""
         request = self.request(prompt, params, cache_salt, request_id)
         q = self._listen(request, deltas)
-        give_up_at = time.monotonic() + timeout_s
+        sent_at = time.monotonic()
+        give_up_at = sent_at + timeout_s
         try:
             while True:
                 try:
@@ -227,13 +228,14 @@ class TandemClient:
         except BaseException:
             self.forget(request.request_id)
             raise
-        return self._admitted(request, q, answer)
+        return self._admitted(request, q, answer, sent_at)
 
     async def asubmit(self, request: GenerateRequest, deltas, timeout_s: float = 60.0) -> Submitted:
         """`submit` for an event loop; `deltas` needs only a thread-safe `put`. Submits of one loop tick
         travel to the scheduler in one call (submit_batcher.py)."""
         q = self._listen(request, deltas)
-        give_up_at = time.monotonic() + timeout_s
+        sent_at = time.monotonic()
+        give_up_at = sent_at + timeout_s
         try:
             while True:
                 try:
@@ -248,7 +250,7 @@ class TandemClient:
         except BaseException:
             self.forget(request.request_id)
             raise
-        return self._admitted(request, q, answer)
+        return self._admitted(request, q, answer, sent_at)
 
     def _listen(self, request: GenerateRequest, deltas) -> object:
         q = deltas if deltas is not None else queue.Queue()
@@ -257,12 +259,12 @@ class TandemClient:
             self._listening[request.request_id] = _Listening(q, shard)
         return q
 
-    def _admitted(self, request: GenerateRequest, q, answer: Admitted | Rejected) -> Submitted:
+    def _admitted(self, request: GenerateRequest, q, answer: Admitted | Rejected, sent_at: float) -> Submitted:
         if isinstance(answer, Rejected):
             self.forget(request.request_id)
             raise AdmissionRejected(answer)
         self._admitted_by(request.request_id, answer.epoch)
-        return Submitted(request, q, answer)
+        return Submitted(request, q, answer, sent_at)
 
     def _admitted_by(self, request_id: str, epoch: str | None) -> None:
         with self._lock:
@@ -298,7 +300,12 @@ class TandemClient:
 
     def events(self, submitted: Submitted, timeout_s: float = 120.0) -> Iterator[StreamEvent]:
         """The events of a submitted request, in order; aborts it if the caller stops early."""
-        return self._pump(submitted, RequestStream(submitted.request, self.tokenizer), timeout_s)
+        return self._pump(submitted, self._stream(submitted, timeout_s))
+
+    def _stream(self, submitted: Submitted, timeout_s: float) -> RequestStream:
+        """The request's one record here: its deadline `timeout_s` after it was sent (then TIMED_OUT)."""
+        return RequestStream(submitted.request, self.tokenizer, started=submitted.sent_at,
+                             deadline=submitted.sent_at + timeout_s)
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
                  cache_salt: str | None = None, timeout_s: float = 300.0) -> list[list[SampleResult]]:
@@ -307,23 +314,19 @@ class TandemClient:
         submitted = [self.submit(p, sp, cache_salt) for p, sp in zip(prompts, params_list)]
         results = []
         for handle in submitted:
-            stream = RequestStream(handle.request, self.tokenizer)
-            for _ in self._pump(handle, stream, timeout_s):
+            stream = self._stream(handle, timeout_s)
+            for _ in self._pump(handle, stream):
                 pass
             results.append(stream.results)
         return results
 
-    def _pump(self, submitted: Submitted, stream: RequestStream, timeout_s: float) -> Iterator[StreamEvent]:
-        deadline = time.monotonic() + timeout_s
+    def _pump(self, submitted: Submitted, stream: RequestStream) -> Iterator[StreamEvent]:
         try:
             while not stream.finished:
-                until = min(deadline, stream.next_stall_check(self.progress_timeout_s))
                 try:
-                    item = submitted.queue.get(timeout=max(until - time.monotonic(), 0.001))
+                    item = submitted.queue.get(timeout=max(stream.wait_s(self.progress_timeout_s), 0.001))
                 except queue.Empty:
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(f"request {submitted.request_id} produced nothing for {timeout_s}s") from None
-                    item = Stalled(self.progress_timeout_s)
+                    item = stream.silence(self.progress_timeout_s)  # moved, or ended cleanly
                 yield from stream.feed(item)
                 if stream.migration_pending:
                     self.migrate(stream, submitted.queue)

@@ -120,13 +120,23 @@ class Stalled:
     bound_s: float
 
 
+@dataclass(frozen=True)
+class PastDeadline:
+    """Fed by a pump once the request's deadline has passed: it ends TIMED_OUT (and is aborted)."""
+
+
 class RequestStream:
     """All samples of one request; `feed` every delta that arrives, in any order."""
 
     # Each worker loss is another move while the request's deadline allows; the cap stops a request that
     # kills every worker it lands on.
-    def __init__(self, request: GenerateRequest, tokenizer=None, max_migrations: int = 16):
+    def __init__(self, request: GenerateRequest, tokenizer=None, max_migrations: int = 16,
+                 started: float | None = None, deadline: float | None = None):
+        """`started` (time.monotonic()): when the request was sent, its admission included; None: now.
+        `deadline` (the same clock): when it ends TIMED_OUT wherever it is; None: never."""
         self.request = request
+        self.started = time.monotonic() if started is None else started
+        self.deadline = deadline
         params = request.params
         self.samples = [_Sample(i, _detokenizer(tokenizer, list(request.prompt_token_ids), params))
                         for i in range(params.n)]
@@ -138,7 +148,8 @@ class RequestStream:
         self._attempts_seen: set[AttemptId] = set()
         self._ended_here = False  # ended by this side (deadline, refused migration): abort it in the cluster
         self._moved_after_stall = False
-        self.last_progress = time.monotonic()  # the last token that reached the client (or the request's start)
+        # The last token that reached the client, or the request's start: the bound counts its admission too.
+        self.last_progress = self.started
 
     @property
     def request_id(self) -> str:
@@ -185,6 +196,19 @@ class RequestStream:
         self._move(self._attempts_seen)
         return []
 
+    def wait_s(self, bound_s: float) -> float:
+        """How long a pump may wait for the next delta before it feeds `silence(bound_s)`."""
+        until = self.next_stall_check(bound_s)
+        if self.deadline is not None:
+            until = min(until, self.deadline)
+        return max(until - time.monotonic(), 0.0)
+
+    def silence(self, bound_s: float) -> Stalled | PastDeadline:
+        """What a pump feeds when nothing came within `wait_s`."""
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return PastDeadline()
+        return Stalled(bound_s)
+
     def next_stall_check(self, bound_s: float) -> float:
         """When (monotonic) a pump that hears nothing more should feed a `Stalled`: at half the bound the
         request moves, at the full bound it ends."""
@@ -213,9 +237,11 @@ class RequestStream:
     def results(self) -> list[SampleResult]:
         return [s.result for s in self.samples]
 
-    def feed(self, delta: TokenDelta | MigrationRefused | SchedulerForgot | Stalled) -> list[StreamEvent]:
+    def feed(self, delta: TokenDelta | MigrationRefused | SchedulerForgot | Stalled | PastDeadline) -> list[StreamEvent]:
         if isinstance(delta, Stalled):
             return self._stalled(delta)
+        if isinstance(delta, PastDeadline):
+            return self.fail("the request ran past its deadline", RequestStatus.TIMED_OUT)
         if isinstance(delta, MigrationRefused):
             return self.fail(f"worker lost and the request could not be migrated: {delta.reason}")
         if isinstance(delta, SchedulerForgot):

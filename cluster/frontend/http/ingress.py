@@ -17,7 +17,6 @@ from typing import AsyncIterator
 import ray
 
 from actors.engine.structured import GrammarError, Grammars
-from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.structured_output import StructuredOutput
 from cluster.frontend.client import AdmissionRejected, TandemClient
@@ -90,13 +89,22 @@ class Ingress:
     # ---- one cluster request ----
 
     async def open(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None,
-                   deadline: float | None = None) -> tuple[RequestStream, _LoopSink]:
+                   until: float) -> tuple[RequestStream, _LoopSink]:
+        """Admit one cluster request that ends TIMED_OUT at `until` (time.monotonic()), wherever it is:
+        the stream keeps that deadline, the scheduler (maybe on another host) gets it on the wall clock."""
+        started = time.monotonic()
         sink = _LoopSink(asyncio.get_running_loop(), self.queue_size, tenant)
         # The tenant is the cache salt: no request body can choose another tenant's.
         request = self.client.request(prompt_ids, params, tenant, kv_share=self.gate.kv_share(tenant),
-                                      deadline=deadline)
+                                      deadline=time.time() + (until - started))
         try:
-            await self.client.asubmit(request, sink)
+            # Its admission is part of the progress bound: no answer within it is a clean 503.
+            await self.client.asubmit(request, sink, timeout_s=self.client.progress_timeout_s)
+        except asyncio.TimeoutError:
+            self.metrics.rejected.labels("unavailable").inc()
+            raise ApiError(503, f"no admission answer within the progress bound ({self.client.progress_timeout_s:.0f}s, "
+                                "scheduler.progress_timeout_s); retry", None, "service_unavailable",
+                           {"Retry-After": "5"}) from None
         except ray.exceptions.RayError as exc:
             # The scheduler died while admitting it (Ray restarts it): nothing of the request runs.
             self.metrics.rejected.labels("unavailable").inc()
@@ -114,30 +122,20 @@ class Ingress:
             raise ApiError(429, exc.reason, None, "rate_limit_error",
                            {"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        return RequestStream(request, self.tokenizer), sink
+        return RequestStream(request, self.tokenizer, started=started, deadline=until), sink
 
     async def events(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> AsyncIterator[StreamEvent]:
         emits: dict[int, list[float]] = {}
         self._emits[stream.request_id] = emits
-        # A request's own `timeout` may shorten the server's deadline, never stretch it.
-        deadline = arrival + min(sink.timeout_s or self.request_timeout_s, self.request_timeout_s)
+        bound = self.client.progress_timeout_s
         try:
             while not stream.finished:
-                bound = self.client.progress_timeout_s
-                # (the deadline is on the perf_counter clock of `arrival`, the stall check on the monotonic one)
-                wait_s = min(deadline - time.perf_counter(), stream.next_stall_check(bound) - time.monotonic())
                 try:
-                    item = await asyncio.wait_for(sink.queue.get(), max(wait_s, 0.0))
+                    item = await asyncio.wait_for(sink.queue.get(), stream.wait_s(bound))
                 except asyncio.TimeoutError:
-                    if time.perf_counter() < deadline:
-                        item = Stalled(bound)  # nothing for the progress bound: moved, or ended cleanly
-                        self.metrics.stalls.inc()
-                    else:
-                        # The request's deadline, wherever it is in the cluster: TIMED_OUT, then aborted.
-                        self.metrics.rejected.labels("timed_out").inc()
-                        for ev in stream.fail("the request ran past its deadline", RequestStatus.TIMED_OUT):
-                            yield ev
-                        return
+                    item = stream.silence(bound)  # moved or ended cleanly; past the deadline, TIMED_OUT
+                    (self.metrics.stalls.inc() if isinstance(item, Stalled)
+                     else self.metrics.rejected.labels("timed_out").inc())
                 if item is _OVERFLOW:
                     self.metrics.rejected.labels("slow_client").inc()
                     return
@@ -190,12 +188,12 @@ class Ingress:
                            "sequences per request", "n")
         cost = sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts)
         self.gate.admit(tenant, cost, requests=len(prompts))
-        # The same deadline as `events` keeps, on the wall clock: the scheduler may run on another host.
-        deadline = time.time() + min(timeout_s or self.request_timeout_s, self.request_timeout_s)
+        # A request's own `timeout` may shorten the server's deadline, never stretch it.
+        until = time.monotonic() + min(timeout_s or self.request_timeout_s, self.request_timeout_s)
         opened = []
         try:
             for p in prompts:
-                opened.append(await self.open(p, params, tenant, deadline))
+                opened.append(await self.open(p, params, tenant, until))
                 opened[-1][1].timeout_s = timeout_s
         except BaseException:
             for stream, sink in opened:

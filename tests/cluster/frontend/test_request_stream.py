@@ -3,6 +3,8 @@ old attempt given up, so none of its late deltas count), and ended with a clean 
 
 from __future__ import annotations
 
+import time
+
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import GenerateRequest, TokenDelta, WorkerRequest
 from actors.protocol.request_status import RequestStatus
@@ -78,3 +80,13 @@ def test_a_lost_worker_is_no_progress_the_client_sees():
     lost = TokenDelta.failure(WorkerRequest(first, stream.request), "worker lost", retryable=True)
     assert stream.feed(lost) == [] and stream.migration_pending
     assert stream.last_progress == heard
+
+
+def test_the_bound_counts_the_admission_wait():
+    """A request admitted after a long wait has only what is left of the bound (its silence began when it
+    was sent, not when it was admitted)."""
+    sent = time.monotonic() - 61.0
+    stream = RequestStream(GenerateRequest("r", (1, 2, 3), SamplingParams(max_tokens=4), "tcp://sink"), started=sent)
+    assert stream.next_stall_check(60.0) == sent + 30.0
+    (event,) = stream.feed(Stalled(60.0))
+    assert event.finish_reason == "error" and not stream.migration_pending
