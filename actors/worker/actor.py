@@ -45,7 +45,7 @@ from actors.protocol.token_stream import TokenPublisher
 from actors.protocol.tp_messages import KvSendPlan, PieceEvent
 from actors.protocol.worker_commands import AbortAttempt, ReleaseAttempt, ReserveBlocks, SubmitAttempt, WorkerCommand
 from actors.engine.requests import Phase
-from actors.worker.faults import HeldWrites, apply_fault, check_fault
+from actors.worker.faults import Faults, HeldWrites, check_fault
 from actors.worker.handoff_table import HandoffTable, LeaseKind
 from actors.worker.inbox import Inbox
 from actors.worker.kv_handoff import HandoffEnds
@@ -84,10 +84,10 @@ class Worker:
                                  self._on_piece)
         self._ends.join()  # with the group's other ranks, which do the same (tp_group.py)
         self._receiver = self._ends.receiver
+        self._faults = Faults(self._receiver, self._held_writes)
         # A fresh id per process: the scheduler tells a restarted worker (new incarnation, its requests
         # lost) from one that re-announces itself (same incarnation, its requests still live).
         self._incarnation = uuid.uuid4().hex
-        self._faults: dict[str, float] = {}
         self._stop = threading.Event()
         self._link = None if scheduler is None else SchedulerLink(scheduler, spec.worker_id, self.info, self._live)
         self._pulse = None
@@ -130,7 +130,7 @@ class Worker:
         """The one entry of every command (any thread): it only queues the engine thread's part."""
         match command:
             case SubmitAttempt(request=request):
-                if self._faults.pop("drop_next_submit", None) is not None:
+                if self._faults.take_dropped_submit():
                     return  # chaos: this attempt never arrives, as if its delivery were lost
                 # Prompts waiting in the inbox behind a long step are queued prefill work too: without them
                 # the scheduler's TTFT prediction misses exactly the backlog that overload builds.
@@ -145,9 +145,8 @@ class Worker:
 
     def reserve_many(self, asks: tuple[ReserveBlocks, ...]) -> tuple[KvReservation | None, ...]:
         """The scheduler's reservations of one tick, answered in order (None: no room, or it failed)."""
-        delay = self._faults.get("slow_reserve")
-        if delay:
-            time.sleep(delay)
+        if self._faults.slow_reserve_s:
+            time.sleep(self._faults.slow_reserve_s)
         return answers([self._inbox.ask(self._do_reserve, ask.request)
                         if addressed(self.spec.worker_id, ask) else None for ask in asks], _CALL_TIMEOUT_S)
 
@@ -185,7 +184,7 @@ class Worker:
             self._expire_leases()
             if self._engine.has_work():
                 start = time.perf_counter()
-                time.sleep(self._faults.pop("slow_step", 0.0))  # chaos: a step longer than any timeout
+                time.sleep(self._faults.take_step_delay())  # chaos: a step longer than any timeout
                 try:
                     outputs = self._engine.step()
                 except Exception:  # a bug must cost the requests in flight, never the worker
@@ -244,7 +243,7 @@ class Worker:
             if lease is not None:
                 self._fail(lease.context.request, f"KV transfer refused: {event.error}")
             return
-        adopt = "ignore_kv_arrivals" not in self._faults  # ignored: the sender never gets an ack
+        adopt = not self._faults.ignore_kv_arrivals  # ignored: the sender never gets an ack
         lease = self._handoffs.landed(piece, ok=event.stage == "landed", note=event.note, adopt=adopt)
         if lease is None:
             return
@@ -276,7 +275,7 @@ class Worker:
             self._engine.abort(attempt)
 
     def _do_fault(self, fault: str | None, delay_s: float) -> None:
-        apply_fault(self._faults, fault, delay_s, self._receiver, self._held_writes)
+        self._faults.inject(fault, delay_s)
 
     def _do_integrity(self, _) -> WorkerStats:
         self._engine.check_integrity()
@@ -309,7 +308,7 @@ class Worker:
         plan = KvSendPlan(dest.reservation.lease_id, tuple(self._engine.lease_blocks(request.attempt)),
                           dest.reservation.block_ids, dest.endpoints, encode(note), min(self.spec.lease_s, 10.0))
         try:
-            if "drop_kv_sends" not in self._faults:
+            if not self._faults.drop_kv_sends:
                 self._ends.hand_off(plan, self._engine.runner.lead_task if self._tp else None)
         except Exception as exc:
             self._meter.transfers_failed += 1

@@ -24,16 +24,44 @@ def check_fault(fault: str | None) -> None:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
 
 
-def apply_fault(faults: dict[str, float], fault: str | None, delay_s: float, receiver, writes: "HeldWrites") -> None:
-    """On the engine thread: set (or, with None, clear) a fault in `faults`."""
-    if fault == "kill_kv_receiver" and receiver is not None:  # rank 0's
-        receiver.close()
-        return
-    if fault is None:
-        faults.clear()
-    else:
-        faults[fault] = delay_s
-    writes.hold(faults.get("hold_kv_writes"))
+class Faults:
+    """The faults set on one worker, as typed fields its paths read (no name lookups on the hot path).
+    Injected and cleared on the engine thread; read there and by Ray's call threads."""
+
+    def __init__(self, receiver, writes: "HeldWrites"):
+        self._receiver, self._writes = receiver, writes
+        self._clear()
+
+    def _clear(self) -> None:
+        self.drop_kv_sends = False
+        self.ignore_kv_arrivals = False
+        self.slow_reserve_s = 0.0
+        self.drop_next_submit = False
+        self.slow_step_s = 0.0  # once: the next step only
+
+    def inject(self, fault: str | None, delay_s: float) -> None:
+        """Set one fault of FAULTS (None: clear them all)."""
+        if fault == "kill_kv_receiver":
+            if self._receiver is not None:  # rank 0's
+                self._receiver.close()
+            return
+        if fault is None:
+            self._clear()
+            self._writes.hold(None)
+        elif fault == "hold_kv_writes":
+            self._writes.hold(delay_s)
+        elif fault in ("slow_reserve", "slow_step"):
+            setattr(self, f"{fault}_s", delay_s)
+        else:
+            setattr(self, fault, True)
+
+    def take_step_delay(self) -> float:
+        delay, self.slow_step_s = self.slow_step_s, 0.0
+        return delay
+
+    def take_dropped_submit(self) -> bool:
+        dropped, self.drop_next_submit = self.drop_next_submit, False
+        return dropped
 
 
 class HeldWrites:

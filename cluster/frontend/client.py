@@ -5,17 +5,21 @@ receive thread hands each delta to its request's queue. With the cluster's CURVE
 workers and scheduler can connect; whatever does arrive that is not a list of token deltas is dropped
 and counted, and only closing the client (or the `kill_sink` chaos hook) ends the thread. A `RequestStream` per request turns deltas
 into events (order, text, stop strings); when a worker was lost the stream asks for a migration, and
-`migrate` (the only place that resubmits) continues the request elsewhere. The HTTP ingress uses this
-client too. A cluster may run several scheduler shards, each with its own workers: the client sends
+`migrate` (the only place that resubmits) continues the request elsewhere. Every submit, a first one
+from a thread or an event loop and a migration alike, goes out one way (`_send`): from this client's own
+event loop, batched per tick, sent again to a scheduler that restarted under it. The HTTP ingress uses
+this client too. A cluster may run several scheduler shards, each with its own workers: the client sends
 each request to the shard its prompt hashes to (shards.py) and keeps talking to that one about it.
 
 Why ~350 lines: submit, the sink's receive thread, the audit of a restarted scheduler and migration
-all work on the one request map and socket this client owns; split, each part would reach into it.
+all work on the one request record (`_Listening`) and socket this client owns; split, each part would
+reach into it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -107,6 +111,9 @@ class TandemClient:
         self._thread = threading.Thread(target=self._receive, name="tandem-client-sink", daemon=True)
         self._thread.start()
         self._audit_s = audit_s
+        # Every submit goes out from this loop (sync callers wait on it; see `_send`), batched per tick.
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="tandem-client-submits", daemon=True).start()
         self._submits = [SubmitBatcher(shard) for shard in self.schedulers]
         threading.Thread(target=self._audit_loop, name="tandem-client-audit", daemon=True).start()
 
@@ -193,6 +200,7 @@ class TandemClient:
         self._closed.set()
         self._thread.join(timeout=5)
         self._socket.close(linger=0)
+        self._loop.call_soon_threadsafe(self._loop.stop)
 
     # ---- requests ----
 
@@ -213,44 +221,42 @@ class TandemClient:
         request = self.request(prompt, params, cache_salt, request_id)
         q = self._listen(request, deltas)
         sent_at = time.monotonic()
-        give_up_at = sent_at + timeout_s
         try:
-            while True:
-                try:
-                    answer = ray.get(self._scheduler(request.request_id).submit.remote(request),
-                                     timeout=give_up_at - time.monotonic())
-                    break
-                except ray.exceptions.RayActorError:
-                    if time.monotonic() + _RESEND_S >= give_up_at:
-                        raise
-                    time.sleep(_RESEND_S)  # the scheduler died with it: send it to the restarted one
-                    request = replace(request, retried=True)
+            answer = self._send(request, timeout_s).result()
         except BaseException:
             self.forget(request.request_id)
             raise
         return self._admitted(request, q, answer, sent_at)
 
     async def asubmit(self, request: GenerateRequest, deltas, timeout_s: float = 60.0) -> Submitted:
-        """`submit` for an event loop; `deltas` needs only a thread-safe `put`. Submits of one loop tick
-        travel to the scheduler in one call (submit_batcher.py)."""
+        """`submit` for an event loop; `deltas` needs only a thread-safe `put`."""
         q = self._listen(request, deltas)
         sent_at = time.monotonic()
-        give_up_at = sent_at + timeout_s
         try:
-            while True:
-                try:
-                    batcher = self._submits[self._listening[request.request_id].shard]
-                    answer = await asyncio.wait_for(batcher.submit(request), give_up_at - time.monotonic())
-                    break
-                except ray.exceptions.RayActorError:
-                    if time.monotonic() + _RESEND_S >= give_up_at:
-                        raise
-                    await asyncio.sleep(_RESEND_S)
-                    request = replace(request, retried=True)
+            answer = await asyncio.wrap_future(self._send(request, timeout_s))
         except BaseException:
             self.forget(request.request_id)
             raise
         return self._admitted(request, q, answer, sent_at)
+
+    def _send(self, request: GenerateRequest, timeout_s: float) -> concurrent.futures.Future:
+        """The one way a request reaches its scheduler shard, a first submit and a migration alike: on this
+        client's own event loop, where the submits of one tick travel in one call (submit_batcher.py)."""
+        return asyncio.run_coroutine_threadsafe(self._submit_until(request, timeout_s), self._loop)
+
+    async def _submit_until(self, request: GenerateRequest, timeout_s: float) -> Admitted | Rejected:
+        """The scheduler's answer; a scheduler that died under the call gets it again once restarted
+        (marked `retried`: admitted at most once), until `timeout_s` (then TimeoutError)."""
+        give_up_at = time.monotonic() + timeout_s
+        while True:
+            try:
+                batcher = self._submits[self._shard_of(request.request_id)]
+                return await asyncio.wait_for(batcher.submit(request), give_up_at - time.monotonic())
+            except ray.exceptions.RayActorError:
+                if time.monotonic() + _RESEND_S >= give_up_at:
+                    raise
+                await asyncio.sleep(_RESEND_S)
+                request = replace(request, retried=True)
 
     def _listen(self, request: GenerateRequest, deltas) -> object:
         q = deltas if deltas is not None else queue.Queue()
@@ -281,17 +287,17 @@ class TandemClient:
         request = stream.migration_request()
         self._admitted_by(request.request_id, None)  # not audited while its admission is pending
 
-        def answered(future) -> None:
+        def answered(future: concurrent.futures.Future) -> None:
             try:
                 answer = future.result()
-            except Exception as exc:  # the scheduler itself is unreachable: the request ends here
+            except Exception as exc:  # the scheduler is unreachable for the whole bound: the request ends here
                 answer = Rejected(f"{type(exc).__name__}: {exc}", None)
             if isinstance(answer, Rejected):
                 deltas.put(MigrationRefused(answer.reason))
             else:
                 self._admitted_by(request.request_id, answer.epoch)
 
-        self._scheduler(request.request_id).submit.remote(request).future().add_done_callback(answered)
+        self._send(request, self.progress_timeout_s).add_done_callback(answered)
 
     def stream(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
                timeout_s: float = 120.0) -> Iterator[StreamEvent]:
@@ -366,6 +372,9 @@ class TandemClient:
 
     def _scheduler(self, request_id: str):
         """The shard that admits the request (the first one for a request this client does not track)."""
+        return self.schedulers[self._shard_of(request_id)]
+
+    def _shard_of(self, request_id: str) -> int:
         with self._lock:
             listening = self._listening.get(request_id)
-        return self.schedulers[listening.shard if listening is not None else 0]
+        return listening.shard if listening is not None else 0

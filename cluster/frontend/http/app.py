@@ -120,8 +120,8 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
     @app.get("/v1/models", response_model=None, responses=documented(ModelList, 401))
     async def models(request: Request):
         tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
-        return {"object": "list", "data": [{"id": ingress.model_name, "object": "model", "created": 0, "owned_by": "tandem",
-                                            "max_model_len": ingress.max_model_len}]}
+        return {"object": "list", "data": [{"id": ingress.model.name, "object": "model", "created": 0, "owned_by": "tandem",
+                                            "max_model_len": ingress.model.max_model_len}]}
 
     add_token_routes(app, ingress)
     add_responses_route(app, ingress)
@@ -132,15 +132,15 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         arrival = time.perf_counter()
         tenant = tenant_of(request)
         # echo with max_tokens 0 scores the prompt only: one token is generated and not shown.
-        max_tokens = ingress.check_common(req, 1 if req.scores_only else req.max_tokens)
+        max_tokens = ingress.model.check_common(req, 1 if req.scores_only else req.max_tokens)
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise ApiError(400, "logprobs must be between 0 and 20", "logprobs")
         params = req.sampling_params(max_tokens, req.logprobs, req.wanted_prompt_logprobs(),
-                                     await ingress.structured_output(req))
-        prompts = await ingress.encode_prompts(req.prompt)
+                                     await ingress.model.structured_output(req))
+        prompts = await ingress.model.encode_prompts(req.prompt)
         opened = await ingress.open_all(prompts, params, tenant, req.timeout)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        echo_texts = [ingress.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
+        echo_texts = [ingress.model.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         if req.stream:
             return sse(completion_chunks(ingress, opened, rid, req, echo_texts, arrival),
                         lambda: [ingress.finish(st, sk, arrival) for st, sk in opened])
@@ -149,12 +149,12 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         for i, (stream, sink) in enumerate(opened):
             for r in stream.results:
                 raise_if_failed(r, ingress.own_deadline(sink))
-                choices.append(responses.completion_choice(ingress.tokenizer, req, i * req.n + r.index, echo_texts[i],
+                choices.append(responses.completion_choice(ingress.model.tokenizer, req, i * req.n + r.index, echo_texts[i],
                                                            stream.prompt_token_ids, stream.results[0], r))
                 completion_tokens += 0 if req.scores_only else len(r.token_ids)
             cached += stream.results[0].num_cached_tokens
         usage = ingress.usage(sum(len(p) for p in prompts), completion_tokens, cached)
-        return responses.completion_body(rid, ingress.model_name, choices, usage)
+        return responses.completion_body(rid, ingress.model.name, choices, usage)
 
     @app.post("/v1/chat/completions", response_model=None,
               responses=documented(ChatCompletionResponse, 400, 401, 404, 408, 413, 429, 500, 503, 504, streams=True))
@@ -172,14 +172,14 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         choices = []
         for r in stream.results:
             raise_if_failed(r, ingress.own_deadline(sink))
-            lp = responses.chat_logprobs(ingress.tokenizer, r.logprobs) if req.logprobs else None
+            lp = responses.chat_logprobs(ingress.model.tokenizer, r.logprobs) if req.logprobs else None
             message, finish = responses.chat_message(r.text, r.finish_reason, calls)
             choices.append({"index": r.index, "message": message, "logprobs": lp, "finish_reason": finish})
             if req.prompt_logprobs is not None:
-                choices[-1]["prompt_logprobs"] = responses.vllm_prompt_logprobs(ingress.tokenizer,
+                choices[-1]["prompt_logprobs"] = responses.vllm_prompt_logprobs(ingress.model.tokenizer,
                                                                                 stream.results[0].prompt_logprobs)
         usage = ingress.usage(len(prompt), sum(len(r.token_ids) for r in stream.results), stream.results[0].num_cached_tokens)
-        return responses.chat_body(rid, ingress.model_name, choices, usage, chunk=False)
+        return responses.chat_body(rid, ingress.model.name, choices, usage, chunk=False)
 
     return app
 

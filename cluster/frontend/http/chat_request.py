@@ -11,7 +11,8 @@ from typing import Callable
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.frontend.http import tool_calls
-from cluster.frontend.http.ingress import Ingress, check_text
+from cluster.frontend.http.ingress import Ingress
+from cluster.frontend.http.served_model import check_text
 from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest
 
 
@@ -35,24 +36,24 @@ def _text_content(message: dict) -> dict:
 
 
 async def prepare_chat(ingress: Ingress, req: ChatCompletionRequest) -> PreparedChat:
-    max_tokens = ingress.check_common(
+    max_tokens = ingress.model.check_common(
         req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise ApiError(400, "top_logprobs must be between 0 and 20", "top_logprobs")
-    tools, forced = tool_calls.plan(req, ingress.tool_call_parser)
-    structured = await ingress.structured_output(req)
+    tools, forced = tool_calls.plan(req, ingress.model.tool_call_parser)
+    structured = await ingress.model.structured_output(req)
     if forced is not None:
         if structured is not None:
             raise ApiError(400, "tool_choice required or named cannot be combined with a structured output",
                            "tool_choice")
-        structured = await ingress.check_structured(forced, "tools")
+        structured = await ingress.model.check_structured(forced, "tools")
     messages = tool_calls.template_messages([_text_content(m.model_dump()) for m in req.messages])
     check_text(json.dumps(messages, ensure_ascii=False), "messages")
-    prompt = await asyncio.to_thread(ingress.chat_prompt, messages, tools)
-    ingress.check_prompt(prompt, "messages")
-    max_tokens = min(max_tokens, ingress.max_model_len - len(prompt))  # unset: the rest of the context
+    prompt = await asyncio.to_thread(ingress.model.chat_prompt, messages, tools)
+    ingress.model.check_prompt(prompt, "messages")
+    max_tokens = min(max_tokens, ingress.model.max_model_len - len(prompt))  # unset: the rest of the context
     params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs,
                                  structured)
     # With tools offered, an answer is read whole (it may be a call).
-    calls = (lambda text: tool_calls.parse(text, ingress.tool_call_parser, forced is not None)) if tools else None
+    calls = (lambda text: tool_calls.parse(text, ingress.model.tool_call_parser, forced is not None)) if tools else None
     return PreparedChat(prompt, params, calls)

@@ -1,5 +1,6 @@
 """One HTTP request's life in the cluster: admission through the gate, one cluster request per prompt,
-its token events with the request's deadline, and one place where every request ends.
+its token events with the request's deadline, and one place where every request ends. What is served,
+and how a request is checked before any of that, is `ServedModel` (served_model.py).
 
 Token deltas arrive on the client's zmq thread and are handed to the event loop through a bounded queue
 per request: a client that reads too slowly fills it, and the request is aborted rather than buffered
@@ -16,14 +17,13 @@ from typing import AsyncIterator
 
 import ray
 
-from actors.engine.structured import GrammarError, Grammars
 from actors.protocol.sampling_params import SamplingParams
-from actors.protocol.structured_output import StructuredOutput
 from cluster.frontend.client import AdmissionRejected, TandemClient
 from cluster.frontend.http import responses
 from cluster.frontend.http.gate import Gate
 from cluster.frontend.http.metrics import IngressMetrics
-from cluster.frontend.http.protocol import ApiError, RequestCaps
+from cluster.frontend.http.protocol import ApiError
+from cluster.frontend.http.served_model import ServedModel
 from cluster.frontend.request_stream import RequestStream, Stalled, StreamEvent
 
 _OVERFLOW = object()
@@ -40,6 +40,7 @@ class _LoopSink:
         self.tenant = tenant
         self.closed = False
         self.timeout_s: float | None = None  # the request's own deadline, if it set one
+        self.emits: dict[int, list[float]] = {}  # per sample: when each token went to the HTTP client (perf_counter)
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self._put, item)
@@ -56,15 +57,10 @@ class _LoopSink:
 
 
 class Ingress:
-    def __init__(self, client: TandemClient, model_name: str, max_model_len: int, gate: Gate, vocab_size: int,
-                 caps: RequestCaps = RequestCaps(),
-                 max_body_bytes: int = 1 << 20, queue_size: int = 4096, request_timeout_s: float = 600.0,
-                 hide_cache_hits: bool = False, chat_template: str | None = None, tool_call_parser: str | None = None):
+    def __init__(self, client: TandemClient, model: ServedModel, gate: Gate, max_body_bytes: int = 1 << 20,
+                 queue_size: int = 4096, request_timeout_s: float = 600.0, hide_cache_hits: bool = False):
         self.client = client
-        self.tokenizer = client.tokenizer
-        self.model_name = model_name
-        self.max_model_len = max_model_len
-        self.caps = caps
+        self.model = model  # what is served, and how a request's prompt and fields are checked (served_model.py)
         # Anonymous users of a public ingress share one prefix cache: a reported hit would tell one
         # what another sent.
         self.hide_cache_hits = hide_cache_hits
@@ -72,12 +68,7 @@ class Ingress:
         self.queue_size = queue_size
         self.request_timeout_s = request_timeout_s
         self.gate = gate
-        self.vocab_size = vocab_size
         self.metrics = IngressMetrics()
-        self.chat_template = chat_template  # None: the model's own
-        self.tool_call_parser = tool_call_parser
-        self._grammars: Grammars | None = None  # compiles structured outputs to check them (made on first use)
-        self._emits: dict[str, dict[int, list[float]]] = {}
 
     def own_deadline(self, sink: _LoopSink) -> bool:
         """Whether the request's own `timeout` (shorter than the server's) set its deadline."""
@@ -122,11 +113,9 @@ class Ingress:
             raise ApiError(429, exc.reason, None, "rate_limit_error",
                            {"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        return RequestStream(request, self.tokenizer, started=started, deadline=until), sink
+        return RequestStream(request, self.model.tokenizer, started=started, deadline=until), sink
 
     async def events(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> AsyncIterator[StreamEvent]:
-        emits: dict[int, list[float]] = {}
-        self._emits[stream.request_id] = emits
         bound = self.client.progress_timeout_s
         try:
             while not stream.finished:
@@ -145,7 +134,7 @@ class Ingress:
                     self.client.migrate(stream, sink)
                 for ev in events:
                     now = time.perf_counter()
-                    emits.setdefault(ev.index, []).extend([now] * len(ev.token_ids))
+                    sink.emits.setdefault(ev.index, []).extend([now] * len(ev.token_ids))
                     self.metrics.generation_tokens.inc(len(ev.token_ids))
                     yield ev
         finally:
@@ -160,7 +149,6 @@ class Ingress:
         self.client.finish(stream)
         params = stream.request.params
         self.gate.release(sink.tenant, unused_tokens=max(0, params.max_tokens * params.n - stream.received_tokens))
-        emits = self._emits.pop(stream.request_id, {})
         self.metrics.observe_phases(stream.times)
         first = stream.results[0]
         self.metrics.prefix_queries.inc(len(stream.prompt_token_ids))
@@ -173,18 +161,18 @@ class Ingress:
             "finish_reasons": [r.finish_reason for r in stream.results],
         }))
         for r in stream.results:
-            self.metrics.observe_emits(arrival, emits.get(r.index, []))
+            self.metrics.observe_emits(arrival, sink.emits.get(r.index, []))
             self.metrics.finished.labels(r.finish_reason or "abort").inc()
 
     async def open_all(self, prompts: list[list[int]], params: SamplingParams, tenant: str | None,
                        timeout_s: float | None = None) -> list:
         """Pass the gate, then open one cluster request per prompt; all or nothing."""
         try:
-            params.validate_token_ids(self.vocab_size)
+            params.validate_token_ids(self.model.vocab_size)
         except ValueError as exc:
             raise ApiError(400, str(exc), str(exc).split("parameter ", 1)[-1].split(":", 1)[0]) from None
-        if params.n * len(prompts) > self.caps.max_sequences:
-            raise ApiError(400, f"n x prompts = {params.n * len(prompts)}; at most {self.caps.max_sequences} "
+        if params.n * len(prompts) > self.model.caps.max_sequences:
+            raise ApiError(400, f"n x prompts = {params.n * len(prompts)}; at most {self.model.caps.max_sequences} "
                            "sequences per request", "n")
         cost = sum(len(p) for p in prompts) + params.max_tokens * params.n * len(prompts)
         self.gate.admit(tenant, cost, requests=len(prompts))
@@ -203,86 +191,4 @@ class Ingress:
             raise
         return opened
 
-    # ---- prompts ----
 
-    async def encode_prompts(self, prompt) -> list[list[int]]:
-        """Token ids of each prompt; the tokenizer runs off the event loop (a long prompt takes a while)."""
-        if isinstance(prompt, str):
-            raw = [prompt]
-        elif prompt and all(isinstance(p, int) for p in prompt):
-            raw = [list(prompt)]
-        elif isinstance(prompt, list) and prompt:
-            raw = list(prompt)
-        else:
-            raise ApiError(400, "prompt must not be empty", "prompt")
-        if len(raw) > self.caps.max_prompts:
-            raise ApiError(400, f"prompt holds {len(raw)} prompts; at most {self.caps.max_prompts} per request",
-                           "prompt")
-        for p in raw:
-            if isinstance(p, str):
-                check_text(p, "prompt")
-        prompts = await asyncio.to_thread(lambda: [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-                                                   for p in raw])
-        for p in prompts:
-            self.check_prompt(p, "prompt")
-        return prompts
-
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """The conversation through the chat template, as token ids (call it off the event loop). A
-        `developer` message is a system message under OpenAI's newer name: templates know only the old."""
-        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.chat_template,
-                                                      tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # a template that rejects the conversation is the client's error
-            raise ApiError(400, f"messages: {exc}", "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def check_prompt(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise ApiError(400, f"{param} must not be empty", param)
-        if len(ids) >= self.max_model_len:
-            raise ApiError(400, f"{param} has {len(ids)} tokens; this model's context is {self.max_model_len}", param)
-        if any(not 0 <= t < self.vocab_size for t in ids):
-            raise ApiError(400, f"{param} holds a token id outside the vocabulary [0, {self.vocab_size})", param)
-
-    async def structured_output(self, req) -> StructuredOutput | None:
-        """The request's structured output, compiled here first (off the event loop) so that a schema,
-        regex or grammar that does not compile is a 400 naming it, before anything is admitted."""
-        asked = req.structured_output()
-        if asked is None:
-            return None
-        return await self.check_structured(*asked)
-
-    async def check_structured(self, spec: StructuredOutput, param: str) -> StructuredOutput:
-        """Compile `spec` (off the event loop); a 400 naming `param` when it does not."""
-        if self._grammars is None:
-            made = await asyncio.to_thread(Grammars, self.tokenizer, self.vocab_size)
-            self._grammars = self._grammars or made  # another request may have made one meanwhile
-        try:
-            await asyncio.to_thread(self._grammars.compile, spec)
-        except GrammarError as exc:
-            raise ApiError(400, f"{param}: {exc}", param) from None
-        return spec
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model",
-                           "not_found_error")
-
-    def check_common(self, req, max_tokens: int | None) -> int:
-        self.check_model(req.model)
-        if not 1 <= req.n <= self.caps.max_n:
-            raise ApiError(400, f"n must be between 1 and {self.caps.max_n}", "n")
-        req.check_limits(self.caps)
-        if max_tokens is not None and max_tokens < 1:
-            raise ApiError(400, "max_tokens must be at least 1", "max_tokens")
-        return max_tokens if max_tokens is not None else self.max_model_len
-
-
-def check_text(text: str, param: str) -> None:
-    """JSON can carry lone surrogates ("\\ud800"), which are not text: a 400 naming the field."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, f"{param} is not valid Unicode (it holds a lone surrogate)", param) from None

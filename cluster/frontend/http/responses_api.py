@@ -113,7 +113,7 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
             async def events() -> AsyncIterator[dict]:
                 seq = iter(range(1 << 30))
                 yield {"type": "response.created", "sequence_number": next(seq),
-                       "response": _response(rid, msg_id, ingress.model_name, "", "in_progress", None)}
+                       "response": _response(rid, msg_id, ingress.model.name, "", "in_progress", None)}
                 yield {"type": "response.output_item.added", "sequence_number": next(seq), "output_index": 0,
                        "item": {**_message(msg_id, "", "in_progress"), "content": []}}
                 yield {"type": "response.content_part.added", "sequence_number": next(seq), "item_id": msg_id,
@@ -125,7 +125,7 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
                 try:
                     raise_if_failed(stream.results[0], ingress.own_deadline(sink))
                 except ApiError as exc:  # after the 200: the API's own failure event, not a cut stream
-                    failed = _response(rid, msg_id, ingress.model_name, stream.results[0].text, "failed", usage())
+                    failed = _response(rid, msg_id, ingress.model.name, stream.results[0].text, "failed", usage())
                     failed["error"] = {"code": exc.kind, "message": exc.message}
                     yield {"type": "response.failed", "sequence_number": next(seq), "response": failed}
                     return
@@ -136,10 +136,10 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
                        "output_index": 0, "content_index": 0, "part": {"type": "output_text", "text": text, "annotations": []}}
                 yield {"type": "response.output_item.done", "sequence_number": next(seq), "output_index": 0,
                        "item": _message(msg_id, text, "completed")}
-                final = _finished(rid, msg_id, ingress.model_name, stream.results[0], usage())
+                final = _finished(rid, msg_id, ingress.model.name, stream.results[0], usage())
                 yield {"type": f"response.{final['status']}", "sequence_number": next(seq), "response": final}
             return sse(events(), lambda: ingress.finish(stream, sink, arrival))
         await run_unless_disconnected(request, ingress, [(stream, sink)], arrival)
         result = stream.results[0]
         raise_if_failed(result, ingress.own_deadline(sink))
-        return _finished(rid, msg_id, ingress.model_name, result, usage())
+        return _finished(rid, msg_id, ingress.model.name, result, usage())

@@ -13,6 +13,7 @@ from cluster.frontend.http.admin import LOOPBACK, add_admin_routes
 from cluster.frontend.http.app import create_app
 from cluster.frontend.http.gate import Gate, tenant_limits
 from cluster.frontend.http.ingress import Ingress
+from cluster.frontend.http.served_model import ServedModel
 from cluster.frontend.http.protocol import RequestCaps
 
 
@@ -50,11 +51,12 @@ def build_ingress(cluster: Cluster, host: str = "127.0.0.1", ingress: IngressSec
         try:
             template = Path(i.chat_template).read_text()
         except OSError as exc:
-            raise ValueError(f"ingress.chat_template: cannot read {i.chat_template!r}: {exc.strerror}") from None
-    return Ingress(cluster.client(), served_model_name(cluster), max_len, gate, hf["vocab_size"], caps=caps,
-                   max_body_bytes=i.max_body_bytes, queue_size=i.stream_queue_tokens,
-                   request_timeout_s=i.request_timeout_s, hide_cache_hits=not tenants and host not in LOOPBACK,
-                   chat_template=template, tool_call_parser=i.tool_call_parser)
+            raise ValueError(f"ingress.model.chat_template: cannot read {i.chat_template!r}: {exc.strerror}") from None
+    client = cluster.client()
+    model = ServedModel(served_model_name(cluster), client.tokenizer, max_len, hf["vocab_size"], caps, template,
+                        i.tool_call_parser)
+    return Ingress(client, model, gate, max_body_bytes=i.max_body_bytes, queue_size=i.stream_queue_tokens,
+                   request_timeout_s=i.request_timeout_s, hide_cache_hits=not tenants and host not in LOOPBACK)
 
 
 def make_server(cluster: Cluster, host: str, port: int, ingress: IngressSection | None = None) -> uvicorn.Server:

@@ -66,7 +66,7 @@ async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]
 
 async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionRequest, echo_texts: list[str],
                              arrival: float) -> AsyncIterator[dict]:
-    model = ingress.model_name
+    model = ingress.model.name
     offsets: dict[int, int] = {}
     prompt_total = sum(len(stream.prompt_token_ids) for stream, _ in opened)
     echoed: set[int] = set()
@@ -79,7 +79,7 @@ async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionR
             lp = None
             if req.logprobs is not None:
                 entries = responses.echoed_prompt_entries(stream.prompt_token_ids, stream.results[0].prompt_logprobs)
-                lp = responses.completion_logprobs(ingress.tokenizer, entries, 0)
+                lp = responses.completion_logprobs(ingress.model.tokenizer, entries, 0)
             yield responses.completion_body(rid, model, [{"index": index, "text": echo_texts[i], "logprobs": lp,
                                                           "finish_reason": None}], None)
         if req.scores_only:
@@ -89,7 +89,7 @@ async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionR
             continue
         lp = None
         if req.logprobs is not None and ev.logprobs:
-            lp = responses.completion_logprobs(ingress.tokenizer, ev.logprobs, offsets.get(index, len(echo_texts[i])))
+            lp = responses.completion_logprobs(ingress.model.tokenizer, ev.logprobs, offsets.get(index, len(echo_texts[i])))
             offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets.get(index, 0)
         yield responses.completion_body(rid, model, [{"index": index, "text": ev.text, "logprobs": lp,
                                                       "finish_reason": ev.finish_reason if ev.finished else None}],
@@ -105,7 +105,7 @@ async def chat_chunks(ingress: Ingress, stream: RequestStream, sink, rid: str, r
                        arrival: float, calls=None) -> AsyncIterator[dict]:
     """`calls`: tools were offered, so each choice's answer is read whole (it may be a tool call) and goes
     out in one chunk, with its tool calls in OpenAI's streamed shape."""
-    model = ingress.model_name
+    model = ingress.model.name
     started: set[int] = set()  # choices whose role went out: with their first token, as vLLM sends it
     prompt = len(stream.prompt_token_ids)
     async for ev in ingress.events(stream, sink, arrival):
@@ -113,7 +113,7 @@ async def chat_chunks(ingress: Ingress, stream: RequestStream, sink, rid: str, r
             if ev.finished:
                 yield _tool_chunk(ingress, rid, stream.results[ev.index], calls)
             continue
-        lp = responses.chat_logprobs(ingress.tokenizer, ev.logprobs) if req.logprobs and ev.logprobs else None
+        lp = responses.chat_logprobs(ingress.model.tokenizer, ev.logprobs) if req.logprobs and ev.logprobs else None
         delta = {"content": ev.text} if ev.text or not ev.finished else {}
         if ev.index not in started:
             started.add(ev.index)
@@ -131,7 +131,7 @@ def _tool_chunk(ingress: Ingress, rid: str, result, calls) -> dict:
     message, finish = responses.chat_message(result.text, result.finish_reason, calls)
     if "tool_calls" in message:
         message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-    return responses.chat_body(rid, ingress.model_name, [{"index": result.index, "delta": message, "logprobs": None,
+    return responses.chat_body(rid, ingress.model.name, [{"index": result.index, "delta": message, "logprobs": None,
                                                           "finish_reason": finish}], None, chunk=True)
 
 

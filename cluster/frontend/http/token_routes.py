@@ -11,7 +11,8 @@ import json
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.frontend.http.ingress import Ingress, check_text
+from cluster.frontend.http.ingress import Ingress
+from cluster.frontend.http.served_model import check_text
 from cluster.frontend.http.openapi import (
     DetokenizeResponse, TokenizeResponse, TokenizerInfoResponse, VersionResponse, documented,
 )
@@ -37,33 +38,33 @@ def add_token_routes(app: FastAPI, ingress: Ingress) -> None:
     @app.post("/tokenize", response_model=None, responses=documented(TokenizeResponse, 400, 401, 404, 413))
     async def tokenize(req: TokenizeRequest, request: Request):
         tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
-        ingress.check_model(req.model)
+        ingress.model.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
             messages = [m.model_dump() for m in req.messages]
             check_text(json.dumps(messages, ensure_ascii=False), "messages")
-            ids = await asyncio.to_thread(ingress.chat_prompt, messages)
+            ids = await asyncio.to_thread(ingress.model.chat_prompt, messages)
         else:
             check_text(req.prompt, "prompt")
-            ids = await asyncio.to_thread(ingress.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": ingress.max_model_len, "tokens": ids, "token_strs": None}
+            ids = await asyncio.to_thread(ingress.model.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": ingress.model.max_model_len, "tokens": ids, "token_strs": None}
 
     @app.post("/detokenize", response_model=None, responses=documented(DetokenizeResponse, 400, 401, 404, 413))
     async def detokenize(req: DetokenizeRequest, request: Request):
         tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
-        ingress.check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < ingress.vocab_size]
+        ingress.model.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < ingress.model.vocab_size]
         if bad:
-            raise ApiError(400, f"tokens holds ids outside the vocabulary [0, {ingress.vocab_size}): {bad[:8]}", "tokens")
-        return {"prompt": await asyncio.to_thread(ingress.tokenizer.decode, req.tokens)}
+            raise ApiError(400, f"tokens holds ids outside the vocabulary [0, {ingress.model.vocab_size}): {bad[:8]}", "tokens")
+        return {"prompt": await asyncio.to_thread(ingress.model.tokenizer.decode, req.tokens)}
 
     @app.get("/tokenizer_info", response_model=None, responses=documented(TokenizerInfoResponse, 401))
     async def tokenizer_info(request: Request):
         tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
-        tok = ingress.tokenizer
+        tok = ingress.model.tokenizer
         return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
-                "pad_token": tok.pad_token, "chat_template": tok.chat_template, "model_max_length": ingress.max_model_len}
+                "pad_token": tok.pad_token, "chat_template": tok.chat_template, "model_max_length": ingress.model.max_model_len}
 
     @app.get("/version", response_model=None, responses=documented(VersionResponse))
     async def version():

@@ -13,11 +13,16 @@ import uvicorn
 
 from cluster.frontend.http.app import create_app
 from cluster.frontend.http.ingress import Ingress
+from cluster.frontend.http.served_model import ServedModel
 from cluster.frontend.http.gate import Gate, TenantLimits
 from cluster.frontend.http.protocol import ApiError
 from tests.helpers.cluster import wait_until_idle
 from tests.helpers.http_server import MODEL, running
 
+
+
+def _ingress(client, gate: Gate, **kwargs) -> Ingress:
+    return Ingress(client, ServedModel(MODEL, client.tokenizer, 2048, 2048), gate, **kwargs)
 
 def test_gate_unit_limits():
     gate = Gate({"ka": TenantLimits("a", requests_per_minute=2, max_concurrency=1),
@@ -49,7 +54,7 @@ def test_gate_unit_limits():
 def gated(server):  # noqa: F811
     cluster = server[0]
     gate = Gate({"key-a": TenantLimits("tenant-a"), "key-b": TenantLimits("tenant-b", requests_per_minute=3)})
-    ingress = Ingress(cluster.client(), MODEL, 2048, gate, 2048)
+    ingress = _ingress(cluster.client(), gate)
     http = uvicorn.Server(uvicorn.Config(create_app(ingress, cluster.scheduler), host="127.0.0.1", port=0,
                                          log_level="warning"))
     thread = threading.Thread(target=http.run, daemon=True)
@@ -97,7 +102,7 @@ def test_no_ready_worker_is_503(ray_session):
     from cluster.frontend.client import TandemClient
 
     client = TandemClient(scheduler, load_tokenizer())
-    http = uvicorn.Server(uvicorn.Config(create_app(Ingress(client, MODEL, 2048, Gate(None), 2048), scheduler),
+    http = uvicorn.Server(uvicorn.Config(create_app(_ingress(client, Gate(None)), scheduler),
                                          host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
@@ -120,7 +125,7 @@ def test_a_tenant_cannot_hold_more_than_its_share_of_the_kv(server):
     most of its half; its next request is refused (429), the other tenant still gets a request as big."""
     cluster = server[0]
     gate = Gate({"key-a": TenantLimits("tenant-a", kv_share=0.5), "key-b": TenantLimits("tenant-b", kv_share=0.5)})
-    with running(uvicorn.Server(uvicorn.Config(create_app(Ingress(cluster.client(), MODEL, 2048, gate, 2048),
+    with running(uvicorn.Server(uvicorn.Config(create_app(_ingress(cluster.client(), gate),
                                                           cluster.scheduler),
                                                host="127.0.0.1", port=0, log_level="warning"))) as url:
         a = openai.OpenAI(base_url=url + "/v1", api_key="key-a", max_retries=0)

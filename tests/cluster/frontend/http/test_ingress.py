@@ -161,9 +161,11 @@ def test_slow_client_is_bounded_then_aborted(server):
 
     from cluster.frontend.http.gate import Gate
     from cluster.frontend.http.ingress import Ingress
+    from cluster.frontend.http.served_model import ServedModel
 
     cluster = server[0]
-    ingress = Ingress(cluster.client(), MODEL, 2048, Gate(None), 2048, queue_size=4)
+    client = cluster.client()
+    ingress = Ingress(client, ServedModel(MODEL, client.tokenizer, 2048, 2048), Gate(None), queue_size=4)
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
     async def stalled_reader():

@@ -18,7 +18,7 @@ from tests.helpers.http_server import serving
 pytestmark = pytest.mark.slow  # the trained model behind a cluster
 
 SERVED = "smollm2"
-TEMPLATE = Path(__file__).resolve().parents[4] / "configs" / "templates" / "chatml-tools.jinja"
+TEMPLATE = Path(__file__).resolve().parents[4] / "chat_templates" / "chatml-tools.jinja"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},

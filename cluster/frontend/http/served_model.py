@@ -1,0 +1,109 @@
+"""What one ingress serves, and how a request's prompt and fields are checked against it before anything is
+admitted: the model's name, context and vocabulary, its tokenizer and chat template, the request caps,
+prompts tokenized and templated off the event loop, and structured outputs compiled once here so that a
+spec that does not compile is a 400 naming its field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from actors.engine.structured import GrammarError, Grammars
+from actors.protocol.structured_output import StructuredOutput
+from cluster.frontend.http.protocol import ApiError, RequestCaps
+
+
+class ServedModel:
+    def __init__(self, name: str, tokenizer, max_model_len: int, vocab_size: int, caps: RequestCaps = RequestCaps(),
+                 chat_template: str | None = None, tool_call_parser: str | None = None):
+        self.name = name
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.caps = caps
+        self.chat_template = chat_template  # None: the model's own
+        self.tool_call_parser = tool_call_parser
+        self._grammars: Grammars | None = None  # compiles structured outputs to check them (made on first use)
+
+    async def encode_prompts(self, prompt) -> list[list[int]]:
+        """Token ids of each prompt; the tokenizer runs off the event loop (a long prompt takes a while)."""
+        if isinstance(prompt, str):
+            raw = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            raw = [list(prompt)]
+        elif isinstance(prompt, list) and prompt:
+            raw = list(prompt)
+        else:
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        if len(raw) > self.caps.max_prompts:
+            raise ApiError(400, f"prompt holds {len(raw)} prompts; at most {self.caps.max_prompts} per request",
+                           "prompt")
+        for p in raw:
+            if isinstance(p, str):
+                check_text(p, "prompt")
+        prompts = await asyncio.to_thread(lambda: [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                                                   for p in raw])
+        for p in prompts:
+            self.check_prompt(p, "prompt")
+        return prompts
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The conversation through the chat template, as token ids (call it off the event loop). A
+        `developer` message is a system message under OpenAI's newer name: templates know only the old."""
+        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.chat_template,
+                                                      tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template that rejects the conversation is the client's error
+            raise ApiError(400, f"messages: {exc}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise ApiError(400, f"{param} must not be empty", param)
+        if len(ids) >= self.max_model_len:
+            raise ApiError(400, f"{param} has {len(ids)} tokens; this model's context is {self.max_model_len}", param)
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise ApiError(400, f"{param} holds a token id outside the vocabulary [0, {self.vocab_size})", param)
+
+    async def structured_output(self, req) -> StructuredOutput | None:
+        """The request's structured output, compiled here first (off the event loop) so that a schema,
+        regex or grammar that does not compile is a 400 naming it, before anything is admitted."""
+        asked = req.structured_output()
+        if asked is None:
+            return None
+        return await self.check_structured(*asked)
+
+    async def check_structured(self, spec: StructuredOutput, param: str) -> StructuredOutput:
+        """Compile `spec` (off the event loop); a 400 naming `param` when it does not."""
+        if self._grammars is None:
+            made = await asyncio.to_thread(Grammars, self.tokenizer, self.vocab_size)
+            self._grammars = self._grammars or made  # another request may have made one meanwhile
+        try:
+            await asyncio.to_thread(self._grammars.compile, spec)
+        except GrammarError as exc:
+            raise ApiError(400, f"{param}: {exc}", param) from None
+        return spec
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.name!r}", "model",
+                           "not_found_error")
+
+    def check_common(self, req, max_tokens: int | None) -> int:
+        self.check_model(req.model)
+        if not 1 <= req.n <= self.caps.max_n:
+            raise ApiError(400, f"n must be between 1 and {self.caps.max_n}", "n")
+        req.check_limits(self.caps)
+        if max_tokens is not None and max_tokens < 1:
+            raise ApiError(400, "max_tokens must be at least 1", "max_tokens")
+        return max_tokens if max_tokens is not None else self.max_model_len
+
+
+
+def check_text(text: str, param: str) -> None:
+    """JSON can carry lone surrogates ("\\ud800"), which are not text: a 400 naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} is not valid Unicode (it holds a lone surrogate)", param) from None
