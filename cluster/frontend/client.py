@@ -12,7 +12,7 @@ this client too. A cluster may run several scheduler shards, each with its own w
 each request to the shard its prompt hashes to (shards.py) and keeps talking to that one about it.
 
 Why ~350 lines: submit, the sink's receive thread, the audit of a restarted scheduler and migration
-all work on the one request record (`_Listening`) and socket this client owns; split, each part would
+all work on the one request record (`RequestStream`) and socket this client owns; split, each part would
 reach into it.
 """
 
@@ -64,24 +64,21 @@ class AdmissionRejected(RuntimeError):
 
 
 @dataclass
-class _Listening:
-    """What the client keeps of a request it streams: its one record here, under the request's id."""
-
-    queue: object  # where its deltas go (anything with a thread-safe `put`)
-    shard: int  # the scheduler shard that admits it
-    epoch: str | None = None  # the scheduler incarnation that admitted its attempt (None while one is pending)
-
-
-@dataclass
 class Submitted:
-    request: GenerateRequest  # as sent: a migration resubmits it with the tokens already received
-    queue: object  # where its deltas go (anything with a thread-safe `put`)
+    stream: RequestStream  # the request's one record on this side (its queue, shard and epoch included)
     route: Admitted  # the scheduler's answer: which workers prefill and decode it, cached tokens
-    sent_at: float  # time.monotonic() when it was first sent: the progress bound counts its admission
+
+    @property
+    def request(self) -> GenerateRequest:
+        return self.stream.request
 
     @property
     def request_id(self) -> str:
-        return self.request.request_id
+        return self.stream.request_id
+
+    @property
+    def queue(self):
+        return self.stream.queue
 
 
 class TandemClient:
@@ -102,7 +99,7 @@ class TandemClient:
         secure_server(self._socket, keys)
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.sink = f"tcp://{advertised_host(host)}:{port}"  # workers on other nodes connect to it
-        self._listening: dict[str, _Listening] = {}  # this client's one record of each request, by id
+        self._listening: dict[str, RequestStream] = {}  # this client's one record of each request, by id
         self._latest: list[str | None] = [None] * len(self.schedulers)  # each shard's latest incarnation heard of
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -219,25 +216,23 @@ class TandemClient:
         """Admit one request; its raw token deltas go to `deltas` if given (one queue may serve many
         requests, read by one thread), else to a queue of its own that `events` reads."""
         request = self.request(prompt, params, cache_salt, request_id)
-        q = self._listen(request, deltas)
-        sent_at = time.monotonic()
+        stream = self._listen(request, deltas)
         try:
             answer = self._send(request, timeout_s).result()
         except BaseException:
             self.forget(request.request_id)
             raise
-        return self._admitted(request, q, answer, sent_at)
+        return self._admitted(stream, answer)
 
     async def asubmit(self, request: GenerateRequest, deltas, timeout_s: float = 60.0) -> Submitted:
         """`submit` for an event loop; `deltas` needs only a thread-safe `put`."""
-        q = self._listen(request, deltas)
-        sent_at = time.monotonic()
+        stream = self._listen(request, deltas)
         try:
             answer = await asyncio.wrap_future(self._send(request, timeout_s))
         except BaseException:
             self.forget(request.request_id)
             raise
-        return self._admitted(request, q, answer, sent_at)
+        return self._admitted(stream, answer)
 
     def _send(self, request: GenerateRequest, timeout_s: float) -> concurrent.futures.Future:
         """The one way a request reaches its scheduler shard, a first submit and a migration alike: on this
@@ -258,19 +253,21 @@ class TandemClient:
                 await asyncio.sleep(_RESEND_S)
                 request = replace(request, retried=True)
 
-    def _listen(self, request: GenerateRequest, deltas) -> object:
-        q = deltas if deltas is not None else queue.Queue()
-        shard = shard_for(request.prompt_token_ids, request.cache_salt, len(self.schedulers))
+    def _listen(self, request: GenerateRequest, deltas) -> RequestStream:
+        """The request's record, made as it is sent (its progress bound counts the admission too)."""
+        stream = RequestStream(request, self.tokenizer)
+        stream.queue = deltas if deltas is not None else queue.Queue()
+        stream.shard = shard_for(request.prompt_token_ids, request.cache_salt, len(self.schedulers))
         with self._lock:
-            self._listening[request.request_id] = _Listening(q, shard)
-        return q
+            self._listening[request.request_id] = stream
+        return stream
 
-    def _admitted(self, request: GenerateRequest, q, answer: Admitted | Rejected, sent_at: float) -> Submitted:
+    def _admitted(self, stream: RequestStream, answer: Admitted | Rejected) -> Submitted:
         if isinstance(answer, Rejected):
-            self.forget(request.request_id)
+            self.forget(stream.request_id)
             raise AdmissionRejected(answer)
-        self._admitted_by(request.request_id, answer.epoch)
-        return Submitted(request, q, answer, sent_at)
+        self._admitted_by(stream.request_id, answer.epoch)
+        return Submitted(stream, answer)
 
     def _admitted_by(self, request_id: str, epoch: str | None) -> None:
         with self._lock:
@@ -305,13 +302,11 @@ class TandemClient:
         return self.events(self.submit(prompt, params, cache_salt), timeout_s)
 
     def events(self, submitted: Submitted, timeout_s: float = 120.0) -> Iterator[StreamEvent]:
-        """The events of a submitted request, in order; aborts it if the caller stops early."""
-        return self._pump(submitted, self._stream(submitted, timeout_s))
-
-    def _stream(self, submitted: Submitted, timeout_s: float) -> RequestStream:
-        """The request's one record here: its deadline `timeout_s` after it was sent (then TIMED_OUT)."""
-        return RequestStream(submitted.request, self.tokenizer, started=submitted.sent_at,
-                             deadline=submitted.sent_at + timeout_s)
+        """The events of a submitted request, in order, until `timeout_s` after it was sent (then it ends
+        TIMED_OUT); aborts it if the caller stops early."""
+        stream = submitted.stream
+        stream.deadline = stream.started + timeout_s
+        return self._pump(stream)
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
                  cache_salt: str | None = None, timeout_s: float = 300.0) -> list[list[SampleResult]]:
@@ -320,22 +315,21 @@ class TandemClient:
         submitted = [self.submit(p, sp, cache_salt) for p, sp in zip(prompts, params_list)]
         results = []
         for handle in submitted:
-            stream = self._stream(handle, timeout_s)
-            for _ in self._pump(handle, stream):
+            for _ in self.events(handle, timeout_s):
                 pass
-            results.append(stream.results)
+            results.append(handle.stream.results)
         return results
 
-    def _pump(self, submitted: Submitted, stream: RequestStream) -> Iterator[StreamEvent]:
+    def _pump(self, stream: RequestStream) -> Iterator[StreamEvent]:
         try:
             while not stream.finished:
                 try:
-                    item = submitted.queue.get(timeout=max(stream.wait_s(self.progress_timeout_s), 0.001))
+                    item = stream.queue.get(timeout=max(stream.wait_s(self.progress_timeout_s), 0.001))
                 except queue.Empty:
                     item = stream.silence(self.progress_timeout_s)  # moved, or ended cleanly
                 yield from stream.feed(item)
                 if stream.migration_pending:
-                    self.migrate(stream, submitted.queue)
+                    self.migrate(stream, stream.queue)
         finally:
             self.finish(stream)
 

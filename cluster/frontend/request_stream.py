@@ -1,5 +1,5 @@
-"""One request's stream on the client side: deltas back in order, text, stop strings, results, and
-when to migrate.
+"""One request's record on the client side, its one place there: deltas back in order, text, stop
+strings, results, when to migrate, its progress bound and deadline, and where its deltas go.
 
 Shared by the Python client and the HTTP ingress. Deltas of one sample are put back in order by their
 offset (the first token comes from the prefill worker, the rest from the decode worker); text and
@@ -137,6 +137,11 @@ class RequestStream:
         self.request = request
         self.started = time.monotonic() if started is None else started
         self.deadline = deadline
+        # The client's (client.py): where its deltas go, the scheduler shard that admits it, and the
+        # scheduler incarnation that admitted its attempt (None while an admission is pending).
+        self.queue = None
+        self.shard = 0
+        self.epoch: str | None = None
         params = request.params
         self.samples = [_Sample(i, _detokenizer(tokenizer, list(request.prompt_token_ids), params))
                         for i in range(params.n)]

@@ -90,7 +90,7 @@ class Ingress:
                                       deadline=time.time() + (until - started))
         try:
             # Its admission is part of the progress bound: no answer within it is a clean 503.
-            await self.client.asubmit(request, sink, timeout_s=self.client.progress_timeout_s)
+            submitted = await self.client.asubmit(request, sink, timeout_s=self.client.progress_timeout_s)
         except asyncio.TimeoutError:
             self.metrics.rejected.labels("unavailable").inc()
             raise ApiError(503, f"no admission answer within the progress bound ({self.client.progress_timeout_s:.0f}s, "
@@ -113,7 +113,9 @@ class Ingress:
             raise ApiError(429, exc.reason, None, "rate_limit_error",
                            {"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        return RequestStream(request, self.model.tokenizer, started=started, deadline=until), sink
+        stream = submitted.stream
+        stream.deadline = until
+        return stream, sink
 
     async def events(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> AsyncIterator[StreamEvent]:
         bound = self.client.progress_timeout_s
