@@ -237,6 +237,8 @@ class TandemClient:
     def _send(self, request: GenerateRequest, timeout_s: float) -> concurrent.futures.Future:
         """The one way a request reaches its scheduler shard, a first submit and a migration alike: on this
         client's own event loop, where the submits of one tick travel in one call (submit_batcher.py)."""
+        if self._closed.is_set():  # its loop is stopped: nothing would ever answer
+            raise RuntimeError("this client is closed")
         return asyncio.run_coroutine_threadsafe(self._submit_until(request, timeout_s), self._loop)
 
     async def _submit_until(self, request: GenerateRequest, timeout_s: float) -> Admitted | Rejected:
