@@ -1,19 +1,22 @@
 """Python client of a running cluster: submit requests to the scheduler, stream tokens back over zmq.
 
 The client binds one PULL socket (its sink); workers push one message per engine step to it, and the
-receive thread hands each delta to its request's queue. With the cluster's CURVE keys only its
+receive thread hands each delta to its request's inbox. With the cluster's CURVE keys only its
 workers and scheduler can connect; whatever does arrive that is not a list of token deltas is dropped
-and counted, and only closing the client (or the `kill_sink` chaos hook) ends the thread. A `RequestStream` per request turns deltas
-into events (order, text, stop strings); when a worker was lost the stream asks for a migration, and
-`migrate` (the only place that resubmits) continues the request elsewhere. Every submit, a first one
-from a thread or an event loop and a migration alike, goes out one way (`_send`): from this client's own
-event loop, batched per tick, sent again to a scheduler that restarted under it. The HTTP ingress uses
-this client too. A cluster may run several scheduler shards, each with its own workers: the client sends
-each request to the shard its prompt hashes to (shards.py) and keeps talking to that one about it.
+and counted, and only closing the client (or the `kill_sink` chaos hook) ends the thread.
 
-Why ~350 lines: submit, the sink's receive thread, the audit of a restarted scheduler and migration
-all work on the one request record (`RequestStream`) and socket this client owns; split, each part would
-reach into it.
+A `RequestStream` per request is its one record here. One async pump (`pump`) turns its inbox into
+events (order, text, stop strings) and keeps its progress bound: the HTTP ingress runs it on its event
+loop, the synchronous `events` on this client's own. When a worker was lost the stream asks for a
+migration, and `migrate` continues the request elsewhere. Every submit, a first one from a thread or an
+event loop and a migration alike, goes out one way (`_send`): from this client's own event loop, batched
+per tick, sent again to a scheduler that restarted under it. A cluster may run several scheduler shards,
+each with its own workers: the client sends each request to the shard its prompt hashes to (shards.py)
+and keeps talking to that one about it.
+
+Why ~380 lines: submit, the sink's receive thread, the pump, the audit of a restarted scheduler and
+migration all work on the one request record (`RequestStream`) and socket this client owns; split, each
+part would reach into it.
 """
 
 from __future__ import annotations
@@ -21,12 +24,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import ray
 import zmq
@@ -35,6 +37,7 @@ from actors.protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, decode_delta
 from actors.protocol.messages import Admitted, AdmittedBy, Forgotten, GenerateRequest, Rejected
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import SchedulerSection
+from cluster.frontend.inbox import OVERFLOW, Inbox
 from cluster.frontend.shards import shard_for
 from cluster.frontend.submit_batcher import SubmitBatcher
 from cluster.frontend.request_stream import (
@@ -65,7 +68,7 @@ class AdmissionRejected(RuntimeError):
 
 @dataclass
 class Submitted:
-    stream: RequestStream  # the request's one record on this side (its queue, shard and epoch included)
+    stream: RequestStream  # the request's one record on this side (its inbox, shard and epoch included)
     route: Admitted  # the scheduler's answer: which workers prefill and decode it, cached tokens
 
     @property
@@ -75,10 +78,6 @@ class Submitted:
     @property
     def request_id(self) -> str:
         return self.stream.request_id
-
-    @property
-    def queue(self):
-        return self.stream.queue
 
 
 class TandemClient:
@@ -156,7 +155,7 @@ class TandemClient:
             with self._lock:
                 listening = self._listening.get(delta.attempt.request_id)
             if listening is not None:
-                listening.queue.put(delta)
+                listening.inbox.put(delta)
 
     def _audit_loop(self) -> None:
         while not self._closed.wait(self._audit_s):
@@ -190,7 +189,7 @@ class TandemClient:
                 listening.epoch = None  # its stream migrates it (or fails): not lost twice
         for rid, listening in lost:
             log.warning("request %s was lost with a restarted scheduler: migrating it", rid)
-            listening.queue.put(SchedulerForgot(answer.epoch))
+            listening.inbox.put(SchedulerForgot(answer.epoch))
         return answer
 
     def close(self) -> None:
@@ -213,10 +212,10 @@ class TandemClient:
 
     def submit(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
                request_id: str | None = None, timeout_s: float = 60.0, deltas=None) -> Submitted:
-        """Admit one request; its raw token deltas go to `deltas` if given (one queue may serve many
-        requests, read by one thread), else to a queue of its own that `events` reads."""
+        """Admit one request; its raw token deltas go to `deltas` if given (anything with a thread-safe
+        `put`; one may serve many requests), else to an inbox of its own that `events` reads."""
         request = self.request(prompt, params, cache_salt, request_id)
-        stream = self._listen(request, deltas)
+        stream = self._listen(request, deltas or Inbox(self._loop))
         try:
             answer = self._send(request, timeout_s).result()
         except BaseException:
@@ -224,9 +223,10 @@ class TandemClient:
             raise
         return self._admitted(stream, answer)
 
-    async def asubmit(self, request: GenerateRequest, deltas, timeout_s: float = 60.0) -> Submitted:
-        """`submit` for an event loop; `deltas` needs only a thread-safe `put`."""
-        stream = self._listen(request, deltas)
+    async def asubmit(self, request: GenerateRequest, deltas=None, timeout_s: float = 60.0) -> Submitted:
+        """`submit` for an event loop: its deltas go to `deltas` if given, else to an unbounded inbox on
+        this loop, which `pump` reads."""
+        stream = self._listen(request, deltas or Inbox(asyncio.get_running_loop()))
         try:
             answer = await asyncio.wrap_future(self._send(request, timeout_s))
         except BaseException:
@@ -258,7 +258,7 @@ class TandemClient:
     def _listen(self, request: GenerateRequest, deltas) -> RequestStream:
         """The request's record, made as it is sent (its progress bound counts the admission too)."""
         stream = RequestStream(request, self.tokenizer)
-        stream.queue = deltas if deltas is not None else queue.Queue()
+        stream.inbox = deltas
         stream.shard = shard_for(request.prompt_token_ids, request.cache_salt, len(self.schedulers))
         with self._lock:
             self._listening[request.request_id] = stream
@@ -280,9 +280,9 @@ class TandemClient:
             if epoch is not None and self._latest[listening.shard] is None:
                 self._latest[listening.shard] = epoch
 
-    def migrate(self, stream: RequestStream, deltas) -> None:
+    def migrate(self, stream: RequestStream) -> None:
         """Resubmit a request whose worker was lost, continuing after the tokens the client already has.
-        Never blocks: a refusal arrives on `deltas` as a `MigrationRefused`, after which the stream fails."""
+        Never blocks: a refusal arrives in its inbox as a `MigrationRefused`, after which the stream fails."""
         request = stream.migration_request()
         self._admitted_by(request.request_id, None)  # not audited while its admission is pending
 
@@ -292,7 +292,7 @@ class TandemClient:
             except Exception as exc:  # the scheduler is unreachable for the whole bound: the request ends here
                 answer = Rejected(f"{type(exc).__name__}: {exc}", None)
             if isinstance(answer, Rejected):
-                deltas.put(MigrationRefused(answer.reason))
+                stream.inbox.put(MigrationRefused(answer.reason))
             else:
                 self._admitted_by(request.request_id, answer.epoch)
 
@@ -305,10 +305,25 @@ class TandemClient:
 
     def events(self, submitted: Submitted, timeout_s: float = 120.0) -> Iterator[StreamEvent]:
         """The events of a submitted request, in order, until `timeout_s` after it was sent (then it ends
-        TIMED_OUT); aborts it if the caller stops early."""
+        TIMED_OUT); aborts it if the caller stops early. Its pump runs on this client's own event loop."""
         stream = submitted.stream
         stream.deadline = stream.started + timeout_s
-        return self._pump(stream)
+        return self._events_on_loop(stream)
+
+    def _events_on_loop(self, stream: RequestStream) -> Iterator[StreamEvent]:
+        pumping = self.pump(stream)
+        try:
+            while True:
+                if self._closed.is_set():
+                    raise RuntimeError("this client is closed")
+                try:
+                    yield asyncio.run_coroutine_threadsafe(pumping.__anext__(), self._loop).result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._closed.is_set():
+                asyncio.run_coroutine_threadsafe(pumping.aclose(), self._loop).result()
+            self.finish(stream)
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
                  cache_salt: str | None = None, timeout_s: float = 300.0) -> list[list[SampleResult]]:
@@ -322,21 +337,32 @@ class TandemClient:
             results.append(handle.stream.results)
         return results
 
-    def _pump(self, stream: RequestStream) -> Iterator[StreamEvent]:
-        try:
-            while not stream.finished:
-                try:
-                    item = stream.queue.get(timeout=max(stream.wait_s(self.progress_timeout_s), 0.001))
-                except queue.Empty:
-                    item = stream.silence(self.progress_timeout_s)  # moved, or ended cleanly
-                yield from stream.feed(item)
-                if stream.migration_pending:
-                    self.migrate(stream, stream.queue)
-        finally:
-            self.finish(stream)
+    async def pump(self, stream: RequestStream) -> AsyncIterator[StreamEvent]:
+        """The one pump of a request (on the event loop of its inbox): its events in order, moving it when
+        its worker is lost or it stalls, ending it cleanly at its progress bound or deadline. It stops
+        early when the inbox overflowed (a reader too slow; the request is then aborted). The caller
+        ends the request with `finish` once it stops reading."""
+        bound = self.progress_timeout_s
+        while not stream.finished:
+            try:
+                item = await stream.inbox.get(stream.wait_s(bound))
+            except asyncio.TimeoutError:
+                item = stream.silence(bound)  # moved, or ended cleanly
+            if item is OVERFLOW:
+                return
+            events = stream.feed(item)
+            if stream.migration_pending:
+                self.migrate(stream)
+            for event in events:
+                stream.went_out(event)
+                yield event
 
     def finish(self, stream: RequestStream) -> None:
-        """Stop listening for a request; abort it in the cluster if it may still be generating."""
+        """Stop listening for a request (once; later calls do nothing); abort it in the cluster if it may
+        still be generating."""
+        if stream.closed:
+            return
+        stream.closed = True
         if stream.needs_abort:
             self.abort(stream.request_id)
         self.forget(stream.request_id)

@@ -1,15 +1,16 @@
 """One request's record on the client side, its one place there: deltas back in order, text, stop
-strings, results, when to migrate, its progress bound and deadline, and where its deltas go.
+strings, results, when to migrate, its progress bound and deadline, where its deltas go and what its
+pump did (stalls, moves, when each token went out).
 
-Shared by the Python client and the HTTP ingress. Deltas of one sample are put back in order by their
-offset (the first token comes from the prefill worker, the rest from the decode worker); text and
-stop strings are computed here because workers only produce token ids. A retryable failure (its
-worker was lost) sets `migration_pending`; the client's `migrate` resubmits `migration_request()`,
-and every later delta of the given-up attempt is stale.
+Shared by the Python client and the HTTP ingress, both through the client's one pump (`TandemClient.pump`).
+Deltas of one sample are put back in order by their offset (the first token comes from the prefill
+worker, the rest from the decode worker); text and stop strings are computed here because workers only
+produce token ids. A retryable failure (its worker was lost) sets `migration_pending`; the client's
+`migrate` resubmits `migration_request()`, and every later delta of the given-up attempt is stale.
 
 The progress bound (`scheduler.progress_timeout_s`) holds in whatever phase the request is (admission,
-a worker's queue, prefill, handoff, decode, a migration): a pump that has received nothing for the request
-for half the bound feeds it a `Stalled`, and the request moves like a worker loss (its old attempt is
+a worker's queue, prefill, handoff, decode, a migration): the pump, having received nothing for the request
+for half the bound, feeds it a `Stalled`, and the request moves like a worker loss (its old attempt is
 aborted, so no work is done twice); still nothing at the full bound, it ends with a clean error. No
 stream stays silent longer than the bound.
 """
@@ -100,14 +101,14 @@ class _Sample:
 
 @dataclass(frozen=True)
 class MigrationRefused:
-    """Put on a request's delta queue when its migration was not admitted: the stream fails."""
+    """Put in a request's inbox when its migration was not admitted: the stream fails."""
 
     reason: str
 
 
 @dataclass(frozen=True)
 class SchedulerForgot:
-    """Put on a request's delta queue by the client's audit: a restarted scheduler (`epoch`) does not
+    """Put in a request's inbox by the client's audit: a restarted scheduler (`epoch`) does not
     know the request and no live worker holds it. Like a worker loss: the stream migrates."""
 
     epoch: str
@@ -115,14 +116,14 @@ class SchedulerForgot:
 
 @dataclass(frozen=True)
 class Stalled:
-    """Fed by a pump at `RequestStream.next_stall_check(bound)` when nothing arrived since."""
+    """Fed by the pump at `RequestStream.next_stall_check(bound)` when nothing arrived since."""
 
     bound_s: float
 
 
 @dataclass(frozen=True)
 class PastDeadline:
-    """Fed by a pump once the request's deadline has passed: it ends TIMED_OUT (and is aborted)."""
+    """Fed by the pump once the request's deadline has passed: it ends TIMED_OUT (and is aborted)."""
 
 
 class RequestStream:
@@ -137,11 +138,20 @@ class RequestStream:
         self.request = request
         self.started = time.monotonic() if started is None else started
         self.deadline = deadline
-        # The client's (client.py): where its deltas go, the scheduler shard that admits it, and the
-        # scheduler incarnation that admitted its attempt (None while an admission is pending).
-        self.queue = None
+        self.own_deadline = False  # the deadline is the caller's own choice (an HTTP `timeout`), not the server's
+        # The client's (client.py): where its deltas go (an `Inbox` for its pump, or any `put` of raw deltas),
+        # the scheduler shard that admits it, the scheduler incarnation that admitted its attempt (None while
+        # an admission is pending), and whether the client is done with it (`finish`).
+        self.inbox = None
         self.shard = 0
         self.epoch: str | None = None
+        self.closed = False
+        # What its pump saw: stalls fed, moves to another worker, its deadline passing, and when each
+        # sample's tokens went out (time.perf_counter(), one entry per token).
+        self.stalls = 0
+        self.moves = 0
+        self.timed_out = False
+        self.emitted: dict[int, list[float]] = {}
         params = request.params
         self.samples = [_Sample(i, _detokenizer(tokenizer, list(request.prompt_token_ids), params))
                         for i in range(params.n)]
@@ -224,6 +234,7 @@ class RequestStream:
         silent_s = time.monotonic() - self.last_progress
         if self.finished:
             return []
+        self.stalls += 1
         if self._moved_after_stall or self.migrations_left <= 0 or silent_s >= stall.bound_s - _DELIVERY_S:
             moved = ", also after it was moved" if self._moved_after_stall else ""
             return self.fail(f"the request made no progress for {silent_s:.0f}s (the progress bound is "
@@ -236,8 +247,13 @@ class RequestStream:
     def _move(self, given_up: set[AttemptId]) -> None:
         """Resubmit it (the client's `migrate`); whatever still arrives from `given_up` is stale."""
         self.migrations_left -= 1
+        self.moves += 1
         self.migration_pending = True
         self._dead_attempts |= given_up
+
+    def went_out(self, event: StreamEvent) -> None:
+        """The pump handed `event` to its reader (per token: the time between tokens as the caller saw it)."""
+        self.emitted.setdefault(event.index, []).extend([time.perf_counter()] * len(event.token_ids))
 
     @property
     def results(self) -> list[SampleResult]:
@@ -247,6 +263,7 @@ class RequestStream:
         if isinstance(delta, Stalled):
             return self._stalled(delta)
         if isinstance(delta, PastDeadline):
+            self.timed_out = not self.finished
             return self.fail("the request ran past its deadline", RequestStatus.TIMED_OUT)
         if isinstance(delta, MigrationRefused):
             return self.fail(f"worker lost and the request could not be migrated: {delta.reason}")

@@ -21,14 +21,12 @@ class SubmitBatcher:
     def __init__(self, scheduler):
         self._scheduler = scheduler
         self._pending: list[tuple[GenerateRequest, asyncio.Future]] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._unanswered = 0  # batches out whose first answers have not come back
 
     async def submit(self, request: GenerateRequest) -> Admitted | Rejected:
-        """The scheduler's answer; raises what the call raised (e.g. the scheduler died under it)."""
+        """The scheduler's answer; raises what the call raised (e.g. the scheduler died under it). Always
+        on the one event loop of its client (`TandemClient._send`)."""
         loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # (a client used from another loop: start over there)
-            self._loop, self._pending, self._unanswered = loop, [], 0
         future = loop.create_future()
         self._pending.append((request, future))
         if len(self._pending) == 1:

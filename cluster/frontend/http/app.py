@@ -143,12 +143,12 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         echo_texts = [ingress.model.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         if req.stream:
             return sse(completion_chunks(ingress, opened, rid, req, echo_texts, arrival),
-                        lambda: [ingress.finish(st, sk, arrival) for st, sk in opened])
+                        lambda: [ingress.finish(st, arrival) for st in opened])
         await run_unless_disconnected(request, ingress, opened, arrival)
         choices, completion_tokens, cached = [], 0, 0
-        for i, (stream, sink) in enumerate(opened):
+        for i, stream in enumerate(opened):
             for r in stream.results:
-                raise_if_failed(r, ingress.own_deadline(sink))
+                raise_if_failed(r, stream.own_deadline)
                 choices.append(responses.completion_choice(ingress.model.tokenizer, req, i * req.n + r.index, echo_texts[i],
                                                            stream.prompt_token_ids, stream.results[0], r))
                 completion_tokens += 0 if req.scores_only else len(r.token_ids)
@@ -163,15 +163,15 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         tenant = tenant_of(request)
         chat = await prepare_chat(ingress, req)
         prompt, calls = chat.prompt, chat.calls
-        ((stream, sink),) = await ingress.open_all([prompt], chat.params, tenant, req.timeout)
+        (stream,) = await ingress.open_all([prompt], chat.params, tenant, req.timeout)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return sse(chat_chunks(ingress, stream, sink, rid, req, arrival, calls),
-                        lambda: ingress.finish(stream, sink, arrival))
-        await run_unless_disconnected(request, ingress, [(stream, sink)], arrival)
+            return sse(chat_chunks(ingress, stream, rid, req, arrival, calls),
+                        lambda: ingress.finish(stream, arrival))
+        await run_unless_disconnected(request, ingress, [stream], arrival)
         choices = []
         for r in stream.results:
-            raise_if_failed(r, ingress.own_deadline(sink))
+            raise_if_failed(r, stream.own_deadline)
             lp = responses.chat_logprobs(ingress.model.tokenizer, r.logprobs) if req.logprobs else None
             message, finish = responses.chat_message(r.text, r.finish_reason, calls)
             choices.append({"index": r.index, "message": message, "logprobs": lp, "finish_reason": finish})

@@ -2,9 +2,10 @@
 its token events with the request's deadline, and one place where every request ends. What is served,
 and how a request is checked before any of that, is `ServedModel` (served_model.py).
 
-Token deltas arrive on the client's zmq thread and are handed to the event loop through a bounded queue
-per request: a client that reads too slowly fills it, and the request is aborted rather than buffered
-without bound.
+A request's record is the client's `RequestStream`, and its events come from the client's one pump
+(`TandemClient.pump`) on this event loop; what the ingress adds is the HTTP side: its inbox is bounded
+(a client that reads too slowly fills it, and the request is aborted rather than buffered without
+bound), and its end frees the tenant's slot and records usage and metrics.
 """
 
 from __future__ import annotations
@@ -24,36 +25,10 @@ from cluster.frontend.http.gate import Gate
 from cluster.frontend.http.metrics import IngressMetrics
 from cluster.frontend.http.protocol import ApiError
 from cluster.frontend.http.served_model import ServedModel
-from cluster.frontend.request_stream import RequestStream, Stalled, StreamEvent
+from cluster.frontend.inbox import Inbox
+from cluster.frontend.request_stream import RequestStream, StreamEvent
 
-_OVERFLOW = object()
 log = logging.getLogger("tandem.ingress")
-
-
-class _LoopSink:
-    """Thread-safe `put` from the zmq thread into a bounded asyncio queue of one request."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, maxsize: int, tenant: str | None):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=maxsize)
-        self.overflowed = False
-        self.tenant = tenant
-        self.closed = False
-        self.timeout_s: float | None = None  # the request's own deadline, if it set one
-        self.emits: dict[int, list[float]] = {}  # per sample: when each token went to the HTTP client (perf_counter)
-
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self._put, item)
-
-    def _put(self, item) -> None:
-        if self.overflowed:
-            return
-        try:
-            self.queue.put_nowait(item)
-        except asyncio.QueueFull:
-            self.overflowed = True
-            self.queue._queue.clear()  # drop what the slow client never read; the request is aborted
-            self.queue.put_nowait(_OVERFLOW)
 
 
 class Ingress:
@@ -70,27 +45,23 @@ class Ingress:
         self.gate = gate
         self.metrics = IngressMetrics()
 
-    def own_deadline(self, sink: _LoopSink) -> bool:
-        """Whether the request's own `timeout` (shorter than the server's) set its deadline."""
-        return sink.timeout_s is not None and sink.timeout_s < self.request_timeout_s
-
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         return responses.usage(prompt_tokens, completion_tokens, 0 if self.hide_cache_hits else cached_tokens)
 
     # ---- one cluster request ----
 
     async def open(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None,
-                   until: float) -> tuple[RequestStream, _LoopSink]:
+                   until: float) -> RequestStream:
         """Admit one cluster request that ends TIMED_OUT at `until` (time.monotonic()), wherever it is:
         the stream keeps that deadline, the scheduler (maybe on another host) gets it on the wall clock."""
         started = time.monotonic()
-        sink = _LoopSink(asyncio.get_running_loop(), self.queue_size, tenant)
         # The tenant is the cache salt: no request body can choose another tenant's.
         request = self.client.request(prompt_ids, params, tenant, kv_share=self.gate.kv_share(tenant),
                                       deadline=time.time() + (until - started))
         try:
             # Its admission is part of the progress bound: no answer within it is a clean 503.
-            submitted = await self.client.asubmit(request, sink, timeout_s=self.client.progress_timeout_s)
+            submitted = await self.client.asubmit(request, Inbox(asyncio.get_running_loop(), self.queue_size),
+                                                  timeout_s=self.client.progress_timeout_s)
         except asyncio.TimeoutError:
             self.metrics.rejected.labels("unavailable").inc()
             raise ApiError(503, f"no admission answer within the progress bound ({self.client.progress_timeout_s:.0f}s, "
@@ -115,55 +86,45 @@ class Ingress:
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         stream = submitted.stream
         stream.deadline = until
-        return stream, sink
+        return stream
 
-    async def events(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> AsyncIterator[StreamEvent]:
-        bound = self.client.progress_timeout_s
+    async def events(self, stream: RequestStream, arrival: float) -> AsyncIterator[StreamEvent]:
+        """The request's events from the client's pump, until it ends (then `finish`)."""
         try:
-            while not stream.finished:
-                try:
-                    item = await asyncio.wait_for(sink.queue.get(), stream.wait_s(bound))
-                except asyncio.TimeoutError:
-                    item = stream.silence(bound)  # moved or ended cleanly; past the deadline, TIMED_OUT
-                    (self.metrics.stalls.inc() if isinstance(item, Stalled)
-                     else self.metrics.rejected.labels("timed_out").inc())
-                if item is _OVERFLOW:
-                    self.metrics.rejected.labels("slow_client").inc()
-                    return
-                events = stream.feed(item)
-                if stream.migration_pending:
-                    self.metrics.migrations.inc()
-                    self.client.migrate(stream, sink)
-                for ev in events:
-                    now = time.perf_counter()
-                    sink.emits.setdefault(ev.index, []).extend([now] * len(ev.token_ids))
-                    self.metrics.generation_tokens.inc(len(ev.token_ids))
-                    yield ev
+            async for ev in self.client.pump(stream):
+                self.metrics.generation_tokens.inc(len(ev.token_ids))
+                yield ev
         finally:
-            self.finish(stream, sink, arrival)
+            self.finish(stream, arrival)
 
-    def finish(self, stream: RequestStream, sink: _LoopSink, arrival: float) -> None:
+    def finish(self, stream: RequestStream, arrival: float) -> None:
         """Every request ends here exactly once, however its response ended: abort what still runs,
         free the tenant's slot, and record one usage/metrics entry."""
-        if sink.closed:
+        if stream.closed:
             return
-        sink.closed = True
         self.client.finish(stream)
+        tenant = stream.request.cache_salt  # the tenant is the cache salt (`open`)
         params = stream.request.params
-        self.gate.release(sink.tenant, unused_tokens=max(0, params.max_tokens * params.n - stream.received_tokens))
+        self.gate.release(tenant, unused_tokens=max(0, params.max_tokens * params.n - stream.received_tokens))
+        self.metrics.stalls.inc(stream.stalls)
+        self.metrics.migrations.inc(stream.moves)
+        if stream.timed_out:
+            self.metrics.rejected.labels("timed_out").inc()
+        if stream.inbox.overflowed:
+            self.metrics.rejected.labels("slow_client").inc()
         self.metrics.observe_phases(stream.times)
         first = stream.results[0]
         self.metrics.prefix_queries.inc(len(stream.prompt_token_ids))
         self.metrics.prefix_hits.inc(first.num_cached_tokens)
         log.info("usage %s", json.dumps({
-            "request_id": stream.request_id, "tenant": sink.tenant, "prompt_tokens": len(stream.prompt_token_ids),
+            "request_id": stream.request_id, "tenant": tenant, "prompt_tokens": len(stream.prompt_token_ids),
             "cached_tokens": first.num_cached_tokens,
             "generated_tokens": stream.received_tokens,
             "emitted_tokens": sum(len(r.token_ids) for r in stream.results),
             "finish_reasons": [r.finish_reason for r in stream.results],
         }))
         for r in stream.results:
-            self.metrics.observe_emits(arrival, sink.emits.get(r.index, []))
+            self.metrics.observe_emits(arrival, stream.emitted.get(r.index, []))
             self.metrics.finished.labels(r.finish_reason or "abort").inc()
 
     async def open_all(self, prompts: list[list[int]], params: SamplingParams, tenant: str | None,
@@ -184,10 +145,10 @@ class Ingress:
         try:
             for p in prompts:
                 opened.append(await self.open(p, params, tenant, until))
-                opened[-1][1].timeout_s = timeout_s
+                opened[-1].own_deadline = timeout_s is not None and timeout_s < self.request_timeout_s
         except BaseException:
-            for stream, sink in opened:
-                self.finish(stream, sink, 0.0)
+            for stream in opened:
+                self.finish(stream, 0.0)
             unopened = len(prompts) - len(opened)  # never admitted: nothing of them was generated
             self.gate.release(tenant, unopened, unused_tokens=unopened * params.max_tokens * params.n)
             raise

@@ -20,8 +20,8 @@ async def run_unless_disconnected(request: Request, ingress: Ingress, opened: li
     """Run non-streamed requests to their end, unless the client hangs up first: then abort them at once
     (a client that left must not keep the cluster generating for nobody)."""
     async def run() -> None:
-        for stream, sink in opened:
-            async for _ in ingress.events(stream, sink, arrival):
+        for stream in opened:
+            async for _ in ingress.events(stream, arrival):
                 pass
 
     async def hung_up() -> None:
@@ -35,8 +35,8 @@ async def run_unless_disconnected(request: Request, ingress: Ingress, opened: li
         gone.cancel()
     if not work.done():
         work.cancel()
-        for stream, sink in opened:  # whatever has not started its events yet ends here too
-            ingress.finish(stream, sink, arrival)
+        for stream in opened:  # whatever has not started its events yet ends here too
+            ingress.finish(stream, arrival)
         raise ClientGone()
     work.result()
 

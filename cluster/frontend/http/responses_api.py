@@ -100,7 +100,7 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
         arrival = time.perf_counter()
         tenant = tenant_of(request)
         chat = await prepare_chat(ingress, _chat_request(req))
-        ((stream, sink),) = await ingress.open_all([chat.prompt], chat.params, tenant)
+        (stream,) = await ingress.open_all([chat.prompt], chat.params, tenant)
         rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
 
         def usage() -> dict:
@@ -118,12 +118,12 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
                        "item": {**_message(msg_id, "", "in_progress"), "content": []}}
                 yield {"type": "response.content_part.added", "sequence_number": next(seq), "item_id": msg_id,
                        "output_index": 0, "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}
-                async for ev in ingress.events(stream, sink, arrival):
+                async for ev in ingress.events(stream, arrival):
                     if ev.text:
                         yield {"type": "response.output_text.delta", "sequence_number": next(seq), "item_id": msg_id,
                                "output_index": 0, "content_index": 0, "delta": ev.text, "logprobs": []}
                 try:
-                    raise_if_failed(stream.results[0], ingress.own_deadline(sink))
+                    raise_if_failed(stream.results[0], stream.own_deadline)
                 except ApiError as exc:  # after the 200: the API's own failure event, not a cut stream
                     failed = _response(rid, msg_id, ingress.model.name, stream.results[0].text, "failed", usage())
                     failed["error"] = {"code": exc.kind, "message": exc.message}
@@ -138,8 +138,8 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
                        "item": _message(msg_id, text, "completed")}
                 final = _finished(rid, msg_id, ingress.model.name, stream.results[0], usage())
                 yield {"type": f"response.{final['status']}", "sequence_number": next(seq), "response": final}
-            return sse(events(), lambda: ingress.finish(stream, sink, arrival))
-        await run_unless_disconnected(request, ingress, [(stream, sink)], arrival)
+            return sse(events(), lambda: ingress.finish(stream, arrival))
+        await run_unless_disconnected(request, ingress, [stream], arrival)
         result = stream.results[0]
-        raise_if_failed(result, ingress.own_deadline(sink))
+        raise_if_failed(result, stream.own_deadline)
         return _finished(rid, msg_id, ingress.model.name, result, usage())

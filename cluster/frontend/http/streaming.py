@@ -68,14 +68,14 @@ async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionR
                              arrival: float) -> AsyncIterator[dict]:
     model = ingress.model.name
     offsets: dict[int, int] = {}
-    prompt_total = sum(len(stream.prompt_token_ids) for stream, _ in opened)
+    prompt_total = sum(len(stream.prompt_token_ids) for stream in opened)
     echoed: set[int] = set()
-    async for i, ev in _merge([ingress.events(stream, sink, arrival) for stream, sink in opened]):
+    async for i, ev in _merge([ingress.events(stream, arrival) for stream in opened]):
         index = i * req.n + ev.index
         if req.echo and index not in echoed:
             # The prompt goes out with the first token (when its logprobs, computed in prefill, exist too).
             echoed.add(index)
-            stream = opened[i][0]
+            stream = opened[i]
             lp = None
             if req.logprobs is not None:
                 entries = responses.echoed_prompt_entries(stream.prompt_token_ids, stream.results[0].prompt_logprobs)
@@ -93,22 +93,22 @@ async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionR
             offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets.get(index, 0)
         yield responses.completion_body(rid, model, [{"index": index, "text": ev.text, "logprobs": lp,
                                                       "finish_reason": ev.finish_reason if ev.finished else None}],
-                                        _running_usage(ingress, req, prompt_total, [st for st, _ in opened]))
+                                        _running_usage(ingress, req, prompt_total, opened))
     if _usage_wanted(req):
-        completion = 0 if req.scores_only else sum(len(r.token_ids) for stream, _ in opened for r in stream.results)
-        cached = sum(stream.results[0].num_cached_tokens for stream, _ in opened)
-        prompt = sum(len(stream.prompt_token_ids) for stream, _ in opened)
+        completion = 0 if req.scores_only else sum(len(r.token_ids) for stream in opened for r in stream.results)
+        cached = sum(stream.results[0].num_cached_tokens for stream in opened)
+        prompt = sum(len(stream.prompt_token_ids) for stream in opened)
         yield responses.completion_body(rid, model, [], ingress.usage(prompt, completion, cached))
 
 
-async def chat_chunks(ingress: Ingress, stream: RequestStream, sink, rid: str, req: ChatCompletionRequest,
+async def chat_chunks(ingress: Ingress, stream: RequestStream, rid: str, req: ChatCompletionRequest,
                        arrival: float, calls=None) -> AsyncIterator[dict]:
     """`calls`: tools were offered, so each choice's answer is read whole (it may be a tool call) and goes
     out in one chunk, with its tool calls in OpenAI's streamed shape."""
     model = ingress.model.name
     started: set[int] = set()  # choices whose role went out: with their first token, as vLLM sends it
     prompt = len(stream.prompt_token_ids)
-    async for ev in ingress.events(stream, sink, arrival):
+    async for ev in ingress.events(stream, arrival):
         if calls is not None:
             if ev.finished:
                 yield _tool_chunk(ingress, rid, stream.results[ev.index], calls)

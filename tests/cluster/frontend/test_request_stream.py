@@ -91,3 +91,32 @@ def test_the_bound_counts_the_admission_wait():
     assert stream.next_stall_check(60.0) == sent + 30.0
     (event,) = stream.feed(Stalled(60.0))
     assert event.finish_reason == "error" and not stream.migration_pending
+
+
+def test_inbox_bounds_a_slow_reader_and_serves_what_arrived_first():
+    import asyncio
+
+    from cluster.frontend.inbox import OVERFLOW, Inbox
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        inbox = Inbox(loop, maxsize=2)
+        inbox.put("a")
+        await asyncio.sleep(0)  # a put from another thread lands on the loop's next turn
+        first = await inbox.get(0)  # already there: served even at a timeout of 0
+        for item in "bcd":
+            inbox.put(item)
+        await asyncio.sleep(0)
+        overflowed, held = inbox.overflowed, inbox.qsize()
+        after = await inbox.get(1)
+        inbox.put("e")  # nothing more is taken once it overflowed
+        await asyncio.sleep(0)
+        try:
+            await inbox.get(0.01)
+            timed_out = False
+        except asyncio.TimeoutError:
+            timed_out = True
+        return first, overflowed, held, after, timed_out
+
+    first, overflowed, held, after, timed_out = asyncio.run(scenario())
+    assert first == "a" and overflowed and held == 1 and after is OVERFLOW and timed_out

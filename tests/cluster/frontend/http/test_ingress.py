@@ -169,11 +169,11 @@ def test_slow_client_is_bounded_then_aborted(server):
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
     async def stalled_reader():
-        ((stream, sink),) = await ingress.open_all([[11] * 8], params, None)
+        (stream,) = await ingress.open_all([[11] * 8], params, None)
         await asyncio.sleep(1.0)  # the client reads nothing while the cluster generates
-        held = sink.queue.qsize()
-        events = [ev async for ev in ingress.events(stream, sink, time.perf_counter())]
-        return held, sink.overflowed, events
+        held = stream.inbox.qsize()
+        events = [ev async for ev in ingress.events(stream, time.perf_counter())]
+        return held, stream.inbox.overflowed, events
 
     held, overflowed, events = asyncio.run(stalled_reader())
     assert overflowed and held <= 4 and events == []
