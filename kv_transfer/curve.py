@@ -56,7 +56,7 @@ def secure_client(sock: zmq.Socket, keys: CurveKeys | None) -> None:
 
 def rejected_handshakes(context: zmq.Context | None = None) -> int:
     """CURVE handshakes this context's servers refused (a client key that is not a cluster's)."""
-    gate = _gates.get(context or zmq.Context.instance())
+    gate = _gates.get((context or zmq.Context.instance()).underlying)
     return 0 if gate is None else gate.rejected
 
 
@@ -67,7 +67,8 @@ class _Gate:
         self._allowed: set[bytes] = set()
         self._lock = threading.Lock()
         self.rejected = 0
-        self._authenticator = zmq.auth.thread.ThreadAuthenticator(context)
+        # A plain context over the same one: an asyncio context's sockets share its one ZAP handler.
+        self._authenticator = zmq.auth.thread.ThreadAuthenticator(zmq.Context.shadow(context.underlying))
         self._authenticator.start()
         self._authenticator.configure_curve_callback("*", credentials_provider=self)
 
@@ -82,13 +83,13 @@ class _Gate:
         return ok
 
 
-_gates: dict[zmq.Context, _Gate] = {}  # a context's ZAP endpoint takes one handler
+_gates: dict[int, _Gate] = {}  # a context's ZAP endpoint takes one handler (keyed by the C context)
 _gates_lock = threading.Lock()
 
 
 def _gate(context: zmq.Context) -> _Gate:
     with _gates_lock:
-        gate = _gates.get(context)
+        gate = _gates.get(context.underlying)
         if gate is None:
-            gate = _gates[context] = _Gate(context)
+            gate = _gates[context.underlying] = _Gate(context)
         return gate

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from actors.protocol.admission_wire import ToClient, ToScheduler
 from actors.protocol.messages import HandoffNote, TokenDelta
 from actors.protocol.tp_messages import KvSendPlan, PieceEvent, PieceVerdict
 
@@ -22,6 +23,8 @@ _encoder = msgspec.msgpack.Encoder()
 _deltas = msgspec.msgpack.Decoder(list[TokenDelta])
 _note = msgspec.msgpack.Decoder(HandoffNote)
 _decoders = {t: msgspec.msgpack.Decoder(t) for t in (KvSendPlan, PieceEvent, PieceVerdict)}
+_to_scheduler = msgspec.msgpack.Decoder(ToScheduler)
+_to_client = msgspec.msgpack.Decoder(ToClient)
 
 
 def encode(message) -> bytes:
@@ -34,6 +37,16 @@ def decode_deltas(payload: bytes) -> list[TokenDelta]:
 
 def decode_note(payload: bytes) -> HandoffNote:
     return _decode(_note, payload)
+
+
+def decode_to_scheduler(payload: bytes) -> ToScheduler:
+    """A client's frame to its scheduler (admission_wire.py)."""
+    return _decode(_to_scheduler, payload)
+
+
+def decode_to_client(payload: bytes) -> ToClient:
+    """A scheduler's frame to a client (admission_wire.py)."""
+    return _decode(_to_client, payload)
 
 
 def decode_as(kind: type, payload: bytes):

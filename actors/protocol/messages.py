@@ -1,7 +1,8 @@
 """Every message that crosses a process, typed. Who sends what:
 
-client -> scheduler   `GenerateRequest` (submit); answer `Admitted` | `Rejected`; abort(request id)
-client -> scheduler   a client's submits of one tick in one `submit_many` call (answers stream back)
+client -> scheduler   over zmq (admission_wire.py): a tick's `GenerateRequest`s in one `SubmitBatch`, answered
+                      `Admitted` | `Rejected` as decided; `AbortRequests`. Through Ray: `SchedulerPort`
+                      (where that socket is), the audit of a restarted scheduler (`AdmittedBy` -> `Forgotten`)
 worker -> scheduler   `WorkerInfo` + `LiveRequest`s (register), `WorkerReport`s (every heartbeat, and at
                       once when an attempt finished or was handed off: `HandedOff`; one `reports` call,
                       with every report of the workers a process hosts), `WorkerPulse` (while a long
@@ -12,7 +13,7 @@ prefill -> decode     `HandoffNote` inside the KV transfer header (kv_transfer c
 inside a tensor-parallel worker: see tp_messages.py
 worker -> client      `TokenDelta` batches over zmq (`actors.protocol.codec`)
 
-Ray pickles the control messages; the zmq messages go through the one codec. Defaults live here and in
+Ray pickles the messages of its calls; the zmq messages go through the one codec. Defaults live here and in
 `SamplingParams`, nowhere else.
 """
 
@@ -117,6 +118,14 @@ class Forgotten:
     settled: bool
     known: tuple[str, ...] = ()
     lost: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SchedulerPort:
+    """Where a scheduler incarnation takes its clients' submits and aborts over zmq (admission_wire.py)."""
+
+    endpoint: str
+    epoch: str
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ class Cluster:
             prefill_s_per_token=config.scheduler.prefill_s_per_token,
             transfer_bytes_per_s=config.scheduler.transfer_bytes_per_s,
             heartbeat_timeout_s=config.scheduler.heartbeat_timeout_s,
-            progress_timeout_s=config.scheduler.progress_timeout_s, curve_keys=keys,
+            progress_timeout_s=config.scheduler.progress_timeout_s, curve_keys=keys, host=config.transfer.host,
         )
         _clear_orphaned_schedulers()
         schedulers = [ray.remote(Scheduler).options(

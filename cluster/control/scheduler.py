@@ -19,12 +19,13 @@ the prompt's blocks on the decode worker, then send the attempt to the prefill w
 destination. When the decode worker has adopted the pages it says so in its next report (sent at once),
 and the prefill worker is told to release its hold. Every terminal path runs one idempotent reclaim.
 
-Calls to workers leave batched per tick (worker_mail.py), a client's submits of one tick arrive in one
-`submit_many`, and reports arrive in one `reports` call per process (a real worker's one report, or every
-report of a simulated host; the same messages either way): one Ray call costs about what one placement
-does, so at thousands of requests per second the calls, not the decisions, would be the scheduler's work.
+Clients' submits and aborts arrive over zmq (client_port.py), a tick's submits in one frame. Calls to
+workers leave batched per tick (worker_mail.py), and reports arrive in one `reports` call per process (a
+real worker's one report, or every report of a simulated host; the same messages either way): one Ray
+call costs about what one placement does, so at thousands of requests per second the calls, not the
+decisions, would be the scheduler's work.
 
-Why ~400 lines: what is left here are the Ray entry points (single and batched) and the paths that
+Why ~400 lines: what is left here are the entry points and the paths that
 await (admission, reservation, re-routing after a loss), which must re-check state after each await in
 one place; every decision taken without an await lives in the owners above.
 """
@@ -46,6 +47,7 @@ from actors.protocol.messages import (
     KvDestination,
     LiveRequest,
     Rejected,
+    SchedulerPort,
     WorkerInfo,
     WorkerPulse,
     WorkerReport,
@@ -53,7 +55,7 @@ from actors.protocol.messages import (
 )
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.worker_commands import AbortAttempt, SubmitAttempt
-from cluster.control.answer_stream import answers_as_decided
+from cluster.control.client_port import ClientPort
 from cluster.control.decision_clock import ControlPlaneStats, DecisionClock
 from cluster.control.incarnation import Incarnation
 from cluster.control.link_costs import LinkCosts
@@ -93,6 +95,7 @@ class Scheduler:
         self._incarnation = Incarnation(settings.heartbeat_timeout_s)
         self._rebuild = Rebuild(self._table, self._placer, self._out, self._incarnation,
                                 lambda attempt: self._reclaim(attempt, failed=True))
+        self._port: ClientPort | None = None  # opened on the first client's question (it needs the event loop)
         self._watchdog: asyncio.Task | None = None
         self._confirmations: asyncio.Task | None = None
         self._lost_submits = 0  # attempts sent to a live worker that never confirmed them
@@ -212,11 +215,11 @@ class Scheduler:
 
     # ---- requests ----
 
-    async def submit_many(self, requests: tuple[GenerateRequest, ...]):
-        """A client's submits of one tick: the answers stream back as `(index, answer)` tuples, as they
-        are decided (answer_stream.py)."""
-        async for answers in answers_as_decided([self.submit(r) for r in requests]):
-            yield answers
+    async def client_port(self) -> SchedulerPort:
+        """Where this incarnation takes its clients' submits and aborts (client_port.py)."""
+        if self._port is None:
+            self._port = ClientPort(self.submit, self.abort, self.s.curve_keys, self.s.host)
+        return SchedulerPort(self._port.endpoint, self._incarnation.epoch)
 
     async def submit(self, request: GenerateRequest) -> Admitted | Rejected:
         """Admit and route one request (or the next attempt of a migrated one)."""
@@ -368,7 +371,8 @@ class Scheduler:
             {wid: e.stats for wid, e in entries.items() if e.stats is not None},
             {wid: e.info.incarnation for wid, e in entries.items()},
             self._registry.draining(), len(self._table), self._table.committed_blocks(), counters,
-            self._table.tenant_blocks(), self._links.estimates())
+            self._table.tenant_blocks(), self._links.estimates(),
+            self._port.drops.snapshot() if self._port is not None else {})
 
     async def control_stats(self, reset: bool = False) -> ControlPlaneStats:
         """Decision times and the control plane's own costs (`tandem bench control-plane`)."""

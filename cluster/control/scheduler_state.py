@@ -34,6 +34,7 @@ class SchedulerSettings:
     progress_timeout_s: float = _DEFAULTS.progress_timeout_s
     max_predicted_ttft_s: float | None = None  # shed requests predicted to miss this (None: no shedding)
     curve_keys: CurveKeys | None = None  # the data plane's keys: clients that join later fetch them here
+    host: str = "127.0.0.1"  # the address the clients' socket binds (`transfer.host`)
 
 
 @dataclass
@@ -100,6 +101,7 @@ class SchedulerState:
     counters: SchedulerCounters
     tenant_blocks: dict[str, int] = field(default_factory=dict)  # KV committed per named tenant
     links: dict[str, LinkEstimate] = field(default_factory=dict)  # measured handoff cost, by "prefill->decode"
+    port_drops: dict[str, int] = field(default_factory=dict)  # frames its clients' socket dropped, by reason
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -112,12 +114,15 @@ class SchedulerState:
         counters = SchedulerCounters(*(sum(getattr(s.counters, f.name) for s in states)
                                        for f in fields(SchedulerCounters)))
         tenants: dict[str, int] = {}
+        drops: dict[str, int] = {}
         for s in states:
             for tenant, blocks in s.tenant_blocks.items():
                 tenants[tenant] = tenants.get(tenant, 0) + blocks
+            for reason, n in s.port_drops.items():
+                drops[reason] = drops.get(reason, 0) + n
         return cls({w: v for s in states for w, v in s.workers.items()},
                    {w: v for s in states for w, v in s.worker_stats.items()},
                    {w: v for s in states for w, v in s.incarnations.items()},
                    sorted(w for s in states for w in s.draining), sum(s.in_flight for s in states),
                    {w: v for s in states for w, v in s.committed_blocks.items()}, counters, tenants,
-                   {k: v for s in states for k, v in s.links.items()})
+                   {k: v for s in states for k, v in s.links.items()}, drops)

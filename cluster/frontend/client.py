@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
 import ray
@@ -38,8 +38,8 @@ from actors.protocol.messages import Admitted, AdmittedBy, Forgotten, GenerateRe
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import SchedulerSection
 from cluster.frontend.inbox import OVERFLOW, Inbox
+from cluster.frontend.scheduler_link import SchedulerLink
 from cluster.frontend.shards import shard_for
-from cluster.frontend.submit_batcher import SubmitBatcher
 from cluster.frontend.request_stream import (
     MigrationRefused,
     RequestStream,
@@ -52,7 +52,7 @@ from kv_transfer.drops import DropCounter
 from kv_transfer.endpoints import advertised_host
 
 log = logging.getLogger("tandem.client")
-# A submit whose scheduler died under it is sent again (marked `retried`: admitted at most once) after this.
+# How often to ask Ray again where a scheduler that is restarting listens (scheduler_link.py).
 _RESEND_S = 0.5
 _DEFAULTS = SchedulerSection()
 
@@ -104,13 +104,15 @@ class TandemClient:
         self._closed = threading.Event()
         self._killed = threading.Event()
         self.drops = DropCounter("token_sink")
+        self.link_drops = DropCounter("scheduler_link")
         self._thread = threading.Thread(target=self._receive, name="tandem-client-sink", daemon=True)
         self._thread.start()
         self._audit_s = audit_s
-        # Every submit goes out from this loop (sync callers wait on it; see `_send`), batched per tick.
+        # Every submit and abort goes out from this loop (sync callers wait on it; see `_send`), over each
+        # shard's link, batched per tick.
         self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="tandem-client-submits", daemon=True).start()
-        self._submits = [SubmitBatcher(shard) for shard in self.schedulers]
+        threading.Thread(target=self._loop.run_forever, name="tandem-client-loop", daemon=True).start()
+        self._links = [SchedulerLink(shard, keys, self.link_drops) for shard in self.schedulers]
         threading.Thread(target=self._audit_loop, name="tandem-client-audit", daemon=True).start()
 
     @classmethod
@@ -196,6 +198,10 @@ class TandemClient:
         self._closed.set()
         self._thread.join(timeout=5)
         self._socket.close(linger=0)
+        try:
+            asyncio.run_coroutine_threadsafe(_close_all(self._links), self._loop).result(timeout=5)
+        except concurrent.futures.TimeoutError:
+            log.warning("the client's links to the scheduler did not close within 5s")
         self._loop.call_soon_threadsafe(self._loop.stop)
 
     # ---- requests ----
@@ -236,24 +242,24 @@ class TandemClient:
 
     def _send(self, request: GenerateRequest, timeout_s: float) -> concurrent.futures.Future:
         """The one way a request reaches its scheduler shard, a first submit and a migration alike: on this
-        client's own event loop, where the submits of one tick travel in one call (submit_batcher.py)."""
+        client's own event loop, where the submits of one tick travel in one frame (scheduler_link.py)."""
         if self._closed.is_set():  # its loop is stopped: nothing would ever answer
             raise RuntimeError("this client is closed")
         return asyncio.run_coroutine_threadsafe(self._submit_until(request, timeout_s), self._loop)
 
     async def _submit_until(self, request: GenerateRequest, timeout_s: float) -> Admitted | Rejected:
-        """The scheduler's answer; a scheduler that died under the call gets it again once restarted
-        (marked `retried`: admitted at most once), until `timeout_s` (then TimeoutError)."""
+        """The scheduler's answer, until `timeout_s` (then TimeoutError). A scheduler that died under the
+        submit gets it again once restarted (its link does that); one that Ray cannot place yet is asked
+        again every `_RESEND_S`."""
         give_up_at = time.monotonic() + timeout_s
+        link = self._links[self._shard_of(request.request_id)]
         while True:
             try:
-                batcher = self._submits[self._shard_of(request.request_id)]
-                return await asyncio.wait_for(batcher.submit(request), give_up_at - time.monotonic())
-            except ray.exceptions.RayActorError:
+                return await asyncio.wait_for(link.submit(request), give_up_at - time.monotonic())
+            except ray.exceptions.RayError:
                 if time.monotonic() + _RESEND_S >= give_up_at:
                     raise
                 await asyncio.sleep(_RESEND_S)
-                request = replace(request, retried=True)
 
     def _listen(self, request: GenerateRequest, deltas) -> RequestStream:
         """The request's record, made as it is sent (its progress bound counts the admission too)."""
@@ -369,34 +375,37 @@ class TandemClient:
 
     def abort(self, request_id: str, give_up_s: float = 300.0) -> None:
         """Abort a request in the cluster, without blocking. A scheduler that is restarting cannot take
-        it now, and a lost abort would let the request run to its end: it is sent again every second
-        until the scheduler answers (or `give_up_s`)."""
+        it now, and a lost abort would let the request run to its end: it is sent again until the
+        scheduler took it (or `give_up_s`)."""
+        if self._closed.is_set():
+            return
+        link = self._links[self._shard_of(request_id)]  # now: the request is forgotten before the abort lands
+        asyncio.run_coroutine_threadsafe(self._abort_until(link, request_id, give_up_s), self._loop)
+
+    async def _abort_until(self, link: SchedulerLink, request_id: str, give_up_s: float) -> None:
         give_up_at = time.monotonic() + give_up_s
-        scheduler = self._scheduler(request_id)  # now: the request is forgotten before a retry
-
-        def send() -> None:
-            scheduler.abort.remote(request_id).future().add_done_callback(answered)
-
-        def answered(future) -> None:
+        while True:
             try:
-                future.result()
-            except ray.exceptions.RayError:
-                if time.monotonic() < give_up_at and not self._closed.is_set():
-                    retry = threading.Timer(1.0, send)
-                    retry.daemon = True
-                    retry.start()
-
-        send()
+                await asyncio.wait_for(link.abort((request_id,)), give_up_at - time.monotonic())
+                return
+            except ray.exceptions.RayError:  # Ray cannot say where the scheduler listens: it is restarting
+                if time.monotonic() + 1.0 >= give_up_at:
+                    return
+                await asyncio.sleep(1.0)
+            except asyncio.TimeoutError:
+                log.warning("gave up aborting request %s after %.0fs: no scheduler took it", request_id, give_up_s)
+                return
 
     def forget(self, request_id: str) -> None:
         with self._lock:
             self._listening.pop(request_id, None)
 
-    def _scheduler(self, request_id: str):
-        """The shard that admits the request (the first one for a request this client does not track)."""
-        return self.schedulers[self._shard_of(request_id)]
-
     def _shard_of(self, request_id: str) -> int:
+        """The shard that admits the request (the first one for a request this client does not track)."""
         with self._lock:
             listening = self._listening.get(request_id)
         return listening.shard if listening is not None else 0
+
+
+async def _close_all(links: list[SchedulerLink]) -> None:
+    await asyncio.gather(*(link.close() for link in links))

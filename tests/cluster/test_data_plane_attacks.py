@@ -1,8 +1,8 @@
 """Attacks on a running cluster's data plane, replayed on loopback (KV pages and tokens over tcp).
 
 A peer on the network that lacks the cluster's secret key forges token deltas for a request whose wire
-id it sniffed, pushes a transfer at the decode worker's KV socket and sprays raw bytes at both ports:
-none of it lands, and every request still gets the engine's greedy output. A decode worker whose KV
+id it sniffed, pushes a transfer at the decode worker's KV socket, submits and aborts at the scheduler's
+port and sprays raw bytes at every port: none of it lands, and every request still gets the engine's greedy output. A decode worker whose KV
 receiving thread dies restarts itself instead of heartbeating on as a worker that can never adopt.
 """
 
@@ -16,9 +16,10 @@ import ray
 import torch
 import zmq
 
+from actors.protocol.admission_wire import AbortRequests, Submit, SubmitBatch
 from actors.protocol.codec import encode
 from actors.protocol.ids import AttemptId
-from actors.protocol.messages import TokenDelta
+from actors.protocol.messages import GenerateRequest, TokenDelta
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.token_stream import TokenPublisher
 from cluster.control.launch import Cluster
@@ -47,9 +48,9 @@ def _spray(endpoint: str) -> None:
         raw.sendall(b"\xc1 not msgpack" * 1000)
 
 
-def _stranger(endpoint: str, server_key: bytes) -> zmq.Socket:
-    """A PUSH socket that knows the server's public key (no secret) but holds a key pair of its own."""
-    sock = zmq.Context.instance().socket(zmq.PUSH)
+def _stranger(endpoint: str, server_key: bytes, kind: int = zmq.PUSH) -> zmq.Socket:
+    """A socket that knows the server's public key (no secret) but holds a key pair of its own."""
+    sock = zmq.Context.instance().socket(kind)
     own = CurveKeys.generate()
     sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_key, own.public, own.secret
     sock.setsockopt(zmq.LINGER, 0)
@@ -107,6 +108,29 @@ def test_strangers_cannot_inject_tokens_or_pages(cluster, expected):
     state = wait_until_idle(cluster)
     assert state["workers"]["decode-0"]["dropped_messages"] == ()
     assert state["workers"]["decode-0"]["used_blocks"] == 0
+
+
+def test_strangers_cannot_submit_or_abort_at_the_scheduler(cluster, expected):
+    prompts, params = workload()
+    client = cluster.client()
+    port = ray.get(cluster.scheduler.client_port.remote(), timeout=30).endpoint
+    before = ray.get(cluster.scheduler.state.remote(), timeout=30).counters.submitted
+    submitted = [client.submit(p, sp) for p, sp in zip(prompts, params)]
+    stranger = _stranger(port, cluster.keys.public, zmq.DEALER)
+    try:
+        # A flood of admissions for the attacker, and aborts of every request it saw the id of.
+        flood = tuple(Submit(i, GenerateRequest(f"attacker-{i}", (5,) * 64, params[0], client.sink)) for i in range(50))
+        stranger.send(encode(SubmitBatch(flood)))
+        stranger.send(encode(AbortRequests(0, tuple(s.request_id for s in submitted))))
+        _spray(port)
+        outputs = [_collect(client, handle) for handle in submitted]
+    finally:
+        stranger.close(linger=0)
+
+    assert outputs == expected  # none was aborted
+    state = wait_until_idle(cluster)  # (the refused handshakes are counted in the scheduler's process)
+    assert state["scheduler"]["counters"]["submitted"] == before + len(prompts)  # nothing of the attacker's was admitted
+    assert state["scheduler"]["port_drops"] == {}  # nor did any of it reach the port's receiving loop
 
 
 def test_a_dead_kv_receiver_restarts_its_worker(cluster, expected):

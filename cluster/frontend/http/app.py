@@ -114,7 +114,9 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         ingress.metrics.update_workers(state.worker_stats)
         ingress.metrics.update_tenants(state.tenant_blocks)
         ingress.metrics.update_links(state.links)
-        ingress.metrics.update_sink(ingress.client.drops.snapshot(), rejected_handshakes())
+        client = ingress.client
+        ingress.metrics.update_sockets({"token_sink": client.drops.snapshot(), "scheduler_link": client.link_drops.snapshot(),
+                                        "scheduler_port": state.port_drops}, rejected_handshakes())
         return Response(ingress.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", response_model=None, responses=documented(ModelList, 401))

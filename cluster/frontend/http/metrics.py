@@ -91,9 +91,11 @@ class IngressMetrics:
         for reason, n in kv_drops.items():
             self.dropped.labels("kv_receiver", reason).set(n)
 
-    def update_sink(self, dropped: dict[str, int], rejected_handshakes: int) -> None:
-        for reason, n in dropped.items():
-            self.dropped.labels("token_sink", reason).set(n)
+    def update_sockets(self, dropped: dict[str, dict[str, int]], rejected_handshakes: int) -> None:
+        """`dropped`: by socket (the ingress's own and the schedulers'), by reason."""
+        for socket, counts in dropped.items():
+            for reason, n in counts.items():
+                self.dropped.labels(socket, reason).set(n)
         self.rejected_handshakes.set(rejected_handshakes)
 
     def observe_phases(self, times: StageTimes) -> None:

@@ -1,4 +1,4 @@
-"""Garbage on every zmq socket of a served cluster, with CURVE off so that it gets in at all: each
+"""Garbage on every zmq socket of a served cluster (the token sink, a KV receiver, the scheduler's port), with CURVE off so that it gets in at all: each
 message is dropped and counted on `/metrics`, the streams go on, and `/health` says so when the
 ingress's own receiving thread is dead (killed here on purpose)."""
 
@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 import ray
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.engine.engine import Engine
@@ -43,6 +44,8 @@ def test_garbage_is_counted_and_streams_go_on(plain_server):
     kv_endpoint = ray.get(cluster.workers["decode-0"].info.remote(), timeout=30).kv_endpoints[0].endpoint
     raw_push(sink, GARBAGE)
     raw_push(kv_endpoint, GARBAGE)
+    port = ray.get(cluster.scheduler.client_port.remote(), timeout=30).endpoint
+    raw_push(port, GARBAGE, zmq.DEALER)
 
     prompt = "The quick brown fox"
     (ref,) = Engine(load("local.yaml").engine_config()).generate(
@@ -53,7 +56,7 @@ def test_garbage_is_counted_and_streams_go_on(plain_server):
     assert "".join(c.choices[0].text for c in chunks) == ref.outputs[0].text
 
     deadline = time.monotonic() + 30
-    want = {("token_sink", "malformed"): 6.0, ("kv_receiver", "malformed"): 4.0}
+    want = {("token_sink", "malformed"): 6.0, ("kv_receiver", "malformed"): 4.0, ("scheduler_port", "malformed"): 4.0}
     while (dropped := _dropped(base_url)) != want and time.monotonic() < deadline:
         time.sleep(0.2)  # the workers' counts arrive with their next report
     assert dropped == want  # every frame of a stray multipart message counts on the sink (it reads single frames)
