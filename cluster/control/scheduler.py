@@ -55,6 +55,7 @@ from actors.protocol.messages import (
 )
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.worker_commands import AbortAttempt, SubmitAttempt
+from cluster.control.admission_door import AdmissionDoor
 from cluster.control.client_port import ClientPort
 from cluster.control.decision_clock import ControlPlaneStats, DecisionClock
 from cluster.control.incarnation import Incarnation
@@ -89,6 +90,7 @@ class Scheduler:
         # The one observer of worker standing and committed KV: the placer keeps its orders from them.
         self._registry.on_change = self._table.on_change = self._placer.refresh
         self._shares = TenantShares(self._table, self._registry, settings.max_queued)
+        self._door = AdmissionDoor()
         self._out = Outbox(self._registry, WorkerMail(_CALL_TIMEOUT_S), settings.curve_keys)
         self._clock = DecisionClock()
         self._waiters = RoomWaiters()
@@ -253,20 +255,32 @@ class Scheduler:
             self._reclaim(tracked.attempt, failed=True)
         elif tracked is not None:
             return Rejected(f"request_id {request.request_id!r} is already in flight", None)
-        if self._shares.queued() >= self.s.max_queued:
+        if self._door.waiting >= self.s.max_queued:
             return Rejected("the admission queue is full", self._placer.retry_after_s())
+        if not patient:  # a moved request continues a stream the cluster already answered
+            refused = self._door.refuse(self._wait_budget_s())
+            if refused is not None:
+                return refused
         refused = self._shares.enter_queue(request)
         if refused is not None:
             return refused
+        self._door.entered()
+        answer = None
         try:
-            return await self._admit(request, patient)
+            answer = await self._admit(request, patient)
+            return answer
         finally:
             self._shares.leave_queue(request)
+            self._door.left(isinstance(answer, Admitted))
+
+    def _wait_budget_s(self) -> float:
+        """The longest a new request may wait for admission: waiting for KV room past the TTFT target is
+        pointless too, the request would miss it."""
+        return min(self.s.queue_timeout_s, self.s.max_predicted_ttft_s or self.s.queue_timeout_s)
 
     async def _admit(self, request: GenerateRequest, patient: bool) -> Admitted | Rejected:
         arrived = time.monotonic()
-        # Waiting for KV room past the TTFT target is pointless too: the request would miss it.
-        wait_s = min(self.s.queue_timeout_s, self.s.max_predicted_ttft_s or self.s.queue_timeout_s)
+        wait_s = self._wait_budget_s()
         if patient and request.deadline is not None:
             wait_s = max(wait_s, request.deadline - time.time())
         deadline = arrived + wait_s
@@ -384,6 +398,9 @@ class Scheduler:
         self._registry.check_integrity()
         self._placer.check_integrity()
         self._shares.check_integrity()
+        self._door.check_integrity()
+        if self._door.waiting != self._shares.queued():
+            raise RuntimeError(f"{self._door.waiting} requests in admission, but the tenants' count is {self._shares.queued()}")
         self._links.check_integrity()
         self._table.check_integrity(self._registry.ids())
         return await self.state()

@@ -1,0 +1,93 @@
+"""The admission door and the room waiters, without Ray: refusal once the measured wait passes the
+budget, never on an idle cluster's first burst, and one fallback poll however many wait."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cluster.control.admission_door import _FLOOR, AdmissionDoor
+from cluster.control.room_waiters import _FALLBACK_S, _WAKE_PER_POLL, RoomWaiters
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_burst_on_an_idle_cluster_is_never_refused():
+    clock = FakeClock()
+    door = AdmissionDoor(clock)
+    for _ in range(10 * _FLOOR):
+        assert door.refuse(budget_s=0.001) is None  # no rate measured yet
+        door.entered()
+    door.check_integrity()
+
+
+def test_refused_once_the_queue_would_wait_past_the_budget():
+    clock = FakeClock()
+    door = AdmissionDoor(clock)
+    # Busy for 2 s admitting 100 per second with 50 waiting all along: the rate is about 100/s.
+    for _ in range(50):
+        door.entered()
+    for _ in range(200):
+        clock.now += 0.01
+        door.left(admitted=True)
+        door.entered()
+    rate = door.rate()
+    assert 90 < rate < 110, rate
+    assert door.refuse(budget_s=1.0) is None  # 50 waiting at ~100/s: half a second
+    for _ in range(100):
+        door.entered()
+    refused = door.refuse(budget_s=1.0)  # 150 waiting: ~1.5 s
+    assert refused is not None and refused.retry_after_s >= 1.0 and "overloaded" in refused.reason
+    assert door.refused == 1
+    for _ in range(150):
+        door.left(admitted=False)
+    assert door.waiting == 0 and door.refuse(budget_s=1.0) is None
+    door.check_integrity()
+
+
+def test_the_rate_forgets_an_old_slow_period():
+    clock = FakeClock()
+    door = AdmissionDoor(clock)
+    for _ in range(40):
+        door.entered()
+    for _ in range(20):  # 10 per second for 2 s
+        clock.now += 0.1
+        door.left(admitted=True)
+        door.entered()
+    slow = door.rate()
+    for _ in range(2000):  # then 1,000 per second for 2 s
+        clock.now += 0.001
+        door.left(admitted=True)
+        door.entered()
+    assert slow < 20 and door.rate() > 20 * slow
+
+
+def test_one_fallback_poll_wakes_the_oldest_few():
+    async def scenario():
+        waiters = RoomWaiters()
+        woken: list[int] = []
+
+        async def wait(i: int) -> None:
+            await waiters.wait(float(i), timeout_s=60.0)
+            woken.append(i)
+
+        tasks = [asyncio.ensure_future(wait(i)) for i in range(100)]
+        await asyncio.sleep(_FALLBACK_S * 1.5)  # one poll
+        after_one_poll = sorted(woken)
+        waiters.freed(3)  # an event: the next oldest three
+        for _ in range(5):  # (a woken waiter's task resumes a few loop turns later; the next poll is far)
+            await asyncio.sleep(0)
+        after_event = sorted(woken)
+        waiters.joined()  # a worker joined: everyone
+        await asyncio.gather(*tasks)
+        return after_one_poll, after_event, len(woken)
+
+    after_one_poll, after_event, total = asyncio.run(scenario())
+    assert after_one_poll == list(range(_WAKE_PER_POLL))
+    assert after_event == list(range(_WAKE_PER_POLL + 3))
+    assert total == 100
