@@ -96,6 +96,7 @@ async def _drive(client: TandemClient, rate: float, seconds: float, prompt, max_
             answered[request.request_id] = time.perf_counter()
         except AdmissionRejected as exc:
             rejected[request.request_id] = exc.reason
+            answered[request.request_id] = time.perf_counter()
         except Exception as exc:  # counted, never fatal: the point is how the control plane holds up
             rejected[request.request_id] = f"{type(exc).__name__}: {exc}"
 
@@ -155,6 +156,7 @@ def run_point(num_workers: int, rate: float, duration_s: float, per_host: int, s
         outside = [recorder.first[r] - arrivals[r] - recorder.inside[r] for r in admitted
                    if r in recorder.first and r in recorder.inside]
         submit = [answered[r] - arrivals[r] for r in admitted if r in answered]
+        refusal = [answered[r] - arrivals[r] for r in rejected if r in answered]
         return {
             "workers": num_workers, "per_host": per_host, "shards": shards, "offered_rate": rate,
             "arrived": len(arrivals), "arrived_per_s": len(arrivals) / driver_wall,
@@ -165,6 +167,8 @@ def run_point(num_workers: int, rate: float, duration_s: float, per_host: int, s
             "decision_p50_ms": _ms(stats.decision_p50_s), "decision_p99_ms": _ms(stats.decision_p99_s),
             "decision_max_ms": _ms(stats.decision_max_s),
             "submit_rtt_p50_ms": _ms(_pct(submit, 0.5)), "submit_rtt_p99_ms": _ms(_pct(submit, 0.99)),
+            "refusal_rtt_p50_ms": _ms(_pct(refusal, 0.5)), "refusal_rtt_p99_ms": _ms(_pct(refusal, 0.99)),
+            "scheduler_cpu_us_per_admission": stats.cpu_s / max(stats.admitted, 1) * 1e6,
             "ttft_p50_ms": _ms(_pct(ttft, 0.5)), "ttft_p99_ms": _ms(_pct(ttft, 0.99)),
             "outside_workers_p50_ms": _ms(_pct(outside, 0.5)), "outside_workers_p99_ms": _ms(_pct(outside, 0.99)),
             "scheduler_cpu_fraction": stats.cpu_s / stats.wall_s, "scheduler_max_rss_mb": stats.max_rss_bytes / 2**20,
@@ -226,8 +230,10 @@ def bench(args: argparse.Namespace) -> dict:
 def _point_line(p: dict) -> str:
     return (f"{p['workers']} workers, offered {p['offered_rate']:.0f}/s: admitted {p['admitted_per_s']:.0f}/s, "
             f"decision p50 {p['decision_p50_ms']} ms p99 {p['decision_p99_ms']} ms, outside workers p50 "
-            f"{p['outside_workers_p50_ms']} ms, scheduler CPU {p['scheduler_cpu_fraction']:.0%}, "
-            f"driver CPU {p['driver_cpu_fraction']:.0%}, rejected {p['rejected']}, hung {p['hung']}")
+            f"{p['outside_workers_p50_ms']} ms, scheduler CPU {p['scheduler_cpu_fraction']:.0%} "
+            f"({p['scheduler_cpu_us_per_admission']:.0f} us per admission), driver CPU {p['driver_cpu_fraction']:.0%}, "
+            f"rejected {p['rejected']} (answered p50 {p['refusal_rtt_p50_ms']} ms p99 {p['refusal_rtt_p99_ms']} ms), "
+            f"hung {p['hung']}")
 
 
 def _ints(text: str) -> list[int]:
