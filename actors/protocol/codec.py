@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from actors.protocol.admission_wire import ToClient, ToScheduler
+from actors.protocol.scheduler_wire import ToClient, ToScheduler
 from actors.protocol.messages import HandoffNote, TokenDelta
 from actors.protocol.tp_messages import KvSendPlan, PieceEvent, PieceVerdict
 
@@ -40,12 +40,12 @@ def decode_note(payload: bytes) -> HandoffNote:
 
 
 def decode_to_scheduler(payload: bytes) -> ToScheduler:
-    """A client's frame to its scheduler (admission_wire.py)."""
+    """A client's frame to its scheduler (scheduler_wire.py)."""
     return _decode(_to_scheduler, payload)
 
 
 def decode_to_client(payload: bytes) -> ToClient:
-    """A scheduler's frame to a client (admission_wire.py)."""
+    """A scheduler's frame to a client (scheduler_wire.py)."""
     return _decode(_to_client, payload)
 
 

@@ -1,12 +1,15 @@
-"""KV events: what a worker's block pool tells the global prefix index about its cached blocks."""
+"""KV events: what a worker's block pool tells the global prefix index about its cached blocks.
+
+Tagged msgspec structs: they travel inside a worker's report over zmq (scheduler_wire.py), where a
+union of plain dataclasses could not be told apart.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
+class BlockStored(msgspec.Struct, frozen=True, tag=True):
     """A full block is now in the prefix cache under `block_hash`."""
 
     block_hash: int
@@ -14,15 +17,13 @@ class BlockStored:
     num_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
+class BlockRemoved(msgspec.Struct, frozen=True, tag=True):
     """The block cached under `block_hash` was evicted; the hash no longer hits on this worker."""
 
     block_hash: int
 
 
-@dataclass(frozen=True, slots=True)
-class AllCleared:
+class AllCleared(msgspec.Struct, frozen=True, tag=True):
     """Every cached hash on this worker was dropped (`reset_prefix_cache`)."""
 
 

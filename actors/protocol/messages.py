@@ -1,12 +1,12 @@
 """Every message that crosses a process, typed. Who sends what:
 
-client -> scheduler   over zmq (admission_wire.py): a tick's `GenerateRequest`s in one `SubmitBatch`, answered
+client -> scheduler   over zmq (scheduler_wire.py): a tick's `GenerateRequest`s in one `SubmitBatch`, answered
                       `Admitted` | `Rejected` as decided; `AbortRequests`. Through Ray: `SchedulerPort`
                       (where that socket is), the audit of a restarted scheduler (`AdmittedBy` -> `Forgotten`)
-worker -> scheduler   `WorkerInfo` + `LiveRequest`s (register), `WorkerReport`s (every heartbeat, and at
-                      once when an attempt finished or was handed off: `HandedOff`; one `reports` call,
-                      with every report of the workers a process hosts), `WorkerPulse` (while a long
-                      step keeps the reports away)
+worker -> scheduler   through Ray: `WorkerInfo` + `LiveRequest`s (register), `WorkerPulse` (while a long
+                      step keeps the reports away); over zmq (scheduler_wire.py): `WorkerReport`s (every
+                      heartbeat, and at once when an attempt finished or was handed off: `HandedOff`), one
+                      `Reports` frame with every report of the workers a process hosts
 scheduler -> worker   `WorkerRequest`s to submit or to reserve for (-> `KvReservation`), release/abort
                       (`AttemptId`), batched per tick and worker process: worker_commands.py
 prefill -> decode     `HandoffNote` inside the KV transfer header (kv_transfer carries it as bytes)
@@ -23,6 +23,7 @@ import enum
 from dataclasses import dataclass, field, fields, replace
 
 from actors.protocol.ids import AttemptId
+from actors.protocol.kv_events import KVEvent
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 
@@ -122,7 +123,8 @@ class Forgotten:
 
 @dataclass(frozen=True)
 class SchedulerPort:
-    """Where a scheduler incarnation takes its clients' submits and aborts over zmq (admission_wire.py)."""
+    """Where a scheduler incarnation takes its clients' submits and aborts and its workers' reports over
+    zmq (scheduler_wire.py)."""
 
     endpoint: str
     epoch: str
@@ -219,7 +221,7 @@ class WorkerReport:
     worker_id: str
     stats: WorkerStats
     finished: tuple[FinishedAttempt, ...] = ()
-    kv_events: tuple = ()  # KVEvent values (actors.protocol.kv_events), in order
+    kv_events: tuple[KVEvent, ...] = ()  # in order
     first_token_waits: tuple[FirstTokenWait, ...] = ()
     received: tuple[AttemptId, ...] = ()  # attempts submitted to this worker since its last report
     transfers: tuple[TransferSample, ...] = ()  # decode: handoffs that landed since the last report

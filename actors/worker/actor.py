@@ -89,7 +89,8 @@ class Worker:
         # lost) from one that re-announces itself (same incarnation, its requests still live).
         self._incarnation = uuid.uuid4().hex
         self._stop = threading.Event()
-        self._link = None if scheduler is None else SchedulerLink(scheduler, spec.worker_id, self.info, self._live)
+        self._link = None if scheduler is None else SchedulerLink(scheduler, spec.worker_id, self.info, self._live,
+                                                                  spec.curve_keys)
         self._pulse = None
         if self._link is not None:
             # Registering itself (not from the launcher) is what lets a restarted worker rejoin.
@@ -174,6 +175,8 @@ class Worker:
             self._tp.stop(self._engine.runner)
         self._ends.close()
         self._publisher.close()
+        if self._link is not None and not self._thread.is_alive():  # (its socket is the engine thread's)
+            self._link.close()
 
     # ---- the engine thread ----
 
@@ -353,6 +356,8 @@ class Worker:
                                  self._inbox.prompt_tokens, self._publisher.dropped, self._receiver)
 
     def _report(self) -> None:
+        if self._link is not None and not self._link.ready():
+            return  # the last report is not answered yet: what this one would carry waits for the next
         finished, self._finished = self._finished, []
         handed_off, self._handed_off = self._handed_off, []
         events, meter = tuple(self._engine.take_kv_events()), self._meter

@@ -1,6 +1,6 @@
-"""The scheduler's door for its clients' per-request traffic: one zmq ROUTER socket on the scheduler's
-event loop, taking `SubmitBatch` and `AbortRequests` frames (admission_wire.py) and sending each
-client its answers, batched per tick.
+"""The scheduler's port for per-request traffic: one zmq ROUTER socket on the scheduler's event loop,
+taking its clients' `SubmitBatch` and `AbortRequests` frames and its worker processes' `Reports`
+(scheduler_wire.py), and sending each peer its answers (decisions batched per tick).
 
 Why not Ray calls: one costs about what a whole placement decision does (~0.6 ms of the scheduler's CPU
 on a small box, most of it pickling and Ray's own machinery), so at thousands of requests per second
@@ -21,9 +21,18 @@ from collections.abc import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from actors.protocol.admission_wire import AbortRequests, AbortsTaken, Answer, Answers, Submit, SubmitBatch
+from actors.protocol.scheduler_wire import (
+    AbortRequests,
+    AbortsTaken,
+    Answer,
+    Answers,
+    Reports,
+    ReportsTaken,
+    Submit,
+    SubmitBatch,
+)
 from actors.protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, decode_to_scheduler, encode
-from actors.protocol.messages import Admitted, GenerateRequest, Rejected
+from actors.protocol.messages import Admitted, GenerateRequest, Rejected, WorkerReport
 from kv_transfer.curve import CurveKeys, secure_server
 from kv_transfer.drops import DropCounter
 from kv_transfer.endpoints import advertised_host
@@ -34,8 +43,10 @@ _SEND_HWM = 1_000_000  # answers queued for one client before they are dropped (
 
 class ClientPort:
     def __init__(self, submit: Callable[[GenerateRequest], Awaitable[Admitted | Rejected]],
-                 abort: Callable[[str], Awaitable[bool]], keys: CurveKeys | None, host: str = "127.0.0.1"):
-        self._submit, self._abort = submit, abort
+                 abort: Callable[[str], Awaitable[bool]], take_reports: Callable[[tuple[WorkerReport, ...]], tuple[str, ...]],
+                 keys: CurveKeys | None, host: str = "127.0.0.1"):
+        """`take_reports` answers with the reporting workers the scheduler does not know."""
+        self._submit, self._abort, self._take_reports = submit, abort, take_reports
         self._socket = zmq.asyncio.Context(zmq.Context.instance()).socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -81,6 +92,8 @@ class ClientPort:
                     loop.create_task(self._decide(identity, submit))
             case AbortRequests(ask=ask, request_ids=request_ids):
                 loop.create_task(self._aborts(identity, ask, request_ids))
+            case Reports(ask=ask, reports=reports):
+                self._send(identity, ReportsTaken(ask, self._take_reports(reports)))
 
     async def _decide(self, identity: bytes, submit: Submit) -> None:
         try:
@@ -104,7 +117,7 @@ class ClientPort:
         for identity, answers in outgoing.items():
             self._send(identity, Answers(tuple(answers)))
 
-    def _send(self, identity: bytes, message: Answers | AbortsTaken) -> None:
+    def _send(self, identity: bytes, message: Answers | AbortsTaken | ReportsTaken) -> None:
         # A ROUTER never waits to send: past a client's high-water mark (it reads nothing) or to a client
         # that left, zmq drops the frame; the client asks again once it reconnects.
         self._socket.send_multipart((identity, encode(message))).add_done_callback(self._sent)

@@ -19,9 +19,9 @@ the prompt's blocks on the decode worker, then send the attempt to the prefill w
 destination. When the decode worker has adopted the pages it says so in its next report (sent at once),
 and the prefill worker is told to release its hold. Every terminal path runs one idempotent reclaim.
 
-Clients' submits and aborts arrive over zmq (client_port.py), a tick's submits in one frame. Calls to
-workers leave batched per tick (worker_mail.py), and reports arrive in one `reports` call per process (a
-real worker's one report, or every report of a simulated host; the same messages either way): one Ray
+Clients' submits and aborts, and workers' reports, arrive over zmq (client_port.py): a tick's submits in
+one frame, a process's reports in one frame (a real worker's one report, or every report of a simulated
+host; the same messages either way). Calls to workers leave batched per tick (worker_mail.py): one Ray
 call costs about what one placement does, so at thousands of requests per second the calls, not the
 decisions, would be the scheduler's work.
 
@@ -136,10 +136,10 @@ class Scheduler:
         """A worker inside a long step: alive, though its report waits for the step's end."""
         self._registry.pulse(pulse)
 
-    async def reports(self, batch: tuple[WorkerReport, ...]) -> tuple[bool, ...]:
-        """Workers' reports: a real worker's one, or those of every worker a process hosts, in one call.
-        False tells a worker this scheduler does not know it: it registers again."""
-        return tuple([self._take_report(report) for report in batch])
+    def _take_reports(self, batch: tuple[WorkerReport, ...]) -> tuple[str, ...]:
+        """Workers' reports (client_port.py): a real worker's one, or those of every worker a process hosts.
+        Answers with the workers this scheduler does not know: they register again."""
+        return tuple(report.worker_id for report in batch if not self._take_report(report))
 
     def _take_report(self, report: WorkerReport) -> bool:
         if not self._registry.observe(report.stats):
@@ -218,9 +218,9 @@ class Scheduler:
     # ---- requests ----
 
     async def client_port(self) -> SchedulerPort:
-        """Where this incarnation takes its clients' submits and aborts (client_port.py)."""
+        """Where this incarnation takes its clients' submits and aborts and its workers' reports (client_port.py)."""
         if self._port is None:
-            self._port = ClientPort(self.submit, self.abort, self.s.curve_keys, self.s.host)
+            self._port = ClientPort(self.submit, self.abort, self._take_reports, self.s.curve_keys, self.s.host)
         return SchedulerPort(self._port.endpoint, self._incarnation.epoch)
 
     async def submit(self, request: GenerateRequest) -> Admitted | Rejected:

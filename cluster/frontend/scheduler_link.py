@@ -22,7 +22,7 @@ import ray
 import zmq
 import zmq.asyncio
 
-from actors.protocol.admission_wire import AbortRequests, AbortsTaken, Answers, Submit, SubmitBatch
+from actors.protocol.scheduler_wire import AbortRequests, AbortsTaken, Answers, Submit, SubmitBatch
 from actors.protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, decode_to_client, encode
 from actors.protocol.messages import Admitted, GenerateRequest, Rejected, SchedulerPort
 from kv_transfer.curve import CurveKeys, secure_client

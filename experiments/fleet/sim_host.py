@@ -1,7 +1,8 @@
 """One Ray actor (one process) hosting many simulated workers, each with its own identity.
 
 Seen from the scheduler each is a worker like any other: it registers itself with this actor's handle,
-reports (the host sends all its workers' reports in one `reports` call per heartbeat), is watched
+reports (the host sends all its workers' reports in one `Reports` frame per heartbeat and scheduler
+shard, over the real worker's `ReportLink`), is watched
 (`watch(worker_id)` fails when it dies), and takes the batched commands of worker_commands.py. Handoff
 notes travel host to host over zmq (PUSH to the decode worker's advertised endpoint, one PULL socket
 per host), token deltas to the client's sink over zmq, as a real worker's do. `kill` ends chosen
@@ -24,6 +25,7 @@ from actors.engine.kv.block_hash import PrefixHasher
 from actors.protocol.codec import encode
 from actors.protocol.messages import KvReservation
 from actors.protocol.token_stream import TokenPublisher
+from actors.worker.report_link import ReportLink
 from actors.protocol.worker_commands import ReleaseAttempt, ReserveBlocks, SubmitAttempt, WorkerCommand
 from experiments.fleet.sim_worker import SimPages, SimSpec, SimWorker
 from kv_transfer.drops import DropCounter
@@ -53,7 +55,7 @@ class SimHost:
         self._workers = {wid: SimWorker(wid, role, spec, self.endpoint, uuid.uuid4().hex, hasher)
                          for wid, role, _ in workers}
         self._gone: dict[str, asyncio.Event] = {}
-        self._unanswered: set[int] = set()  # shards whose last reports call has not come back
+        self._reports = [ReportLink(scheduler, None) for scheduler in schedulers]  # one per scheduler shard
         self._loop_task: asyncio.Task | None = None
         self.steps = self.failed_steps = 0
         self.late_s = 0.0  # summed lateness of steps against the step clock: the host's own overload
@@ -197,25 +199,15 @@ class SimHost:
         for w in self._workers.values():
             if w.alive:
                 by_shard.setdefault(self._shard[w.worker_id], []).append(w)
-        for shard, alive in by_shard.items():  # one call per scheduler shard
-            if shard in self._unanswered:
-                # A slow or restarting scheduler gets one call at a time, as a real worker's awaited heartbeat
-                # does; the workers' next report carries what this one would have (finishes stay queued).
-                continue
-            self._unanswered.add(shard)
-            reply = self._schedulers[shard].reports.remote(tuple(w.report(rss) for w in alive))
-            asyncio.get_running_loop().create_task(self._known(shard, reply, [w.worker_id for w in alive]))
-
-    async def _known(self, shard: int, reply, worker_ids: list[str]) -> None:
-        """A worker the scheduler does not know (it restarted, or gave up on it) registers again."""
-        try:
-            known = await reply
-        except ray.exceptions.RayError:
-            return  # the scheduler is down or restarting: keep reporting until it answers
-        finally:
-            self._unanswered.discard(shard)
         handle = ray.get_runtime_context().current_actor
-        for wid, ok in zip(worker_ids, known):
-            worker = self._alive(wid)
-            if not ok and worker is not None:
-                self._scheduler(wid).register.remote(worker.info(), handle, worker.live())
+        for shard, alive in by_shard.items():  # one frame per scheduler shard
+            link = self._reports[shard]
+            # A worker the scheduler does not know (it restarted, or gave up on it) registers again.
+            for wid in link.take_unknown():
+                worker = self._alive(wid)
+                if worker is not None:
+                    self._scheduler(wid).register.remote(worker.info(), handle, worker.live())
+            # One report out at a time, as a real worker's: the next carries what this one would have
+            # (finishes stay queued).
+            if link.ready():
+                link.send(tuple(w.report(rss) for w in alive))

@@ -16,7 +16,7 @@ import ray
 import torch
 import zmq
 
-from actors.protocol.admission_wire import AbortRequests, Submit, SubmitBatch
+from actors.protocol.scheduler_wire import AbortRequests, Submit, SubmitBatch
 from actors.protocol.codec import encode
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import GenerateRequest, TokenDelta

@@ -1,5 +1,6 @@
-"""The frames between a client and its scheduler shard over zmq (a DEALER at the client, the
-scheduler's ROUTER): the per-request traffic that once was a Ray call each.
+"""The frames to and from a scheduler shard's port over zmq (a DEALER at each peer, the scheduler's
+ROUTER): the per-request traffic that once was a Ray call each. Clients submit and abort; worker
+processes send their reports.
 
 Every ask carries a number the client chose (`ask`), unique among its asks in flight; the answer names
 it. A client whose scheduler restarted sends its unanswered asks again to the new one (a submit marked
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from actors.protocol.messages import Admitted, GenerateRequest, Rejected
+from actors.protocol.messages import Admitted, GenerateRequest, Rejected, WorkerReport
 
 
 class Submit(msgspec.Struct, frozen=True):
@@ -29,6 +30,13 @@ class AbortRequests(msgspec.Struct, frozen=True, tag=True):
 
     ask: int
     request_ids: tuple[str, ...]
+
+
+class Reports(msgspec.Struct, frozen=True, tag=True):
+    """A worker process's heartbeat: the reports of every worker it hosts; answered by `ReportsTaken`."""
+
+    ask: int
+    reports: tuple[WorkerReport, ...]
 
 
 class Answer(msgspec.Struct, frozen=True):
@@ -59,5 +67,13 @@ class AbortsTaken(msgspec.Struct, frozen=True, tag=True):
     ask: int
 
 
-ToScheduler = SubmitBatch | AbortRequests
-ToClient = Answers | AbortsTaken
+class ReportsTaken(msgspec.Struct, frozen=True, tag=True):
+    """`unknown`: the reporting workers this scheduler does not know (it restarted, or gave up on them):
+    they register again."""
+
+    ask: int
+    unknown: tuple[str, ...] = ()
+
+
+ToScheduler = SubmitBatch | AbortRequests | Reports
+ToClient = Answers | AbortsTaken | ReportsTaken
