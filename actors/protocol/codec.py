@@ -11,6 +11,7 @@ import msgspec
 from actors.protocol.scheduler_wire import ToClient, ToScheduler
 from actors.protocol.messages import HandoffNote, TokenDelta
 from actors.protocol.tp_messages import KvSendPlan, PieceEvent, PieceVerdict
+from actors.protocol.worker_commands import Reserved, ToWorker
 
 MAX_MESSAGE_BYTES = 64 << 20  # a step's deltas for a whole batch are far smaller; anything bigger is garbage
 
@@ -25,6 +26,8 @@ _note = msgspec.msgpack.Decoder(HandoffNote)
 _decoders = {t: msgspec.msgpack.Decoder(t) for t in (KvSendPlan, PieceEvent, PieceVerdict)}
 _to_scheduler = msgspec.msgpack.Decoder(ToScheduler)
 _to_client = msgspec.msgpack.Decoder(ToClient)
+_to_worker = msgspec.msgpack.Decoder(ToWorker)
+_reserved = msgspec.msgpack.Decoder(Reserved)
 
 
 def encode(message) -> bytes:
@@ -47,6 +50,16 @@ def decode_to_scheduler(payload: bytes) -> ToScheduler:
 def decode_to_client(payload: bytes) -> ToClient:
     """A scheduler's frame to a client (scheduler_wire.py)."""
     return _decode(_to_client, payload)
+
+
+def decode_to_worker(payload: bytes) -> ToWorker:
+    """The scheduler's frame to a worker process's command port (worker_commands.py)."""
+    return _decode(_to_worker, payload)
+
+
+def decode_reserved(payload: bytes) -> Reserved:
+    """A worker process's answer to a `Reserve`."""
+    return _decode(_reserved, payload)
 
 
 def decode_as(kind: type, payload: bytes):

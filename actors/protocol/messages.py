@@ -149,6 +149,7 @@ class WorkerInfo:
     block_size: int
     kv_bytes_per_token: int
     incarnation: str  # one per process: tells a restarted worker from one re-announcing itself
+    command_endpoint: str = ""  # its process's command port: where the scheduler's commands go (zmq)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The Ray worker actor: one engine in a role (prefill, decode or colocated), stepped by one thread.
 
-Ray method calls (any thread) only put commands in an inbox; the engine thread alone touches the
-engine, between steps. Per step it pushes one token message per client sink, hands finished
+The scheduler's commands arrive on the process's command port (command_port.py, zmq), and Ray method
+calls on any thread; both only put commands in an inbox: the engine thread alone touches the engine,
+between steps. Per step it pushes one token message per client sink, hands finished
 prefills to their decode workers, and ends expired leases. Every few tens of milliseconds it reports
-stats, finished attempts and KV events to the global scheduler (fire-and-forget).
+stats, finished attempts and KV events to the global scheduler (over zmq, one report out at a time).
 
 The roles (prefill, decode, colocated) are described with `WorkerSpec` (spec.py).
 
@@ -27,6 +28,7 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 
 import ray
 import torch
@@ -49,7 +51,8 @@ from actors.worker.faults import Faults, HeldWrites, check_fault
 from actors.worker.handoff_table import HandoffTable, LeaseKind
 from actors.worker.inbox import Inbox
 from actors.worker.kv_handoff import HandoffEnds
-from actors.worker.mailbox import addressed, answers
+from actors.worker.command_port import CommandPort
+from actors.worker.mailbox import addressed, gathered
 from actors.worker.meter import WorkerMeter
 from actors.worker.pulse import Pulse
 from actors.worker.running import Running
@@ -89,6 +92,8 @@ class Worker:
         # lost) from one that re-announces itself (same incarnation, its requests still live).
         self._incarnation = uuid.uuid4().hex
         self._stop = threading.Event()
+        # The scheduler's commands and reservations arrive here (zmq), not as Ray calls.
+        self._commands = CommandPort(self.deliver, self._reserve, spec.curve_keys, spec.host, spec.worker_id)
         self._link = None if scheduler is None else SchedulerLink(scheduler, spec.worker_id, self.info, self._live,
                                                                   spec.curve_keys)
         self._pulse = None
@@ -105,7 +110,7 @@ class Worker:
         return WorkerInfo(
             self.spec.worker_id, self.spec.role, self._ends.endpoints, self._engine.num_kv_blocks,
             self._engine.config.block_size, self._engine.model_bytes_per_block // self._engine.config.block_size,
-            self._incarnation,
+            self._incarnation, self._commands.endpoint,
         )
 
     def tensor_parallel_ranks(self) -> list:
@@ -145,11 +150,16 @@ class Worker:
                 log.error("worker %s: dropped an unknown command %s", self.spec.worker_id, type(command).__name__)
 
     def reserve_many(self, asks: tuple[ReserveBlocks, ...]) -> tuple[KvReservation | None, ...]:
-        """The scheduler's reservations of one tick, answered in order (None: no room, or it failed)."""
+        """Reservations answered in order (None: no room, or it failed); what the command port does for a
+        `Reserve` frame, as a call."""
+        return self._reserve(asks).result(timeout=_CALL_TIMEOUT_S)
+
+    def _reserve(self, asks: tuple[ReserveBlocks, ...]) -> Future:
+        """Queued for the engine thread at once (a later abort cannot overtake them); answered when decided."""
         if self._faults.slow_reserve_s:
             time.sleep(self._faults.slow_reserve_s)
-        return answers([self._inbox.ask(self._do_reserve, ask.request)
-                        if addressed(self.spec.worker_id, ask) else None for ask in asks], _CALL_TIMEOUT_S)
+        return gathered([self._inbox.ask(self._do_reserve, ask.request)
+                         if addressed(self.spec.worker_id, ask) else None for ask in asks])
 
     def check_integrity(self) -> WorkerStats:
         return self._inbox.call(self._do_integrity, None, _CALL_TIMEOUT_S)
@@ -173,6 +183,7 @@ class Worker:
         self._thread.join(timeout=10)
         if self._tp is not None and not self._thread.is_alive():
             self._tp.stop(self._engine.runner)
+        self._commands.close()
         self._ends.close()
         self._publisher.close()
         if self._link is not None and not self._thread.is_alive():  # (its socket is the engine thread's)

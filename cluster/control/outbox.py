@@ -1,14 +1,12 @@
 """What the scheduler tells workers and clients. Every command is fire-and-forget and idempotent where it
 lands (a worker ignores an abort or release for an attempt it does not hold), so a lost or repeated
 command costs nothing but the lease that would have ended it anyway. Commands to workers travel
-batched per tick (worker_mail.py)."""
+batched per tick, over zmq to each worker process's command port (worker_mail.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
-import ray
 
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import KvReservation, TokenDelta, WorkerRequest
@@ -16,7 +14,7 @@ from actors.protocol.token_stream import TokenPublisher
 from actors.protocol.worker_commands import AbortAttempt, ReleaseAttempt, ReserveBlocks, WorkerCommand
 from cluster.control.registry import WorkerRegistry
 from cluster.control.scheduler_state import Tracked
-from cluster.control.worker_mail import WorkerMail
+from cluster.control.worker_mail import MailLost, WorkerMail
 from kv_transfer.curve import CurveKeys
 
 log = logging.getLogger("tandem.scheduler")
@@ -28,14 +26,14 @@ class Outbox:
         # Only to tell a client its request failed with a lost worker.
         self._publisher = TokenPublisher(keys=curve_keys)
 
-    async def reserve(self, handle, request: WorkerRequest, worker_id: str) -> KvReservation | None:
-        """The prompt's blocks on a decode worker; None if it cannot answer (dying or restarting: the caller
-        tries again, elsewhere, until its admission deadline)."""
+    async def reserve(self, endpoint: str, request: WorkerRequest, worker_id: str) -> KvReservation | None:
+        """The prompt's blocks on a decode worker (its process's command endpoint); None if it cannot answer
+        (dying or restarting: the caller tries again, elsewhere, until its admission deadline)."""
         try:
-            return await self.mail.reserve(handle, ReserveBlocks(worker_id, request))
-        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+            return await self.mail.reserve(endpoint, ReserveBlocks(worker_id, request))
+        except MailLost as exc:
             log.warning("reserve on %s failed: %s", worker_id, exc)
-            self.mail.send(handle, AbortAttempt(worker_id, request.attempt))  # in case it landed after all
+            self.mail.send(endpoint, AbortAttempt(worker_id, request.attempt))  # in case it landed after all
             return None
 
     def abort(self, tracked: Tracked, skip: str | None = None) -> None:
@@ -50,12 +48,12 @@ class Outbox:
         """To a registered worker (a command for one that is gone has nobody to do it)."""
         entry = self._registry.get(worker_id)
         if entry is not None:
-            self.mail.send(entry.handle, command)
+            self.mail.send(entry.info.command_endpoint, command)
 
     def release_on(self, worker_id: str, attempt: AttemptId, role: str | None = None) -> None:
         entry = self._registry.get(worker_id)
         if entry is not None and (role is None or entry.view.role == role):
-            self.mail.send(entry.handle, ReleaseAttempt(worker_id, attempt))
+            self.mail.send(entry.info.command_endpoint, ReleaseAttempt(worker_id, attempt))
 
     def tell_client(self, tracked: Tracked, message: str, retryable: bool = True) -> None:
         delta = TokenDelta.failure(WorkerRequest(tracked.attempt, tracked.request), message, retryable)

@@ -91,7 +91,7 @@ class Scheduler:
         self._registry.on_change = self._table.on_change = self._placer.refresh
         self._shares = TenantShares(self._table, self._registry, settings.max_queued)
         self._door = AdmissionDoor()
-        self._out = Outbox(self._registry, WorkerMail(_CALL_TIMEOUT_S), settings.curve_keys)
+        self._out = Outbox(self._registry, WorkerMail(_CALL_TIMEOUT_S, settings.curve_keys), settings.curve_keys)
         self._clock = DecisionClock()
         self._waiters = RoomWaiters()
         self._incarnation = Incarnation(settings.heartbeat_timeout_s)
@@ -177,6 +177,7 @@ class Scheduler:
     def _worker_gone(self, worker_id: str, why: str) -> None:
         """Every request that touches a lost worker: re-route it if nothing was emitted yet, else fail it
         as retryable (its client migrates it)."""
+        self._out.mail.worker_gone(worker_id)
         self._index.forget(worker_id)
         self._links.forget(worker_id)
         for tracked in self._table.touching(worker_id):
@@ -197,6 +198,7 @@ class Scheduler:
         of this attempt reached the client: it is placed again."""
         while True:
             await asyncio.sleep(min(0.5, self.s.heartbeat_timeout_s / 4))
+            self._out.mail.keep_only({e.info.command_endpoint for e in self._registry.entries().values()})
             self._rebuild.drop_orphans()
             now = time.monotonic()
             for tracked in self._table.unconfirmed(older_than=now - self.s.heartbeat_timeout_s):
@@ -317,13 +319,14 @@ class Scheduler:
         dest = None
         if not placement.local:
             decode = self._registry.get(placement.decode_id)
-            reservation = await self._out.reserve(decode.handle, WorkerRequest(attempt, request), placement.decode_id)
+            reservation = await self._out.reserve(decode.info.command_endpoint, WorkerRequest(attempt, request),
+                                                  placement.decode_id)
             # Anything may have happened during the await: a worker forgotten, replaced or draining, or
             # another request of the tenant admitted.
             if (reservation is None or not self._placer.still_valid(placement)
                     or not self._shares.fits(request, blocks, self._placer.pool)):
-                if reservation is not None:  # to the handle reserved on, even if since replaced
-                    self._out.mail.send(decode.handle, AbortAttempt(placement.decode_id, attempt))
+                if reservation is not None:  # to the process reserved on, even if since replaced
+                    self._out.mail.send(decode.info.command_endpoint, AbortAttempt(placement.decode_id, attempt))
                 return None
             dest = KvDestination(placement.decode_id, decode.info.kv_endpoints, reservation)
         if placement.local and self.s.mode != "colocated":
@@ -337,7 +340,7 @@ class Scheduler:
         if placement.prefill is not None and placement.prefill.worker_id == prefill_id:
             self._guard.expect(attempt, placement.prefill, self._placer.step_s(prefill_id))
         target = self._registry.get(prefill_id)
-        self._out.mail.send(target.handle, SubmitAttempt(prefill_id, WorkerRequest(attempt, request, dest)))
+        self._out.mail.send(target.info.command_endpoint, SubmitAttempt(prefill_id, WorkerRequest(attempt, request, dest)))
         self._registry.add_queued(prefill_id, len(request.prompt_token_ids) - (
             placement.prefill.cached_tokens if placement.prefill is not None and not placement.local else 0))
         cached = placement.prefill.cached_tokens if placement.prefill is not None else 0

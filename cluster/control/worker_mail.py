@@ -1,44 +1,62 @@
-"""The scheduler's calls to workers, batched: every command for the workers one process hosts goes out
-in one `deliver` call, every reservation in one `reserve_many` call, when the event loop finishes the
-callbacks of the current iteration, or, under load, at most every `_MIN_GAP_S` (a command sent while
-the mail is quiet waits for nothing).
+"""The scheduler's commands to workers, batched: every command for the workers one process hosts goes
+out in one `Commands` frame, every reservation in one `Reserve` frame, to the process's command port
+(actors/worker/command_port.py) over zmq, when the event loop finishes the callbacks of the current
+iteration, or, under load, at most every `_MIN_GAP_S` (a command sent while the mail is quiet waits for
+nothing).
 
-A Ray actor call costs about as much CPU as a whole placement decision (~0.6 ms here: 1,700 calls/s
-between two processes on this box), so one call per command would cap the scheduler at a few hundred
-admissions per second whatever its routing costs. Batching keeps Ray's per-caller ordering: a
-process's commands of one tick arrive in the order they were sent, and before those of later ticks.
+Why not Ray calls: one costs about as much CPU as a whole placement decision (~0.6 ms here), most of it
+pickling and Ray's own machinery. One DEALER socket per worker process keeps the order of what is sent
+to it: a process's commands of one tick arrive in the order they were sent, and before those of later
+ticks. A reservation whose answer does not come within `reserve_timeout_s`, or whose worker is gone,
+fails (`MailLost`): the caller places the request again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 
-import ray
+import zmq
+import zmq.asyncio
 
-from actors.protocol.messages import KvReservation
-from actors.protocol.worker_commands import ReserveBlocks, WorkerCommand
+from actors.protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, decode_reserved, encode
+from actors.protocol.worker_commands import Commands, Reserve, ReserveBlocks, WorkerCommand
+from kv_transfer.curve import CurveKeys, secure_client
+from kv_transfer.drops import DropCounter
 
 _MIN_GAP_S = 0.002
+_SEND_HWM = 100_000  # frames queued for a worker process that is gone, before they are dropped
+
+
+class MailLost(RuntimeError):
+    """A reservation got no answer: its worker is gone, or did not answer in time."""
 
 
 class WorkerMail:
-    def __init__(self, reserve_timeout_s: float):
+    def __init__(self, reserve_timeout_s: float, keys: CurveKeys | None):
         self._reserve_timeout_s = reserve_timeout_s
-        self._commands: dict[object, list[WorkerCommand]] = {}  # actor handle -> this tick's commands
-        self._asks: dict[object, list[tuple[ReserveBlocks, asyncio.Future]]] = {}
+        self._keys = keys
+        self._context = zmq.asyncio.Context(zmq.Context.instance())
+        self._sockets: dict[str, zmq.asyncio.Socket] = {}  # command endpoint -> DEALER
+        self._receivers: dict[str, asyncio.Task] = {}
+        self._commands: dict[str, list[WorkerCommand]] = {}  # command endpoint -> this tick's commands
+        self._asks: dict[str, list[tuple[ReserveBlocks, asyncio.Future]]] = {}
+        self._waiting: dict[int, tuple[str, list[tuple[ReserveBlocks, asyncio.Future]]]] = {}  # Reserve frames out
+        self._ask_ids = itertools.count()
         self._flush_pending = False
         self._flushed_at = 0.0
-        self.calls = 0  # Ray calls made to workers (for the control-plane benchmark)
+        self.drops = DropCounter("worker_mail")
+        self.calls = 0  # frames sent to workers (for the control-plane benchmark)
         self.commands = 0
 
-    def send(self, handle, command: WorkerCommand) -> None:
-        self._commands.setdefault(handle, []).append(command)
+    def send(self, endpoint: str, command: WorkerCommand) -> None:
+        self._commands.setdefault(endpoint, []).append(command)
         self._schedule()
 
-    def reserve(self, handle, ask: ReserveBlocks) -> asyncio.Future:
-        """Resolves to the worker's `KvReservation` or None (no room); raises if the call failed."""
+    def reserve(self, endpoint: str, ask: ReserveBlocks) -> asyncio.Future:
+        """Resolves to the worker's `KvReservation` or None (no room); raises `MailLost`."""
         future = asyncio.get_running_loop().create_future()
-        self._asks.setdefault(handle, []).append((ask, future))
+        self._asks.setdefault(endpoint, []).append((ask, future))
         self._schedule()
         return future
 
@@ -54,28 +72,89 @@ class WorkerMail:
 
     def _flush(self) -> None:
         self._flush_pending = False
-        self._flushed_at = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        self._flushed_at = loop.time()
         commands, self._commands = self._commands, {}
         asks, self._asks = self._asks, {}
-        for handle, batch in commands.items():
-            handle.deliver.remote(tuple(batch))
-            self.calls += 1
+        for endpoint, batch in commands.items():
+            self._send(endpoint, Commands(tuple(batch)))
             self.commands += len(batch)
-        loop = asyncio.get_running_loop()
-        for handle, batch in asks.items():
-            ref = handle.reserve_many.remote(tuple(ask for ask, _ in batch))
-            self.calls += 1
+        for endpoint, batch in asks.items():
+            ask = next(self._ask_ids)
+            self._waiting[ask] = (endpoint, batch)
+            self._send(endpoint, Reserve(ask, tuple(a for a, _ in batch)))
             self.commands += len(batch)
-            loop.create_task(self._answer(ref, [future for _, future in batch]))
+            loop.call_later(self._reserve_timeout_s, self._fail, ask, "no answer in time")
 
-    async def _answer(self, ref, futures: list[asyncio.Future]) -> None:
-        try:
-            answers: tuple[KvReservation | None, ...] = await asyncio.wait_for(ref, self._reserve_timeout_s)
-        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
-            for future in futures:
-                if not future.done():
-                    future.set_exception(exc)
+    def _send(self, endpoint: str, message: Commands | Reserve) -> None:
+        socket = self._sockets.get(endpoint)
+        if socket is None:
+            socket = self._sockets[endpoint] = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
+            secure_client(socket, self._keys)
+            socket.connect(endpoint)
+            self._receivers[endpoint] = asyncio.get_running_loop().create_task(self._receive(socket))
+        socket.send(encode(message), flags=zmq.NOBLOCK).add_done_callback(self._sent)
+        self.calls += 1
+
+    def _sent(self, future: asyncio.Future) -> None:
+        if future.cancelled() or future.exception() is None:
             return
-        for future, answer in zip(futures, answers):
-            if not future.done():  # (its waiter may have been cancelled)
-                future.set_result(answer)
+        # zmq.Again: that process is long gone and its queue is full: its reservations fail by their
+        # timeout, its commands die with it.
+        self.drops.drop("full" if isinstance(future.exception(), zmq.Again) else "error", future.exception())
+
+    async def _receive(self, socket: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                payload = await socket.recv(copy=False)
+                answer = decode_reserved(payload.buffer)
+            except asyncio.CancelledError:
+                raise
+            except ProtocolError as exc:
+                self.drops.drop("malformed", exc)
+                continue
+            except zmq.ZMQError as exc:
+                if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                self.drops.drop("error", exc)
+                continue
+            waiting = self._waiting.pop(answer.ask, None)
+            if waiting is None:
+                continue  # it timed out, or its worker was declared gone
+            for (_, future), reservation in zip(waiting[1], answer.reservations):
+                if not future.done():  # (its waiter may have been cancelled)
+                    future.set_result(reservation)
+            for _, future in waiting[1][len(answer.reservations):]:
+                if not future.done():
+                    future.set_exception(MailLost("the worker answered fewer reservations than asked"))
+
+    def _fail(self, ask: int, why: str) -> None:
+        waiting = self._waiting.pop(ask, None)
+        if waiting is None:
+            return
+        for _, future in waiting[1]:
+            if not future.done():
+                future.set_exception(MailLost(f"reservation on {waiting[0]}: {why}"))
+
+    def worker_gone(self, worker_id: str) -> None:
+        """Its reservations waiting for an answer fail now (a dead process never answers)."""
+        for ask, (_, batch) in list(self._waiting.items()):
+            if any(a.worker_id == worker_id for a, _ in batch):
+                for a, future in batch:
+                    if a.worker_id == worker_id and not future.done():
+                        future.set_exception(MailLost(f"worker {worker_id} is gone"))
+
+    def keep_only(self, endpoints: set[str]) -> None:
+        """Close the sockets to processes no registered worker lives in (each restart binds a new port)."""
+        for endpoint in set(self._sockets) - endpoints:
+            self._receivers.pop(endpoint).cancel()
+            self._sockets.pop(endpoint).close(linger=0)
+            for ask, (where, _) in list(self._waiting.items()):
+                if where == endpoint:
+                    self._fail(ask, "its process is gone")
+
+    def sockets(self) -> int:
+        return len(self._sockets)

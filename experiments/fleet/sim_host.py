@@ -2,8 +2,8 @@
 
 Seen from the scheduler each is a worker like any other: it registers itself with this actor's handle,
 reports (the host sends all its workers' reports in one `Reports` frame per heartbeat and scheduler
-shard, over the real worker's `ReportLink`), is watched
-(`watch(worker_id)` fails when it dies), and takes the batched commands of worker_commands.py. Handoff
+shard, over the real worker's `ReportLink`), is watched (`watch(worker_id)` fails when it dies), and
+takes the batched commands of worker_commands.py on the real worker's `CommandPort` (one per host). Handoff
 notes travel host to host over zmq (PUSH to the decode worker's advertised endpoint, one PULL socket
 per host), token deltas to the client's sink over zmq, as a real worker's do. `kill` ends chosen
 workers as a crash would: they stop reporting and answering, and their watch fails.
@@ -12,6 +12,7 @@ workers as a crash would: they stop reporting and answering, and their watch fai
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import resource
 import time
@@ -25,6 +26,7 @@ from actors.engine.kv.block_hash import PrefixHasher
 from actors.protocol.codec import encode
 from actors.protocol.messages import KvReservation
 from actors.protocol.token_stream import TokenPublisher
+from actors.worker.command_port import CommandPort
 from actors.worker.report_link import ReportLink
 from actors.protocol.worker_commands import ReleaseAttempt, ReserveBlocks, SubmitAttempt, WorkerCommand
 from experiments.fleet.sim_worker import SimPages, SimSpec, SimWorker
@@ -57,12 +59,19 @@ class SimHost:
         self._gone: dict[str, asyncio.Event] = {}
         self._reports = [ReportLink(scheduler, None) for scheduler in schedulers]  # one per scheduler shard
         self._loop_task: asyncio.Task | None = None
+        self._commands: CommandPort | None = None
+        self._host = host
         self.steps = self.failed_steps = 0
         self.late_s = 0.0  # summed lateness of steps against the step clock: the host's own overload
 
     async def start(self) -> str:
         """Register every worker and start stepping; the host's page endpoint."""
         handle = ray.get_runtime_context().current_actor
+        loop = asyncio.get_running_loop()
+        self._commands = CommandPort(lambda commands: loop.call_soon_threadsafe(self.deliver_now, commands),
+                                     lambda asks: _on_loop(loop, self.reserve_now, asks), None, self._host, "sim-host")
+        for worker in self._workers.values():
+            worker.command_endpoint = self._commands.endpoint
         await asyncio.gather(*(self._scheduler(w.worker_id).register.remote(w.info(), handle, w.live())
                                for w in self._workers.values()))
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
@@ -70,7 +79,8 @@ class SimHost:
 
     # ---- the scheduler's calls ----
 
-    async def deliver(self, commands: tuple[WorkerCommand, ...]) -> None:
+    def deliver_now(self, commands: tuple[WorkerCommand, ...]) -> None:
+        """The scheduler's commands (on the host's loop): what its command port hands on."""
         now, wall = time.monotonic(), time.time()
         for command in commands:
             worker = self._alive(command.worker_id)
@@ -83,7 +93,7 @@ class SimHost:
             else:
                 worker.abort(command.attempt)
 
-    async def reserve_many(self, asks: tuple[ReserveBlocks, ...]) -> tuple[KvReservation | None, ...]:
+    def reserve_now(self, asks: tuple[ReserveBlocks, ...]) -> tuple[KvReservation | None, ...]:
         now = time.monotonic()
         return tuple(w.reserve(ask.request, now) if (w := self._alive(ask.worker_id)) else None for ask in asks)
 
@@ -211,3 +221,17 @@ class SimHost:
             # (finishes stay queued).
             if link.ready():
                 link.send(tuple(w.report(rss) for w in alive))
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn, arg) -> concurrent.futures.Future:
+    """`fn(arg)` run on `loop`, from another thread; its result as a future of that thread's kind."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            out.set_result(fn(arg))
+        except Exception as exc:  # the port answers None for each, and logs it
+            out.set_exception(exc)
+
+    loop.call_soon_threadsafe(run)
+    return out

@@ -70,6 +70,7 @@ class SimWorker:
             raise ValueError(f"a simulated worker is a prefill or a decode worker, not {role!r}")
         self.worker_id, self.role, self.spec, self.incarnation = worker_id, role, spec, incarnation
         self._endpoint, self._hasher = endpoint, hasher
+        self.command_endpoint = ""  # its host's command port, once the host has opened it
         self.alive = True
         self._used = 0  # blocks held by requests (prompts, held pages, reservations, decodes)
         self._cache: OrderedDict[int, None] = OrderedDict()  # prefix blocks, least recently used first
@@ -90,7 +91,7 @@ class SimWorker:
         endpoints = (KvRankEndpoint(self._endpoint, 0, 1, 1),) if self.role == "decode" else ()
         s = self.spec
         return WorkerInfo(self.worker_id, self.role, endpoints, s.num_blocks, s.block_size, s.kv_bytes_per_token,
-                          self.incarnation)
+                          self.incarnation, self.command_endpoint)
 
     # ---- the scheduler's commands ----
 
