@@ -246,6 +246,7 @@ class Scheduler:
         if isinstance(answer, Admitted):
             self._clock.decided(time.perf_counter() - arrived)
         else:
+            self._clock.refused(time.perf_counter() - arrived)
             self._rejected += 1  # counted here only, whichever owner refused it
         return answer
 

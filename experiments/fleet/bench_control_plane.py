@@ -168,6 +168,7 @@ def run_point(num_workers: int, rate: float, duration_s: float, per_host: int, s
             "decision_max_ms": _ms(stats.decision_max_s),
             "submit_rtt_p50_ms": _ms(_pct(submit, 0.5)), "submit_rtt_p99_ms": _ms(_pct(submit, 0.99)),
             "refusal_rtt_p50_ms": _ms(_pct(refusal, 0.5)), "refusal_rtt_p99_ms": _ms(_pct(refusal, 0.99)),
+            "refusal_decision_p50_ms": _ms(stats.refusal_p50_s), "refusal_decision_p99_ms": _ms(stats.refusal_p99_s),
             "scheduler_cpu_us_per_admission": stats.cpu_s / max(stats.admitted, 1) * 1e6,
             "ttft_p50_ms": _ms(_pct(ttft, 0.5)), "ttft_p99_ms": _ms(_pct(ttft, 0.99)),
             "outside_workers_p50_ms": _ms(_pct(outside, 0.5)), "outside_workers_p99_ms": _ms(_pct(outside, 0.99)),
@@ -198,7 +199,8 @@ def _merged(stats: list[ControlPlaneStats]) -> ControlPlaneStats:
         sum(s.admitted for s in stats), worst("decision_p50_s"), worst("decision_p99_s"), worst("decision_max_s"),
         sum(s.cpu_s for s in stats), wall, max(s.max_rss_bytes for s in stats), sum(s.in_flight for s in stats),
         sum(s.prefix_index_entries for s in stats), sum(s.workers for s in stats),
-        sum(s.worker_calls for s in stats), sum(s.worker_commands for s in stats))
+        sum(s.worker_calls for s in stats), sum(s.worker_commands for s in stats), sum(s.refused for s in stats),
+        worst("refusal_p50_s"), worst("refusal_p99_s"))
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -232,7 +234,8 @@ def _point_line(p: dict) -> str:
             f"decision p50 {p['decision_p50_ms']} ms p99 {p['decision_p99_ms']} ms, outside workers p50 "
             f"{p['outside_workers_p50_ms']} ms, scheduler CPU {p['scheduler_cpu_fraction']:.0%} "
             f"({p['scheduler_cpu_us_per_admission']:.0f} us per admission), driver CPU {p['driver_cpu_fraction']:.0%}, "
-            f"rejected {p['rejected']} (answered p50 {p['refusal_rtt_p50_ms']} ms p99 {p['refusal_rtt_p99_ms']} ms), "
+            f"rejected {p['rejected']} (decided p50 {p['refusal_decision_p50_ms']} ms p99 {p['refusal_decision_p99_ms']} "
+            f"ms, answered p50 {p['refusal_rtt_p50_ms']} ms p99 {p['refusal_rtt_p99_ms']} ms), "
             f"hung {p['hung']}")
 
 
