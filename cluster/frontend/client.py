@@ -229,10 +229,12 @@ class TandemClient:
             raise
         return self._admitted(stream, answer)
 
-    async def asubmit(self, request: GenerateRequest, deltas=None, timeout_s: float = 60.0) -> Submitted:
+    async def asubmit(self, request: GenerateRequest, deltas=None, timeout_s: float = 60.0,
+                      deadline: float | None = None, own_deadline: bool = False) -> Submitted:
         """`submit` for an event loop: its deltas go to `deltas` if given, else to an unbounded inbox on
-        this loop, which `pump` reads."""
-        stream = self._listen(request, deltas or Inbox(asyncio.get_running_loop()))
+        this loop, which `pump` reads. `deadline` (time.monotonic()): when the request ends TIMED_OUT
+        wherever it is; `own_deadline`: the caller's own choice (an HTTP `timeout`), not the server's."""
+        stream = self._listen(request, deltas or Inbox(asyncio.get_running_loop()), deadline, own_deadline)
         try:
             answer = await asyncio.wrap_future(self._send(request, timeout_s))
         except BaseException:
@@ -261,9 +263,11 @@ class TandemClient:
                     raise
                 await asyncio.sleep(_RESEND_S)
 
-    def _listen(self, request: GenerateRequest, deltas) -> RequestStream:
+    def _listen(self, request: GenerateRequest, deltas, deadline: float | None = None,
+                own_deadline: bool = False) -> RequestStream:
         """The request's record, made as it is sent (its progress bound counts the admission too)."""
-        stream = RequestStream(request, self.tokenizer)
+        stream = RequestStream(request, self.tokenizer, deadline=deadline)
+        stream.own_deadline = own_deadline
         stream.inbox = deltas
         stream.shard = shard_for(request.prompt_token_ids, request.cache_salt, len(self.schedulers))
         with self._lock:

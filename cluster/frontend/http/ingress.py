@@ -51,7 +51,7 @@ class Ingress:
     # ---- one cluster request ----
 
     async def open(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None,
-                   until: float) -> RequestStream:
+                   until: float, own_deadline: bool) -> RequestStream:
         """Admit one cluster request that ends TIMED_OUT at `until` (time.monotonic()), wherever it is:
         the stream keeps that deadline, the scheduler (maybe on another host) gets it on the wall clock."""
         started = time.monotonic()
@@ -61,7 +61,7 @@ class Ingress:
         try:
             # Its admission is part of the progress bound: no answer within it is a clean 503.
             submitted = await self.client.asubmit(request, Inbox(asyncio.get_running_loop(), self.queue_size),
-                                                  timeout_s=self.client.progress_timeout_s)
+                                                  self.client.progress_timeout_s, until, own_deadline)
         except asyncio.TimeoutError:
             self.metrics.rejected.labels("unavailable").inc()
             raise ApiError(503, f"no admission answer within the progress bound ({self.client.progress_timeout_s:.0f}s, "
@@ -84,9 +84,7 @@ class Ingress:
             raise ApiError(429, exc.reason, None, "rate_limit_error",
                            {"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        stream = submitted.stream
-        stream.deadline = until
-        return stream
+        return submitted.stream
 
     async def events(self, stream: RequestStream, arrival: float) -> AsyncIterator[StreamEvent]:
         """The request's events from the client's pump, until it ends (then `finish`)."""
@@ -141,11 +139,11 @@ class Ingress:
         self.gate.admit(tenant, cost, requests=len(prompts))
         # A request's own `timeout` may shorten the server's deadline, never stretch it.
         until = time.monotonic() + min(timeout_s or self.request_timeout_s, self.request_timeout_s)
+        own = timeout_s is not None and timeout_s < self.request_timeout_s
         opened = []
         try:
             for p in prompts:
-                opened.append(await self.open(p, params, tenant, until))
-                opened[-1].own_deadline = timeout_s is not None and timeout_s < self.request_timeout_s
+                opened.append(await self.open(p, params, tenant, until, own))
         except BaseException:
             for stream in opened:
                 self.finish(stream, 0.0)
