@@ -178,7 +178,8 @@ class WorkerStats:
     rss_bytes: int
     step_s: float | None = None  # smoothed engine step time; None until measured
     prefill_s_per_token: float | None = None
-    dropped_messages: tuple[tuple[str, int], ...] = ()  # KV receiver: (reason, count) of messages thrown away
+    # (socket, reason, count) of messages its receiving loops threw away: "kv_receiver", "command_port"
+    dropped_messages: tuple[tuple[str, str, int], ...] = ()
 
     def as_dict(self) -> dict:
         """For people and metrics (introspection), never for control decisions."""

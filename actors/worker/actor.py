@@ -364,7 +364,8 @@ class Worker:
     def _stats(self) -> WorkerStats:
         running = sum(phase is Phase.RUNNING for phase, _ in self._engine.tags())
         return self._meter.stats(self.spec, self._engine.load(), self._handoffs, running,
-                                 self._inbox.prompt_tokens, self._publisher.dropped, self._receiver)
+                                 self._inbox.prompt_tokens, self._publisher.dropped, self._receiver,
+                                 self._commands.drops.snapshot())
 
     def _report(self) -> None:
         if self._link is not None and not self._link.ready():

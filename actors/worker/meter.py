@@ -46,9 +46,11 @@ class WorkerMeter:
         return tuple(samples)
 
     def stats(self, spec: WorkerSpec, load, table: HandoffTable, live_requests: int, inbox_prompt_tokens: int,
-              tokens_dropped: int, receiver) -> WorkerStats:
+              tokens_dropped: int, receiver, command_drops: dict[str, int]) -> WorkerStats:
         """What the worker reports: its engine's `load`, its handoff table's leases, and these counters."""
         receiver_dropped = receiver.dropped() if receiver is not None else {}
+        dropped = [("kv_receiver", reason, n) for reason, n in receiver_dropped.items()]
+        dropped += [("command_port", reason, n) for reason, n in command_drops.items()]
         return WorkerStats(
             spec.worker_id, spec.role, load.free_blocks, load.num_blocks, load.used_blocks,
             load.running, load.waiting, load.queued_prefill_tokens + inbox_prompt_tokens, load.preemptions,
@@ -58,7 +60,7 @@ class WorkerMeter:
             transfers_sent=self.transfers_sent, transfers_failed=self.transfers_failed,
             late_pages_dropped=table.late_pages_dropped, adopted=self.adopted, kv_bytes_sent=self.kv_bytes_sent,
             rss_bytes=rss_bytes(), step_s=self.step_s, prefill_s_per_token=self.prefill_s_per_token,
-            dropped_messages=tuple(sorted(receiver_dropped.items())),
+            dropped_messages=tuple(sorted(dropped)),
         )
 
 

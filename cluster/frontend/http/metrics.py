@@ -84,12 +84,12 @@ class IngressMetrics:
         self.leases_expired.set(sum(w.leases_expired for w in workers))
         for worker_id, w in stats.items():
             self.worker_rss.labels(worker_id).set(w.rss_bytes)
-        kv_drops: dict[str, int] = {}
+        drops: dict[tuple[str, str], int] = {}
         for w in workers:
-            for reason, n in w.dropped_messages:
-                kv_drops[reason] = kv_drops.get(reason, 0) + n
-        for reason, n in kv_drops.items():
-            self.dropped.labels("kv_receiver", reason).set(n)
+            for socket, reason, n in w.dropped_messages:
+                drops[socket, reason] = drops.get((socket, reason), 0) + n
+        for (socket, reason), n in drops.items():
+            self.dropped.labels(socket, reason).set(n)
 
     def update_sockets(self, dropped: dict[str, dict[str, int]], rejected_handshakes: int) -> None:
         """`dropped`: by socket (the ingress's own and the schedulers'), by reason."""

@@ -1,4 +1,5 @@
-"""Garbage on every zmq socket of a served cluster (the token sink, a KV receiver, the scheduler's port), with CURVE off so that it gets in at all: each
+"""Garbage on every zmq socket of a served cluster (the token sink, a KV receiver, the scheduler's port,
+a worker's command port), with CURVE off so that it gets in at all: each
 message is dropped and counted on `/metrics`, the streams go on, and `/health` says so when the
 ingress's own receiving thread is dead (killed here on purpose)."""
 
@@ -46,6 +47,8 @@ def test_garbage_is_counted_and_streams_go_on(plain_server):
     raw_push(kv_endpoint, GARBAGE)
     port = ray.get(cluster.scheduler.client_port.remote(), timeout=30).endpoint
     raw_push(port, GARBAGE, zmq.DEALER)
+    commands = ray.get(cluster.workers["prefill-0"].info.remote(), timeout=30).command_endpoint
+    raw_push(commands, GARBAGE, zmq.DEALER)
 
     prompt = "The quick brown fox"
     (ref,) = Engine(load("local.yaml").engine_config()).generate(
@@ -56,7 +59,8 @@ def test_garbage_is_counted_and_streams_go_on(plain_server):
     assert "".join(c.choices[0].text for c in chunks) == ref.outputs[0].text
 
     deadline = time.monotonic() + 30
-    want = {("token_sink", "malformed"): 6.0, ("kv_receiver", "malformed"): 4.0, ("scheduler_port", "malformed"): 4.0}
+    want = {("token_sink", "malformed"): 6.0, ("kv_receiver", "malformed"): 4.0, ("scheduler_port", "malformed"): 4.0,
+            ("command_port", "malformed"): 4.0}
     while (dropped := _dropped(base_url)) != want and time.monotonic() < deadline:
         time.sleep(0.2)  # the workers' counts arrive with their next report
     assert dropped == want  # every frame of a stray multipart message counts on the sink (it reads single frames)
