@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
-"""KV transfer throughput over zmq (ipc, tcp; plain or CURVE), as a ratio to an in-process memcpy.
+"""KV transfer throughput over zmq (shm, ipc, tcp; plain or CURVE), as a ratio to an in-process memcpy.
 
 Two processes: this one sends (ZmqKVSender), a spawned child receives (ZmqKVReceiver) into its own
-cache and reports each completion time (CLOCK_MONOTONIC, shared by processes on Linux) through a
-multiprocessing queue. Throughput of one size = reps * bytes / (last completion - first send start),
+cache and notes each completion time (CLOCK_MONOTONIC, shared by processes on Linux) in a list, which it
+hands over once all the transfers of a size are in (a queue message per transfer would cost the
+receiving process a thread switch each time, inside the measurement). Throughput of one size = reps * bytes / (last completion - first send start),
 after one warm-up transfer, with the same pages re-sent back to back. The time therefore includes
-the sender's gather (index_select), the socket, and the receiver's scatter (index_copy_) into
-scattered destination blocks; it does not include a control-plane ack.
+the sender's gather (index_select), the socket, and the receiver's scatter into scattered
+destination blocks; it does not include a control-plane ack.
+
+Transports: `shm` is an ipc receiver offering shared memory: the sender gathers the pages into a
+shared-memory span and the socket carries only a note (what workers on one host do by default); `ipc`
+is the same socket with shared memory off on both ends (the pages travel as frames); `tcp` as across
+hosts. Measured one after the other in one run, each beside the memcpy baseline of the same moment.
 
 Baseline: `dst.copy_(src)` of one contiguous tensor of the same size into a preallocated one, in this
 process, best of several runs. Every process runs torch with one thread, so the ratio compares one
@@ -14,7 +20,7 @@ core's copy with a pipeline of two processes. With `--encryption none curve` eac
 both ways, one after the other in the same run, and `curve_over_none` is their throughput ratio (what
 `transfer.encryption: curve` costs on that link).
 
-    python experiments/kv_transfer_bench.py [--sizes-mib 1 4 16 64] [--transports ipc tcp]
+    python experiments/kv_transfer_bench.py [--sizes-mib 1 4 16 64] [--transports shm ipc tcp]
                                             [--encryption none curve] [--json]
 """
 
@@ -46,13 +52,20 @@ def make_caches(num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(shape).to(DTYPE), torch.randn(shape).to(DTYPE)) for _ in range(NUM_LAYERS)]
 
 
-def _receiver_main(transport: str, num_blocks: int, keys: CurveKeys | None, endpoint_q, done_q, stop) -> None:
+def _receiver_main(transport: str, num_blocks: int, keys: CurveKeys | None, endpoint_q, ask_q, done_q) -> None:
     torch.set_num_threads(1)
-    rx = ZmqKVReceiver(make_caches(num_blocks), lambda h: done_q.put(time.monotonic()),
-                       lambda h, e: done_q.put(repr(e)), transport=transport, keys=keys)
+    done: list = []  # completion times, or a refusal's repr, appended by the receiving thread
+    rx = ZmqKVReceiver(make_caches(num_blocks), lambda h: done.append(time.monotonic()),
+                       lambda h, e: done.append(repr(e)), transport="ipc" if transport == "shm" else transport,
+                       keys=keys, shm=transport == "shm")
     rx.start()
     endpoint_q.put(rx.endpoint)
-    stop.wait(600)
+    while (n := ask_q.get(timeout=600)) is not None:  # the next n outcomes, once they are all in
+        deadline = time.monotonic() + 60
+        while len(done) < n and time.monotonic() < deadline:
+            time.sleep(0.001)
+        done_q.put(done[:n])
+        del done[:n]
     rx.close()
 
 
@@ -73,11 +86,11 @@ def run_transport(transport: str, sizes_mib: list[int], min_bytes: int, encrypti
     caches = make_caches(num_blocks)
     keys = CurveKeys.generate() if encryption == "curve" else None
     ctx = mp.get_context("spawn")
-    endpoint_q, done_q, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_receiver_main, args=(transport, num_blocks, keys, endpoint_q, done_q, stop), daemon=True)
+    endpoint_q, ask_q, done_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_receiver_main, args=(transport, num_blocks, keys, endpoint_q, ask_q, done_q), daemon=True)
     proc.start()
     rows = []
-    sender = ZmqKVSender(keys=keys)
+    sender = ZmqKVSender(keys=keys, shm=transport == "shm")
     try:
         endpoint = endpoint_q.get(timeout=60)
         rng = random.Random(0)
@@ -88,35 +101,40 @@ def run_transport(transport: str, sizes_mib: list[int], min_bytes: int, encrypti
             nbytes = header.spec.transfer_nbytes(n)
             reps = max(5, min_bytes // nbytes)
             sender.send(endpoint, header, caches, src_ids, timeout_s=60)
-            _expect_completion(done_q)
+            _completions(ask_q, done_q, 1)
             t0 = time.monotonic()
             for _ in range(reps):
                 sender.send(endpoint, header, caches, src_ids, timeout_s=60)
-            t_end = max(_expect_completion(done_q) for _ in range(reps))
+            t_end = max(_completions(ask_q, done_q, reps))
+            if (transport == "shm") != bool(sender.shm_endpoints):
+                raise RuntimeError(f"{transport}: the pages did not take the path being measured")
             gbps = reps * nbytes / (t_end - t0) / 1e9
             base = memcpy_gbps(nbytes, reps=10)
             rows.append(dict(transport=transport, encryption=encryption, size_mib=mib, bytes=nbytes, reps=reps, gb_per_s=round(gbps, 3),
                              memcpy_gb_per_s=round(base, 3), ratio_to_memcpy=round(gbps / base, 3)))
     finally:
         sender.close()
-        stop.set()
+        ask_q.put(None)
         proc.join(10)
         if proc.is_alive():
             proc.terminate()
     return rows
 
 
-def _expect_completion(done_q) -> float:
-    got = done_q.get(timeout=60)
-    if isinstance(got, str):
-        raise RuntimeError(f"receiver refused a benchmark transfer: {got}")
+def _completions(ask_q, done_q, n: int) -> list[float]:
+    """The completion times of the next `n` transfers."""
+    ask_q.put(n)
+    got = done_q.get(timeout=90)
+    refused = [g for g in got if isinstance(g, str)]
+    if refused or len(got) < n:
+        raise RuntimeError(f"receiver took {len(got) - len(refused)} of {n} benchmark transfers: {refused[:1]}")
     return got
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--transports", nargs="+", choices=["ipc", "tcp"], default=["ipc", "tcp"])
+    ap.add_argument("--transports", nargs="+", choices=["shm", "ipc", "tcp"], default=["shm", "ipc", "tcp"])
     ap.add_argument("--encryption", nargs="+", choices=["none", "curve"], default=["none"],
                     help="measure plain sockets, CURVE ones, or both (then their ratio too)")
     ap.add_argument("--min-mib-per-size", type=int, default=256, help="bytes sent per size (at least 5 transfers)")

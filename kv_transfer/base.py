@@ -61,54 +61,6 @@ OnError = Callable[[TransferHeader | None, Exception], None]
 Admit = Callable[[TransferHeader], None]
 
 
-def _block_rows(cache: torch.Tensor) -> torch.Tensor:
-    """`cache` as [num_blocks, words]: the widest integer type that divides a block's bytes. Moving
-    bytes this way copies every dtype (bfloat16 included) bit for bit, and torch's indexed copies run
-    several times faster on 8-byte words than on single bytes."""
-    rows = cache.view(torch.uint8).view(cache.shape[0], -1)
-    for word in (torch.int64, torch.int32, torch.int16):
-        if rows.shape[1] % word.itemsize == 0:
-            return rows.view(word)
-    return rows
-
-
-def gather_pages(cache: torch.Tensor, block_ids: torch.Tensor, device: torch.device,
-                 non_blocking: bool = False, heads: tuple[int, int] | None = None) -> torch.Tensor:
-    """The given blocks of one cache tensor, in order, as a fresh contiguous 1-D uint8 tensor on
-    `device`; with `heads` (offset, count into the cache's heads dimension), only those heads of each
-    block. A CUDA cache bound for the host is staged through pinned memory; with `non_blocking` the copy
-    is only queued, and the caller synchronizes the stream before reading the bytes."""
-    if heads is None:
-        pages = _block_rows(cache).index_select(0, block_ids).view(torch.uint8).view(-1)
-    else:
-        pages = cache.index_select(0, block_ids).narrow(2, *heads).contiguous().view(torch.uint8).view(-1)
-    if pages.device == device:
-        return pages
-    if device.type == "cpu":
-        host = torch.empty(pages.shape, dtype=torch.uint8, pin_memory=True)
-        host.copy_(pages, non_blocking=non_blocking)
-        return host
-    return pages.to(device)
-
-
-def scatter_pages(cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor,
-                  heads: tuple[int, int] | None = None) -> None:
-    """Write 1-D uint8 `pages` (len(block_ids) blocks, in order) into those blocks of `cache`; with
-    `heads` (offset, count), the pages hold only those heads of each block, and only they are written.
-
-    Pinned host pages bound for a CUDA cache are copied asynchronously, on the current stream: the
-    caller synchronizes it before declaring the blocks written (`KVReceiver._complete` does)."""
-    staged = cache.device.type == "cuda" and pages.device.type == "cpu" and pages.is_pinned()
-    pages = pages.to(cache.device, non_blocking=staged)
-    if heads is None:
-        rows = _block_rows(cache)
-        rows.index_copy_(0, block_ids, pages.view(rows.dtype).view(len(block_ids), -1))
-        return
-    _, block_size, _, head_dim = cache.shape
-    part = cache.narrow(2, *heads)
-    part.index_copy_(0, block_ids, pages.view(cache.dtype).view(len(block_ids), block_size, heads[1], head_dim))
-
-
 @dataclass(frozen=True)
 class ReceiverStats:
     transfers_ok: int

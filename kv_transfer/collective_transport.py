@@ -44,7 +44,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from kv_transfer.base import Admit, KVCaches, KVReceiver, KVSender, OnComplete, OnError, gather_pages, scatter_pages
+from kv_transfer.base import Admit, KVCaches, KVReceiver, KVSender, OnComplete, OnError
+from kv_transfer.page_copy import gather_pages, scatter_pages
 from kv_transfer.endpoints import advertised_host
 from kv_transfer.page_format import (
     HeadSlice, PageFormatError, TransferError, TransferHeader, decode_header, encode_header,

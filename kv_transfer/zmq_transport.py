@@ -7,6 +7,12 @@ copying. A multipart message is delivered whole or not at all, so concurrent sen
 never interleave and a transfer is never half written. zmq queues the frames of a message until its
 last one, so gathering and wire time do not overlap within one transfer.
 
+One host: when an ipc receiver offers shared memory and the sender shares its host and user
+(`kv_transfer.shm_pages`), the sender gathers the pages into a span of a shared-memory segment instead,
+and the message is [note, header]: the note (which segment, which span) and the usual header. The
+receiver writes the pages from the span; everything after that (checks, admit, callbacks) is the same.
+Each end has a switch (`shm=False`) that keeps the pages on the socket.
+
 A CUDA cache is staged through pinned host memory both ways: the sender queues every layer's
 device-to-host copy, waits for them once, then hands the pinned pages to zmq; the receiver reads the
 page frames straight into pinned buffers sized from the header (`recv_into`) and queues the
@@ -21,10 +27,12 @@ every check, and counts what it drops instead of dying of it.
 
 Limits: `send` returning means zmq has the message queued, not that the receiver got it (a receiver
 that dies with messages in flight loses them; the lease's ack covers that). A receiver queues at most
-`_RCV_HWM` whole transfers before senders block (and then time out).
+`_RCV_HWM` whole transfers before senders block (and then time out). Through shared memory, a sender's
+lane holds a few transfers no receiver has served yet; the next send waits for room until its deadline.
 
-Why ~310 lines: the sender and the receiver are the two halves of one wire format and its limits;
-apart, each would restate them.
+Why ~380 lines: the sender and the receiver are the two halves of one wire format (page frames, or a
+shared-memory note) and its limits; apart, each would restate them. What shared memory itself takes
+(segments, lanes, who releases what) lives in `shm_pages` / `shm_segment`.
 """
 
 from __future__ import annotations
@@ -39,14 +47,14 @@ from typing import Sequence
 import torch
 import zmq
 
-from kv_transfer.base import (
-    Admit, KVCaches, KVReceiver, KVSender, OnComplete, OnError, gather_pages, logger, scatter_pages,
-)
+from kv_transfer.base import Admit, KVCaches, KVReceiver, KVSender, OnComplete, OnError, logger
 from kv_transfer.curve import CurveKeys, secure_client, secure_server
 from kv_transfer.endpoints import advertised_host
+from kv_transfer.page_copy import gather_pages, scatter_transfer
 from kv_transfer.page_format import (
     HeadSlice, PageFormatError, TransferError, TransferHeader, decode_header, encode_header,
 )
+from kv_transfer.shm_pages import LANE_BYTES, ShmLanes, ShmLaneTable, advertise, decode_note, encode_note, is_note
 
 _RCV_HWM = 16
 _CPU = torch.device("cpu")
@@ -58,17 +66,26 @@ class ZmqKVSender(KVSender):
     """One PUSH socket per destination endpoint, created on first use and reused.
 
     Not thread-safe (zmq sockets are not): use a sender from one thread at a time, or one per thread.
+    shm: put the pages in shared memory for receivers that offer it (one host, one user); `shm_lane_bytes`
+    is how much of it one receiver's lane may hold (a larger transfer gets a lane of its own size).
     """
 
-    def __init__(self, context: zmq.Context | None = None, close_linger_s: float = 1.0, keys: CurveKeys | None = None):
+    def __init__(self, context: zmq.Context | None = None, close_linger_s: float = 1.0, keys: CurveKeys | None = None,
+                 shm: bool = True, shm_lane_bytes: int = LANE_BYTES):
         self._ctx = context or zmq.Context.instance()
         self._keys = keys
         self._close_linger_ms = int(close_linger_s * 1000)
         self._sockets: dict[str, zmq.Socket] = {}
+        self._shm = ShmLanes(shm_lane_bytes) if shm else None
 
     @property
     def open_endpoints(self) -> tuple[str, ...]:
         return tuple(self._sockets)
+
+    @property
+    def shm_endpoints(self) -> tuple[str, ...]:
+        """Endpoints whose pages go through shared memory (a lane is open)."""
+        return self._shm.endpoints if self._shm is not None else ()
 
     def send(self, endpoint: str, header: TransferHeader, kv_caches: KVCaches,
              src_block_ids: Sequence[int], timeout_s: float, cache_heads: HeadSlice | None = None) -> None:
@@ -77,9 +94,14 @@ class ZmqKVSender(KVSender):
         deadline = time.monotonic() + timeout_s
         sock = self._socket(endpoint)
         try:
+            note = self._shm.put(endpoint, header, kv_caches, src, heads, deadline) if self._shm else None
             # IMMEDIATE: nothing is queued for a peer that is not connected, so with nobody listening
             # the first frame waits for SNDTIMEO and fails. Once it is in, the rest of the message follows.
             sock.setsockopt(zmq.SNDTIMEO, max(0, math.ceil((deadline - time.monotonic()) * 1000)))
+            if note:
+                sock.send(encode_note(note), zmq.SNDMORE)
+                sock.send(header_bytes)
+                return
             sock.send(header_bytes, zmq.SNDMORE)
             pages = _host_pages(kv_caches, src, heads)
             for i, page in enumerate(pages):
@@ -96,6 +118,8 @@ class ZmqKVSender(KVSender):
             raise
 
     def close(self) -> None:
+        if self._shm is not None:  # first, while the sockets still deliver the notes in flight
+            self._shm.close(linger_s=self._close_linger_ms / 1000)
         for sock in self._sockets.values():
             sock.close(linger=self._close_linger_ms)  # queued transfers still get this long to leave
         self._sockets.clear()
@@ -116,6 +140,8 @@ class ZmqKVSender(KVSender):
         return sock
 
     def _drop(self, endpoint: str) -> None:
+        if self._shm is not None:
+            self._shm.drop(endpoint)
         sock = self._sockets.pop(endpoint, None)
         if sock is not None:
             sock.close(linger=0)
@@ -163,12 +189,14 @@ class ZmqKVReceiver(KVReceiver):
     staged: receive page frames into host buffers of our own (pinned) before writing them into the
     cache; None means "when the cache is on CUDA". On a CPU cache it only adds a copy (tests use it).
     keys: the cluster's CURVE keys; None: an unauthenticated socket.
+    shm: on ipc, offer senders of this host and user the shared-memory path (`kv_transfer.shm_pages`).
     """
 
     def __init__(self, kv_caches: KVCaches, on_complete: OnComplete, on_error: OnError, *,
                  transport: str = "ipc", host: str = "127.0.0.1", advertise_host: str | None = None,
                  poll_interval_s: float = 0.05, context: zmq.Context | None = None, admit: Admit | None = None,
-                 staged: bool | None = None, keys: CurveKeys | None = None, heads: HeadSlice | None = None):
+                 staged: bool | None = None, keys: CurveKeys | None = None, heads: HeadSlice | None = None,
+                 shm: bool = True):
         super().__init__(kv_caches, on_complete, on_error, admit, heads)
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
@@ -182,6 +210,8 @@ class ZmqKVReceiver(KVReceiver):
         self._endpoint: str | None = None
         self._tmpdir: str | None = None
         self._keys = keys
+        self._shm = shm
+        self._lanes: ShmLaneTable | None = None  # the receiving thread's, once it offers shared memory
         self._max_frames = 2 * self.spec.num_layers + 1
         # The largest frame a legitimate sender sends: every block of one layer's K (or V) pages.
         self.max_frame_bytes = max(self.num_blocks * self.spec.page_nbytes, 16 * self.num_blocks + _HEADER_SLACK)
@@ -203,6 +233,8 @@ class ZmqKVReceiver(KVReceiver):
             self._tmpdir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
             self._endpoint = f"ipc://{os.path.join(self._tmpdir, 'kv.sock')}"
             sock.bind(self._endpoint)
+            if self._shm and advertise(self._tmpdir):
+                self._lanes = ShmLaneTable(max_pages=2 * self.spec.num_layers)
         else:
             sock.bind(f"tcp://{self._host}:*")
             port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
@@ -216,14 +248,27 @@ class ZmqKVReceiver(KVReceiver):
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
 
+    @property
+    def shm_lanes(self) -> int:
+        """Shared-memory lanes mapped now (senders on this host that sent here and are not through)."""
+        return len(self._lanes) if self._lanes is not None else 0
+
     def _run(self) -> None:
         sock = self._sock
         try:
             while not self._stop.is_set():
+                if self._lanes is not None:
+                    self._lanes.sweep()
                 if not sock.poll(self._poll_ms, zmq.POLLIN):
                     continue
                 try:
-                    self._serve(*(self._recv_staged(sock) if self._staged else self._recv_frames(sock)))
+                    first = sock.recv(copy=False).buffer
+                    if is_note(first):
+                        self._serve_note(sock, first)
+                    elif self._staged:
+                        self._serve(*self._recv_staged(sock, first))
+                    else:
+                        self._serve(*self._recv_frames(sock, first))
                 except zmq.ZMQError as e:
                     if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
                         return
@@ -233,20 +278,20 @@ class ZmqKVReceiver(KVReceiver):
                     _drain(sock)
         finally:
             _close_listening(sock)
+            if self._lanes is not None:
+                self._lanes.close()
 
-    def _recv_frames(self, sock: zmq.Socket) -> tuple[memoryview, list[int], list[memoryview]]:
-        frames = [sock.recv(copy=False)]
-        while sock.getsockopt(zmq.RCVMORE) and len(frames) <= self._max_frames:
-            frames.append(sock.recv(copy=False))
+    def _recv_frames(self, sock: zmq.Socket, head: memoryview) -> tuple[memoryview, list[int], list[memoryview]]:
+        payloads = []
+        while sock.getsockopt(zmq.RCVMORE) and len(payloads) < self._max_frames:
+            payloads.append(sock.recv(copy=False).buffer)
         extra = _drain(sock)  # more frames than any transfer has: the size check refuses it
-        payloads = [f.buffer for f in frames[1:]]
-        return frames[0].buffer, [len(p) for p in payloads] + [0] * extra, payloads
+        return head, [len(p) for p in payloads] + [0] * extra, payloads
 
-    def _recv_staged(self, sock: zmq.Socket) -> tuple[memoryview, list[int], list]:
+    def _recv_staged(self, sock: zmq.Socket, head: memoryview) -> tuple[memoryview, list[int], list]:
         """One message whose page frames land straight in fresh (pinned, for CUDA) host buffers, sized
         from the header once it passed every check; a frame of another size, or any frame after a bad
         header, is only drained (the size check then refuses the transfer)."""
-        head = sock.recv(copy=False).buffer
         try:
             header = decode_header(head)
             self._check_header(header)
@@ -263,6 +308,26 @@ class ZmqKVReceiver(KVReceiver):
                 sizes.append(len(sock.recv(copy=False).buffer))
         return head, sizes, payloads
 
+    def _serve_note(self, sock: zmq.Socket, frame: memoryview) -> None:
+        """[note, header]: the pages are in a span of a sender's shared-memory lane. Whatever becomes of
+        the transfer, a span that was served is released to its sender."""
+        rest = [sock.recv(copy=False).buffer] if sock.getsockopt(zmq.RCVMORE) else []
+        extra = _drain(sock)
+        try:
+            if self._lanes is None:
+                raise PageFormatError(f"a shared-memory note reached a receiver that offers none ({self.endpoint})")
+            if len(rest) != 1 or extra:
+                raise PageFormatError(f"a shared-memory note with {len(rest) + extra} frames after it, expected 1")
+            note = decode_note(frame)
+            payloads = self._lanes.payloads(note)
+        except PageFormatError as e:
+            self._refuse(_header_or_none(rest), e)
+            return
+        try:
+            self._serve(rest[0], [len(p) for p in payloads], payloads)
+        finally:
+            self._lanes.release(note)
+
     def _serve(self, head: memoryview, sizes: list[int], payloads: list) -> None:
         """`payloads`: the page frames as byte buffers (memoryviews or uint8 tensors), `sizes` their lengths."""
         header = None
@@ -273,10 +338,7 @@ class ZmqKVReceiver(KVReceiver):
             self._refuse(header, e)
             return
         try:
-            pages, heads = iter(payloads), self._heads_of(header)
-            for k, v in self.kv_caches:
-                scatter_pages(k, dest, _as_bytes(next(pages)), heads)
-                scatter_pages(v, dest, _as_bytes(next(pages)), heads)
+            scatter_transfer(self.kv_caches, dest, payloads, self._heads_of(header))
         except Exception as e:  # not expected once admitted; the dest blocks may be partly written
             self._refuse(header, TransferError(f"transfer {header.transfer_id}: writing pages failed: {e}"))
             return
@@ -301,6 +363,13 @@ def _remove_stale_socket_dirs() -> None:
             pass
 
 
+def _header_or_none(frames: list[memoryview]) -> TransferHeader | None:
+    try:
+        return decode_header(frames[0]) if frames else None
+    except PageFormatError:
+        return None
+
+
 def _drain(sock: zmq.Socket) -> int:
     """Read and drop the rest of a multipart message; returns how many frames that was."""
     n = 0
@@ -308,7 +377,3 @@ def _drain(sock: zmq.Socket) -> int:
         sock.recv(copy=False)
         n += 1
     return n
-
-
-def _as_bytes(payload) -> torch.Tensor:
-    return payload if isinstance(payload, torch.Tensor) else torch.frombuffer(payload, dtype=torch.uint8)

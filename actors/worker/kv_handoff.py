@@ -30,10 +30,10 @@ OnPiece = Callable[[PieceEvent], None]
 
 class HandoffSender:
     def __init__(self, kv_caches, rank: int = 0, heads_by_rank: tuple[HeadSlice, ...] | None = None, group=None,
-                 keys=None):
-        """zmq by default (CURVE with `keys`); with a collective `group` (from `init_collective`),
-        torch.distributed. `heads_by_rank`: which heads each rank of this worker holds (None: one rank,
-        every head)."""
+                 keys=None, shm: bool = True):
+        """zmq by default (CURVE with `keys`; shared memory with receivers of this host if `shm`); with a
+        collective `group` (from `init_collective`), torch.distributed. `heads_by_rank`: which heads each
+        rank of this worker holds (None: one rank, every head)."""
         self.kv_caches = kv_caches
         self.spec = PageSpec.from_caches(kv_caches)
         heads_by_rank = heads_by_rank or (HeadSlice.whole(self.spec.num_kv_heads),)
@@ -43,7 +43,7 @@ class HandoffSender:
                      if not any(s.first <= h < s.end for s in heads_by_rank[:rank])]
         self.rank = rank
         self.bytes_sent = 0
-        self._sender = ZmqKVSender(keys=keys) if group is None else CollectiveKVSender(group)
+        self._sender = ZmqKVSender(keys=keys, shm=shm) if group is None else CollectiveKVSender(group)
 
     def send(self, plan: KvSendPlan) -> None:
         """This rank's pieces of a handoff; raises (TransferError, PageFormatError) on the first that fails."""
@@ -67,11 +67,11 @@ class HandoffReceiver:
     """Writes admitted pieces into this rank's caches and reports each outcome to `on_piece`."""
 
     def __init__(self, kv_caches, rank: int, heads: HeadSlice, admit: Admit, on_piece: OnPiece,
-                 transport: str, host: str, group=None, keys=None):
+                 transport: str, host: str, group=None, keys=None, shm: bool = True):
         self.rank, self._admit, self._on_piece = rank, admit, on_piece
         if group is None:
             self._receiver = ZmqKVReceiver(kv_caches, self._landed, self._failed, transport=transport, host=host,
-                                           admit=self._check, keys=keys, heads=heads)
+                                           admit=self._check, keys=keys, heads=heads, shm=shm)
         else:
             self._receiver = CollectiveKVReceiver(kv_caches, self._landed, self._failed, group=group,
                                                   admit=self._check, heads=heads)
@@ -137,14 +137,14 @@ class HandoffEnds:
         keys = spec.curve_keys if spec.kv_encrypted else None
         self.sender = self.receiver = self.desk = self._desk_client = None
         if spec.role == "prefill":
-            self.sender = HandoffSender(kv_caches, self.rank, self.heads_by_rank, group, keys)
+            self.sender = HandoffSender(kv_caches, self.rank, self.heads_by_rank, group, keys, spec.kv_shm)
         if spec.role == "decode":
             if self.rank > 0:
                 admit, on_piece = self._ask_desk, self._tell_desk
             elif comm.shard.size > 1:
                 self.desk = PieceDesk(admit, on_piece)
             self.receiver = HandoffReceiver(kv_caches, self.rank, self.heads_by_rank[self.rank], admit, on_piece,
-                                            spec.zmq_transport, spec.host, group, keys)
+                                            spec.zmq_transport, spec.host, group, keys, spec.kv_shm)
         self.endpoints: tuple[KvRankEndpoint, ...] = ()
 
     def join(self) -> None:

@@ -111,6 +111,11 @@ class TransferSection(_Strict):
         None, description="curve: zmq CURVE (authenticated, encrypted) on every data-plane socket; none: plain "
         "sockets anyone who reaches them may use; null: curve on tcp sockets (token streams, KV pages over tcp), "
         "none on ipc ones (a private socket directory on one host)")
+    shm: bool = Field(
+        True, description="with zmq_transport ipc, KV pages between workers of one host and user go through "
+        "shared memory (/dev/shm, a 0600 segment per sender and receiver, up to 256 MiB each, taken as used): "
+        "written once by the sender, copied into the blocks by the receiver; only a small note crosses the "
+        "socket. The pages never leave the host. false: the pages travel on the socket as frames")
 
     def kv_encrypted(self) -> bool:
         return self.encryption == "curve" or (self.encryption is None and self.zmq_transport == "tcp")

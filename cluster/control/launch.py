@@ -144,7 +144,7 @@ class Cluster:
             heartbeat_s=self.config.scheduler.heartbeat_s, zmq_transport=self.config.transfer.zmq_transport,
             host=self.config.transfer.host, transfer_backend=self.config.transfer.backend,
             collective_init=collective_init, rank=rank, world_size=world_size,
-            curve_keys=self.keys, kv_encrypted=self.config.transfer.kv_encrypted(),
+            curve_keys=self.keys, kv_encrypted=self.config.transfer.kv_encrypted(), kv_shm=self.config.transfer.shm,
         )
         placement = {}
         if pool.tensor_parallel_size > 1:
