@@ -5,7 +5,7 @@ Two processes: this one sends (ZmqKVSender), a spawned child receives (ZmqKVRece
 cache and notes each completion time (CLOCK_MONOTONIC, shared by processes on Linux) in a list, which it
 hands over once all the transfers of a size are in (a queue message per transfer would cost the
 receiving process a thread switch each time, inside the measurement). Throughput of one size = reps * bytes / (last completion - first send start),
-after one warm-up transfer, with the same pages re-sent back to back. The time therefore includes
+after `WARM_UP` transfers, with the same pages re-sent back to back. The time therefore includes
 the sender's gather (index_select), the socket, and the receiver's scatter into scattered
 destination blocks; it does not include a control-plane ack.
 
@@ -16,7 +16,11 @@ hosts. Measured one after the other in one run, each beside the memcpy baseline 
 
 Baseline: `dst.copy_(src)` of one contiguous tensor of the same size into a preallocated one, in this
 process, best of several runs. Every process runs torch with one thread, so the ratio compares one
-core's copy with a pipeline of two processes. With `--encryption none curve` each size is measured
+core's copy with a pipeline of two processes. That copy is of memory the CPU's caches may hold (up to
+16 MiB here), while a transfer reads scattered blocks of a cache larger than them; so each size is also
+measured beside `gather` (one copy of the transfer's own pages into this process's memory, best of
+several runs: what any transport must do at least once), and `alone ms` is one transfer by itself, from
+the send's start to the receiver's completion (median of 5): the time a handoff waits for its pages. With `--encryption none curve` each size is measured
 both ways, one after the other in the same run, and `curve_over_none` is their throughput ratio (what
 `transfer.encryption: curve` costs on that link).
 
@@ -31,12 +35,14 @@ import json
 import multiprocessing as mp
 import platform
 import random
+import statistics
 import time
 
 import torch
 
 from experiments.smoke import shrink
 from kv_transfer.curve import CurveKeys
+from kv_transfer.page_copy import gather_transfer_into
 from kv_transfer.page_format import PageSpec, TransferHeader
 from kv_transfer.zmq_transport import ZmqKVReceiver, ZmqKVSender
 
@@ -44,6 +50,10 @@ from kv_transfer.zmq_transport import ZmqKVReceiver, ZmqKVSender
 LAYOUT = dict(block_size=16, num_kv_heads=8, head_dim=128)
 NUM_LAYERS = 8
 DTYPE = torch.bfloat16
+# Transfers sent back to back before each size is timed: enough for every span of a shared-memory lane
+# that the timed ones use to be touched once (a lane lives as long as its sender; its first touch is not
+# what a long-lived worker pays per transfer).
+WARM_UP = 4
 BLOCK_MIB = 2 * NUM_LAYERS * 16 * 8 * 128 * 2 / 2**20  # one block, all layers, K and V: 0.5 MiB
 
 
@@ -81,6 +91,20 @@ def memcpy_gbps(nbytes: int, reps: int) -> float:
     return nbytes / best / 1e9
 
 
+def gather_gbps(caches, src_ids: list[int], nbytes: int, reps: int) -> float:
+    """One copy of the transfer's own pages (scattered blocks of a cache larger than the CPU's caches)
+    into a buffer of this process, best of `reps`: what any transport must at least do once."""
+    out = torch.zeros(nbytes, dtype=torch.uint8)
+    ids = torch.tensor(src_ids)
+    gather_transfer_into(caches, ids, out)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        gather_transfer_into(caches, ids, out)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
 def run_transport(transport: str, sizes_mib: list[int], min_bytes: int, encryption: str) -> list[dict]:
     num_blocks = int(max(sizes_mib) / BLOCK_MIB) * 2 + 8
     caches = make_caches(num_blocks)
@@ -100,8 +124,9 @@ def run_transport(transport: str, sizes_mib: list[int], min_bytes: int, encrypti
             header = TransferHeader(f"{mib}MiB", "bench", PageSpec.from_caches(caches), tuple(dest_ids))
             nbytes = header.spec.transfer_nbytes(n)
             reps = max(5, min_bytes // nbytes)
-            sender.send(endpoint, header, caches, src_ids, timeout_s=60)
-            _completions(ask_q, done_q, 1)
+            for _ in range(WARM_UP):
+                sender.send(endpoint, header, caches, src_ids, timeout_s=60)
+            _completions(ask_q, done_q, WARM_UP)
             t0 = time.monotonic()
             for _ in range(reps):
                 sender.send(endpoint, header, caches, src_ids, timeout_s=60)
@@ -109,9 +134,17 @@ def run_transport(transport: str, sizes_mib: list[int], min_bytes: int, encrypti
             if (transport == "shm") != bool(sender.shm_endpoints):
                 raise RuntimeError(f"{transport}: the pages did not take the path being measured")
             gbps = reps * nbytes / (t_end - t0) / 1e9
+            alone = []
+            for _ in range(5):
+                t0 = time.monotonic()
+                sender.send(endpoint, header, caches, src_ids, timeout_s=60)
+                alone.append(_completions(ask_q, done_q, 1)[0] - t0)
             base = memcpy_gbps(nbytes, reps=10)
+            one_copy = gather_gbps(caches, src_ids, nbytes, reps=10)
             rows.append(dict(transport=transport, encryption=encryption, size_mib=mib, bytes=nbytes, reps=reps, gb_per_s=round(gbps, 3),
-                             memcpy_gb_per_s=round(base, 3), ratio_to_memcpy=round(gbps / base, 3)))
+                             memcpy_gb_per_s=round(base, 3), ratio_to_memcpy=round(gbps / base, 3),
+                             gather_gb_per_s=round(one_copy, 3), ratio_to_gather=round(gbps / one_copy, 3),
+                             alone_ms=round(1e3 * statistics.median(alone), 2)))
     finally:
         sender.close()
         ask_q.put(None)
@@ -152,11 +185,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"KV transfer, sender and receiver in two processes; {NUM_LAYERS} layers x {LAYOUT}, {DTYPE}")
     print(f"{'transport':>9} {'crypto':>6} {'MiB':>5} {'reps':>5} {'GB/s':>8} {'memcpy GB/s':>12} {'ratio':>7} "
-          f"{'curve/none':>10}")
+          f"{'gather GB/s':>12} {'ratio':>7} {'alone ms':>9} {'curve/none':>10}")
     for r in rows:
         cost = f"{r['curve_over_none']:>10.3f}" if "curve_over_none" in r else f"{'':>10}"
         print(f"{r['transport']:>9} {r['encryption']:>6} {r['size_mib']:>5} {r['reps']:>5} {r['gb_per_s']:>8.2f} "
-              f"{r['memcpy_gb_per_s']:>12.2f} {r['ratio_to_memcpy']:>7.3f} {cost}")
+              f"{r['memcpy_gb_per_s']:>12.2f} {r['ratio_to_memcpy']:>7.3f} {r['gather_gb_per_s']:>12.2f} "
+              f"{r['ratio_to_gather']:>7.3f} {r['alone_ms']:>9.2f} {cost}")
 
 
 def _add_curve_ratio(rows: list[dict]) -> None:
