@@ -34,6 +34,7 @@ class RequestRecord:
     cached_tokens: int | None = None  # prompt tokens the server's prefix cache served, if it says
     error: str | None = None
     error_detail: str | None = None
+    failed_at: float | None = None  # when the client learnt it failed (a refusal's answer, say)
 
     @property
     def ok(self) -> bool:
@@ -115,6 +116,7 @@ async def _stream(client: httpx.AsyncClient, body: dict, record: RequestRecord, 
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")
             _fail(record, f"http_{response.status_code}", text)
+            record.failed_at = time.perf_counter() - t0
             return
         done = False
         async for now, data in sse_events(response, t0):

@@ -56,6 +56,12 @@ def failures(records: list[RequestRecord]) -> dict:
     return dict(sorted(Counter(r.error for r in records if r.error is not None).items()))
 
 
+def refusals(records: list[RequestRecord]) -> dict:
+    """Requests the server refused for load (429), and how long the refusal took from the send."""
+    refused = [r for r in records if r.error == "http_429" and r.failed_at is not None and r.sent is not None]
+    return {"n": len(refused), "answer_ms": stats_ms([r.failed_at - r.sent for r in refused])}
+
+
 def summarize(records: list[RequestRecord], spec: BenchSpec) -> dict:
     measured = [r for r in records if not r.warmup]
     warm = [r for r in records if r.warmup]
@@ -81,7 +87,9 @@ def summarize(records: list[RequestRecord], spec: BenchSpec) -> dict:
                        "total_tokens_per_s": per_s(output_tokens + prompt_tokens)},
         "latency_ms": latency_stats(measured),
         "slo": {"ttft_ms": spec.slo_ttft_ms, "tpot_ms": spec.slo_tpot_ms, "good": good,
-                "attainment": good / len(measured) if measured else 0.0, "goodput_rps": per_s(good)},
+                "attainment": good / len(measured) if measured else 0.0, "goodput_rps": per_s(good),
+                "attainment_of_completed": good / len(ok) if ok else None},
+        "refused": refusals(measured),
         "client_lag_ms": {"mean": float(np.mean(lags)) * 1e3 if lags else None,
                           "max": float(np.max(lags)) * 1e3 if lags else None},
         "cached_prompt_fraction": sum(r.cached_tokens or 0 for r in ok) / prompt_tokens if prompt_tokens else None,

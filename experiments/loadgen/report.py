@@ -48,6 +48,12 @@ def format_run(result: dict) -> str:
         f"goodput {slo['goodput_rps']:.2f} req/s",
         f"client lag (sent - scheduled): mean {_ms(lag['mean'])} ms, max {_ms(lag['max'])} ms",
     ]
+    refused = result.get("refused")
+    if refused and refused["n"]:
+        share = slo["attainment_of_completed"]
+        lines.append(f"refused for load (429): {refused['n']}, answered in p50 {_ms(refused['answer_ms']['p50'])} / "
+                     f"p99 {_ms(refused['answer_ms']['p99'])} / max {_ms(refused['answer_ms']['max'])} ms from the send; "
+                     f"completed requests meeting the SLO: {'-' if share is None else f'{100 * share:.1f}%'}")
     if result["cached_prompt_fraction"] is not None:
         lines.append(f"prompt tokens served from the server's prefix cache: {100 * result['cached_prompt_fraction']:.1f}%")
     if result["output_len_mismatches"]:
