@@ -25,6 +25,7 @@ from kv_transfer.curve import CurveKeys, secure_client
 from kv_transfer.drops import DropCounter
 
 _LOST_S = 1.0
+_RETRY_S = 0.1  # after Ray said the scheduler is restarting: soon, so a restart costs the workers no extra second
 
 
 class ReportLink:
@@ -36,6 +37,7 @@ class ReportLink:
         self._socket: zmq.Socket | None = None
         self.port: SchedulerPort | None = None
         self._asking = scheduler.client_port.remote()  # Ray's answer about where it listens, while pending
+        self._ask_again_at: float | None = None  # when to ask again, after Ray could not say
         self._asks = itertools.count()
         self._out: int | None = None  # the report frame not answered yet
         self._sent_at = 0.0
@@ -45,6 +47,8 @@ class ReportLink:
     def ready(self) -> bool:
         """Whether a report may go now (connected, and the last one answered or lost)."""
         self._poll()
+        if self._ask_again_at is not None and self._clock() >= self._ask_again_at:
+            self._ask_where()
         if self._socket is None:
             return False
         if self._out is not None and self._clock() - self._sent_at >= _LOST_S:
@@ -69,15 +73,15 @@ class ReportLink:
 
     def _ask_where(self) -> None:
         if self._asking is None:
-            self._asking = self._scheduler.client_port.remote()
+            self._asking, self._ask_again_at = self._scheduler.client_port.remote(), None
 
     def _poll(self) -> None:
         if self._asking is not None and _done(self._asking):
             asking, self._asking = self._asking, None
             try:
                 port = ray.get(asking, timeout=0)
-            except ray.exceptions.RayError:  # dead or restarting: ask again with the next lost report
-                port = None
+            except ray.exceptions.RayError:  # dead or restarting: ask again shortly
+                port, self._ask_again_at = None, self._clock() + _RETRY_S
             if port is not None and port != self.port:
                 self._connect(port)
         while self._socket is not None:

@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from actors.engine.config import EngineConfig
-from actors.engine.model.default_model import DEFAULT_MODEL, SMOLLM2_MODEL, resolve_model
+from actors.engine.model.builtin_names import DEFAULT_MODEL, SMOLLM2_MODEL
 
 
 class _Strict(BaseModel):
@@ -269,6 +269,10 @@ class TandemConfig(_Strict):
             raise ValueError(f"{path}: {problems}") from None
 
     def engine_config(self, detokenize: bool = True) -> EngineConfig:
+        # Here, not at the top: building a model needs torch, which the scheduler never loads (a restart
+        # that imports it takes seconds longer, and every request waits for it).
+        from actors.engine.model.default_model import resolve_model
+
         e = self.engine
         return EngineConfig(
             detokenize=detokenize,

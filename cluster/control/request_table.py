@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import OrderedDict
 from typing import Callable
 
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import LivePhase, LiveRequest
+from cluster.control.recent import Recent
 from cluster.control.routing import PrefillPlan
 from cluster.control.scheduler_state import Phase, Tracked
 
-_ABORTS_KEPT_S = 600.0  # an abort for a request not tracked (yet): long enough for a restart to settle
+_ABORTS_KEPT_S = 600.0  # aborts and ended attempts: long enough for a restart to settle
 _ABORTS_KEPT = 100_000
 
 
@@ -40,7 +40,9 @@ class RequestTable:
         self._requests: dict[str, Tracked] = {}
         self._committed: dict[str, int] = {}  # worker id -> KV blocks promised to requests in flight
         self._by_tenant: dict[str | None, int] = {}  # cache salt -> the same blocks, summed by tenant
-        self._early_aborts: OrderedDict[str, float] = OrderedDict()  # request id -> when its abort came
+        # request id -> whether it was counted (at its first announcement): aborts that came before it
+        self._early_aborts: Recent[str, bool] = Recent(_ABORTS_KEPT_S, _ABORTS_KEPT)
+        self._ended: Recent[AttemptId, bool] = Recent(_ABORTS_KEPT_S, _ABORTS_KEPT)  # attempts reclaimed
         self._admitting: dict[str, int] = {}  # request id -> submits of it being decided now (not tracked yet)
         self.finished = 0
         self.failed = 0
@@ -104,8 +106,9 @@ class RequestTable:
             # Tracking the hold would outlive a request that finished while no scheduler could hear of it.
             return Adoption.RELEASE
         tracked = self._requests.get(attempt.request_id)
-        if (tracked is not None and tracked.attempt != attempt) or self.was_aborted(attempt.request_id):
-            return Adoption.ABORT
+        if (tracked is not None and tracked.attempt != attempt) or self._ended.get(attempt) \
+                or self.was_aborted(attempt.request_id):
+            return Adoption.ABORT  # (ended: announced by a registration that raced its end)
         if tracked is None:
             decode_id = item.request.dest.decode_worker if role == "prefill" else worker_id
             tracked = Tracked(item.request.request, attempt, set(), decode_id, blocks, phase=Phase.RUNNING)
@@ -148,6 +151,7 @@ class RequestTable:
         if tracked is None:
             return None
         del self._requests[tracked.request_id]
+        self._ended.put(tracked.attempt, True)
         self._committed[tracked.decode_id] -= tracked.blocks
         if not self._committed[tracked.decode_id]:
             del self._committed[tracked.decode_id]
@@ -167,18 +171,18 @@ class RequestTable:
     def remember_abort(self, request_id: str) -> None:
         """An abort for a request not tracked here: after a scheduler restart it may come before the
         worker that still runs the request registers it again, which must then stop it, not adopt it."""
-        now = time.monotonic()
-        self._early_aborts[request_id] = now
-        self._early_aborts.move_to_end(request_id)
-        while self._early_aborts and (len(self._early_aborts) > _ABORTS_KEPT
-                                      or next(iter(self._early_aborts.values())) < now - _ABORTS_KEPT_S):
-            self._early_aborts.popitem(last=False)
+        self._early_aborts.put(request_id, self._early_aborts.get(request_id) or False)
 
     def was_aborted(self, request_id: str) -> bool:
-        """Its client gave up before this table knew it; counted as cancelled (once) when it shows up."""
-        if self._early_aborts.pop(request_id, None) is None:
+        """Its client gave up before this table knew it; counted as cancelled (once) when it shows up. Kept
+        after that: the request may be announced again (by its other worker, or by a second registration
+        that listed it before the abort stopped it), and every announcement must be aborted, none adopted."""
+        counted = self._early_aborts.get(request_id)
+        if counted is None:
             return False
-        self.cancelled += 1
+        if not counted:
+            self._early_aborts.put(request_id, True)
+            self.cancelled += 1
         return True
 
     def orphaned(self) -> list[Tracked]:

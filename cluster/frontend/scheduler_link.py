@@ -30,6 +30,7 @@ from kv_transfer.drops import DropCounter
 
 log = logging.getLogger("tandem.client")
 _PROBE_S = 1.0  # how often a link with unanswered asks checks that its scheduler is the same one
+_RETRY_S = 0.1  # after Ray said the scheduler is restarting: the asks wait for it, so ask again soon
 _ASK_TIMEOUT_S = 10.0  # for Ray's answer about where the scheduler listens
 
 
@@ -137,12 +138,14 @@ class SchedulerLink:
             self._watch = asyncio.get_running_loop().create_task(self._watch_scheduler())
 
     async def _watch_scheduler(self) -> None:
+        wait_s = _PROBE_S
         while self._submits or self._aborts:
-            await asyncio.sleep(_PROBE_S)
+            await asyncio.sleep(wait_s)
+            wait_s = _PROBE_S
             try:
                 await self._reconnect()
             except ray.exceptions.RayError:
-                pass  # it is restarting: ask again next round
+                wait_s = _RETRY_S  # it is restarting: ask again soon
             except Exception:  # the watch must outlive anything one round does
                 log.exception("checking the scheduler failed")
 

