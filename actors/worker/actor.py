@@ -1,4 +1,5 @@
-"""The Ray worker actor: one engine in a role (prefill, decode or colocated), stepped by one thread.
+"""A worker: one engine in a role (prefill, decode or colocated), stepped by one thread. Ray reaches it
+through the thin actor class of remote.py, which loads this module only in the worker's own process.
 
 The scheduler's commands arrive on the process's command port (command_port.py, zmq), and Ray method
 calls on any thread; both only put commands in an inbox: the engine thread alone touches the engine,
@@ -30,7 +31,6 @@ import time
 import uuid
 from concurrent.futures import Future
 
-import ray
 import torch
 
 from actors.engine.engine import Engine
@@ -104,7 +104,7 @@ class Worker:
         self._thread = threading.Thread(target=self._run, name=f"engine-{spec.worker_id}", daemon=True)
         self._thread.start()
 
-    # ---- Ray methods: called from any thread ----
+    # ---- what the Ray actor (remote.py) calls, from any thread ----
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -164,14 +164,12 @@ class Worker:
     def check_integrity(self) -> WorkerStats:
         return self._inbox.call(self._do_integrity, None, _CALL_TIMEOUT_S)
 
-    @ray.method(concurrency_group="watch")
     def watch(self, worker_id: str | None = None) -> None:
         """Returns only at shutdown. The scheduler keeps one call pending, in a thread group of its
         own: it fails the moment this process dies, long before the heartbeat timeout. (`worker_id`:
         which worker of the process; a process hosts one real worker.)"""
         self._stop.wait()
 
-    @ray.method(concurrency_group="watch")
     def incarnation(self, worker_id: str | None = None) -> str:
         """Which process answers: lets the scheduler tell a dropped watch call from a dead worker."""
         return self._incarnation
@@ -386,8 +384,3 @@ class Worker:
         # (a reservation aborted during a page write keeps its blocks until the write ends: not live)
         return [LiveRequest(phases[phase], run.request) for phase, run in self._engine.tags()
                 if phase is Phase.RUNNING or self._handoffs.get(run.attempt) is not None]
-
-
-def worker_actor():
-    """The Worker as a Ray actor class: its "watch" method runs in a thread group of its own."""
-    return ray.remote(concurrency_groups={"watch": 2})(Worker)  # the pending watch, and probes

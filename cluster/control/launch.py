@@ -15,7 +15,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from actors.engine.text.tokenizer import has_tokenizer, load_tokenizer
-from actors.worker.actor import worker_actor
+from actors.worker.remote import worker_actor
 from actors.worker.spec import WorkerSpec
 from cluster.control.config import TandemConfig
 from cluster.control.scheduler import Scheduler, SchedulerSettings

@@ -15,7 +15,7 @@ from actors.protocol.messages import GenerateRequest, KvDestination, KvRankEndpo
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.worker_commands import ReserveBlocks, SubmitAttempt
-from actors.worker.actor import worker_actor
+from actors.worker.remote import worker_actor
 from actors.worker.spec import WorkerSpec
 from tests.helpers.cluster import load
 

@@ -8,7 +8,7 @@ import dataclasses
 import ray
 
 from actors.protocol.sampling_params import SamplingParams
-from actors.worker.actor import worker_actor
+from actors.worker.remote import worker_actor
 from actors.worker.spec import WorkerSpec
 from cluster.control.launch import Cluster
 from cluster.control.scheduler import Scheduler, SchedulerSettings
