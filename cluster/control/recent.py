@@ -26,6 +26,3 @@ class Recent(Generic[K, V]):
     def get(self, key: K) -> V | None:
         item = self._items.get(key)
         return None if item is None or item[0] < self._clock() - self._keep_s else item[1]
-
-    def __len__(self) -> int:
-        return len(self._items)
