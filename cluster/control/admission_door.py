@@ -9,7 +9,10 @@ while nearly every request failed late (measured: 76 admitted/s at 3,000/s offer
 already waiting and the rate at which the scheduler has been admitting while it had any waiting:
 admissions per busy second, decayed so that it follows the cluster as it changes. Below `_FLOOR`
 waiting requests nothing is refused on this estimate (a burst on an idle cluster, whose rate is
-not known yet, must not bounce).
+not known yet, must not bounce). The floor is small because at slow rates a few requests are already a
+long wait: a 2-core box serving a 135M model admits ~0.4 requests/s, where the former floor of 32 was
+over a minute of work, so requests waited out the whole queue timeout and were refused late instead of
+at once (measured, results/overload).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 
 from actors.protocol.messages import Rejected
 
-_FLOOR = 32  # waiting requests below which the door never refuses
+_FLOOR = 8  # waiting requests below which the door never refuses
 _HALF_LIFE_S = 2.0  # how fast the measured admission rate forgets
 _MIN_BUSY_S = 0.2  # busy time measured before the rate means anything
 

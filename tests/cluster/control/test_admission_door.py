@@ -91,3 +91,23 @@ def test_one_fallback_poll_wakes_the_oldest_few():
     assert after_one_poll == list(range(_WAKE_PER_POLL))
     assert after_event == list(range(_WAKE_PER_POLL + 3))
     assert total == 100
+
+
+def test_a_slow_cluster_refuses_at_once_what_would_wait_past_the_budget():
+    """A cluster that admits ~0.4 requests/s (a 135M model on 2 cores): 12 waiting are a 30 s wait, so
+    the next request is refused now instead of waiting out the queue timeout; a few are not."""
+    clock = FakeClock()
+    door = AdmissionDoor(clock)
+    for _ in range(_FLOOR - 2):
+        door.entered()
+    for _ in range(20):  # one admission every 2.5 s, the queue kept as it was
+        clock.now += 2.5
+        door.left(admitted=True)
+        door.entered()
+    assert 0.2 < door.rate() < 0.8, door.rate()
+    assert door.refuse(budget_s=30.0) is None  # below the floor: a few waiting are never refused
+    for _ in range(14):
+        door.entered()
+    refused = door.refuse(budget_s=30.0)  # 20 waiting at ~0.4/s: ~50 s
+    assert refused is not None and refused.retry_after_s > 30.0
+
