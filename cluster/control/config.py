@@ -81,7 +81,7 @@ class SchedulerSection(_Strict):
     max_predicted_ttft_s: float | None = Field(
         None, gt=0, description="load shedding: a request whose predicted time to first token (its wait so far + "
         "the prefill queue ahead of it + its own prefill + transfer) exceeds this gets 429 with Retry-After; "
-        "null admits on KV room alone")
+        "null: half of progress_timeout_s, the silence after which a request is moved anyway")
     local_prefill: bool = Field(True, description="let the cost model prefill short or cached prompts on the decode worker")
     local_prefill_penalty: float = Field(
         1.0, ge=0, description="a local prefill must be predicted (1 + penalty) times faster than the best remote one"

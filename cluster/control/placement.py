@@ -188,6 +188,7 @@ class Placer:
             return None
         self.shed += 1
         limit = self._guard.limit_s
-        return Rejected(f"overloaded: predicted time to first token {ttft:.2f}s exceeds the {limit:.2f}s target",
+        return Rejected(f"overloaded: predicted time to first token {ttft:.2f}s exceeds the {limit:.2f}s limit "
+                        f"({self._guard.setting})",
                         max(1.0, ttft - limit))
 

@@ -69,7 +69,7 @@ from cluster.control.request_table import RequestTable
 from cluster.control.room_waiters import RoomWaiters
 from cluster.control.scheduler_state import Phase, SchedulerCounters, SchedulerSettings, SchedulerState, Tracked
 from cluster.control.tenant_shares import TenantShares
-from cluster.control.ttft_guard import TtftGuard
+from cluster.control.ttft_guard import shed_guard
 from cluster.control.worker_mail import WorkerMail
 from kv_transfer.curve import CurveKeys
 
@@ -84,7 +84,7 @@ class Scheduler:
         self._table = RequestTable()
         self._index = PrefixIndex()
         self._hasher = PrefixHasher(settings.block_size, settings.model_id)
-        self._guard = TtftGuard(settings.max_predicted_ttft_s)
+        self._guard = shed_guard(settings)
         self._links = LinkCosts(settings.transfer_bytes_per_s)
         self._placer = Placer(settings, self._registry, self._table, self._index, self._guard, self._links)
         # The one observer of worker standing and committed KV: the placer keeps its orders from them.
@@ -279,7 +279,7 @@ class Scheduler:
     def _wait_budget_s(self) -> float:
         """The longest a new request may wait for admission: waiting for KV room past the TTFT target is
         pointless too, the request would miss it."""
-        return min(self.s.queue_timeout_s, self.s.max_predicted_ttft_s or self.s.queue_timeout_s)
+        return min(self.s.queue_timeout_s, self._guard.limit_s or self.s.queue_timeout_s)
 
     async def _admit(self, request: GenerateRequest, patient: bool) -> Admitted | Rejected:
         arrived = time.monotonic()

@@ -4,6 +4,12 @@ The cost model predicts how long a prompt waits on its prefill worker (queue + i
 transfer, plus the step in progress). A busy host or a stale cost makes that optimistic, so each
 worker's predictions are scaled by a smoothed measured/predicted ratio learned from the
 received -> first-token times the workers report.
+
+The limit is `scheduler.max_predicted_ttft_s` when set. Unset, it is half the progress bound: a request
+that waits that long without a token is moved for silence (cluster/frontend/request_stream.py) and
+loses its place in the queue, so admitting one predicted to wait longer only wastes its prefill and
+its decode reservation. That bounds every prefill queue by its measured service rate even when no
+TTFT target is configured (measured on a 2-core box offered 10x its capacity: results/overload).
 """
 
 from __future__ import annotations
@@ -14,8 +20,9 @@ from cluster.control.routing import PrefillPlan
 
 
 class TtftGuard:
-    def __init__(self, limit_s: float | None):
+    def __init__(self, limit_s: float | None, setting: str = "scheduler.max_predicted_ttft_s"):
         self.limit_s = limit_s  # None: never shed
+        self.setting = setting  # where the limit comes from, for the refusal's message
         self._predicted: dict[AttemptId, float] = {}  # predicted seconds on its worker, until measured
         self._calibration: dict[str, float] = {}  # worker id -> measured / predicted, smoothed
 
@@ -47,3 +54,12 @@ class TtftGuard:
             return None
         ttft = waited_s + self.predict(plan, step_s) * self._calibration.get(plan.worker_id, 1.0)
         return ttft if ttft > self.limit_s else None
+
+
+def shed_guard(settings) -> TtftGuard:
+    """The guard of a scheduler with `settings` (SchedulerSettings): its configured TTFT target, else the
+    point at which a silent request is moved anyway."""
+    if settings.max_predicted_ttft_s is not None:
+        return TtftGuard(settings.max_predicted_ttft_s)
+    return TtftGuard(settings.progress_timeout_s / 2, "half of scheduler.progress_timeout_s, where a silent "
+                                                      "request is moved; scheduler.max_predicted_ttft_s sets a target")

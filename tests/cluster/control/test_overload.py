@@ -1,6 +1,6 @@
 """Overload: open-loop arrivals at 3x capacity for 30 s against `tandem serve` with load shedding on.
 
-The unloaded TTFT and the capacity are measured first, on the same layout without shedding. Under
+The unloaded TTFT and the capacity are measured first, on the same layout with the default shedding. Under
 3x that load the admitted requests keep meeting a TTFT SLO set from the unloaded TTFT, the rest get
 429 with Retry-After, and the memory of the server and of its workers stays bounded.
 """
@@ -118,7 +118,7 @@ def _worker_rss(base: str) -> dict[str, int]:
 
 def test_overload_sheds_with_429_and_keeps_the_ttft_slo(tmp_path):
     rng = random.Random(0)
-    # 1. Unloaded TTFT and capacity, without shedding.
+    # 1. Unloaded TTFT and capacity, shedding only past half the progress bound (the default).
     with serving(tmp_path, None) as (base, _):
         asyncio.run(_drive(base, [0.0], rng))  # warm-up
         unloaded = [asyncio.run(_drive(base, [0.0], rng))[0]["ttft"] for _ in range(5)]
