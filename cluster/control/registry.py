@@ -82,6 +82,24 @@ class WorkerRegistry:
                                        sum(costs) / len(costs) if costs else None)
         return sums
 
+    def hold_queued(self, worker_id: str, tokens: int) -> WorkerEntry | None:
+        """Prompt tokens placed on the worker whose admission awaits the decode worker's reservation: queued
+        there from the decision on, so placements decided during that await see them (and shed on them),
+        whatever the worker reports meanwhile. The caller ends the hold with `unhold_queued`, sent or not."""
+        entry = self._workers.get(worker_id)
+        if entry is not None:
+            entry.held_tokens += tokens
+            self.add_queued(worker_id, tokens)
+        return entry
+
+    def unhold_queued(self, entry: WorkerEntry | None, tokens: int) -> None:
+        """End a hold on the entry it was taken on (the worker may have been replaced since)."""
+        if entry is None:
+            return
+        entry.held_tokens -= tokens
+        if self._workers.get(entry.info.worker_id) is entry:
+            self.add_queued(entry.info.worker_id, -tokens)
+
     def add_queued(self, worker_id: str, tokens: int) -> None:
         """Prompt tokens just sent to the worker: queued there until its next report says otherwise."""
         entry = self._workers.get(worker_id)
@@ -123,7 +141,7 @@ class WorkerRegistry:
             self._sums.pop(v.role, None)
         v.free_blocks, v.num_blocks = stats.free_blocks, stats.num_blocks
         v.running, v.waiting = stats.running, stats.waiting
-        v.queued_prefill_tokens = stats.queued_prefill_tokens
+        v.queued_prefill_tokens = stats.queued_prefill_tokens + entry.held_tokens
         v.prefill_s_per_token = stats.prefill_s_per_token
         self.on_change(stats.worker_id)
         return True
@@ -177,6 +195,9 @@ class WorkerRegistry:
         taking = {(e.view.role, wid) for wid, e in self._workers.items() if wid not in self._draining}
         if pools != taking:
             raise RuntimeError(f"registry: pools {sorted(pools ^ taking)} differ from the workers that take work")
+        held = {wid: e.held_tokens for wid, e in self._workers.items() if e.held_tokens < 0}
+        if held:
+            raise RuntimeError(f"registry: negative prompt tokens held for placements: {held}")
 
     # ---- liveness ----
 

@@ -320,8 +320,14 @@ class Scheduler:
         dest = None
         if not placement.local:
             decode = self._registry.get(placement.decode_id)
-            reservation = await self._out.reserve(decode.info.command_endpoint, WorkerRequest(attempt, request),
-                                                  placement.decode_id)
+            # Queued on the prefill worker from now: placements decided during the await must see it.
+            held = len(request.prompt_token_ids) - placement.prefill.cached_tokens
+            holder = self._registry.hold_queued(placement.prefill_id, held)
+            try:
+                reservation = await self._out.reserve(decode.info.command_endpoint, WorkerRequest(attempt, request),
+                                                      placement.decode_id)
+            finally:
+                self._registry.unhold_queued(holder, held)
             # Anything may have happened during the await: a worker forgotten, replaced or draining, or
             # another request of the tenant admitted.
             if (reservation is None or not self._placer.still_valid(placement)

@@ -45,6 +45,7 @@ class WorkerEntry:
     last_seen: float = field(default_factory=time.monotonic)  # its last report or pulse: the process lives
     last_report: float = field(default_factory=time.monotonic)  # its engine thread's last report
     stats: WorkerStats | None = None  # the worker's latest report; None until its first
+    held_tokens: int = 0  # prompt tokens of placements on it still awaiting their decode reservation
 
 
 class Phase(enum.Enum):

@@ -45,7 +45,8 @@ def _stats(wid: str, role: str, queued_tokens: int) -> WorkerStats:
                        step_s=0.1, prefill_s_per_token=COST_S)
 
 
-async def _place(settings: SchedulerSettings, queued_tokens: int) -> Placement | Rejected | None:
+def _cluster(settings: SchedulerSettings, queued_tokens: int) -> tuple[WorkerRegistry, Placer]:
+    """A 1P+1D cluster as the scheduler sees it (call inside a running event loop)."""
     registry = WorkerRegistry(settings.heartbeat_timeout_s, settings.progress_timeout_s, lambda wid, why: None)
     table = RequestTable()
     placer = Placer(settings, registry, table, PrefixIndex(), shed_guard(settings), LinkCosts(1e9))
@@ -54,8 +55,16 @@ async def _place(settings: SchedulerSettings, queued_tokens: int) -> Placement |
         endpoints = (KvRankEndpoint("tcp://127.0.0.1:1", 0, 1, 1),) if role == "decode" else ()
         registry.add(WorkerInfo(wid, role, endpoints, 4096, 16, 1024, "inc"), _Handle())
         registry.observe(_stats(wid, role, queued_tokens if role == "prefill" else 0))
-    request = GenerateRequest("r", tuple(range(512)), SamplingParams(max_tokens=16), "ipc:///nowhere")
-    return placer.place(request, [], 40, time.monotonic())
+    return registry, placer
+
+
+def _request() -> GenerateRequest:
+    return GenerateRequest("r", tuple(range(512)), SamplingParams(max_tokens=16), "ipc:///nowhere")
+
+
+async def _place(settings: SchedulerSettings, queued_tokens: int) -> Placement | Rejected | None:
+    _, placer = _cluster(settings, queued_tokens)
+    return placer.place(_request(), [], 40, time.monotonic())
 
 
 def test_without_a_target_a_request_that_would_be_moved_for_silence_is_refused():
@@ -73,3 +82,19 @@ def test_a_configured_target_is_the_limit():
     refused = asyncio.run(_place(tight, 20_000))
     assert isinstance(refused, Rejected) and "max_predicted_ttft_s" in refused.reason, refused
     assert isinstance(asyncio.run(_place(tight, 2_000)), Placement)
+
+
+def test_placements_awaiting_their_reservation_count_as_queued_whatever_the_worker_reports():
+    """A burst: each admission awaits the decode worker's reservation before its prompt is sent, and the
+    placements decided meanwhile must see the prompts already placed, or they all land on one queue."""
+    async def scenario():
+        registry, placer = _cluster(SETTINGS, 0)
+        holder = registry.hold_queued("prefill-0", 40_000)  # ~40 s of prompts placed, reservations pending
+        assert isinstance(placer.place(_request(), [], 40, time.monotonic()), Rejected)
+        registry.observe(_stats("prefill-0", "prefill", 0))  # its report cannot know of them yet
+        assert isinstance(placer.place(_request(), [], 40, time.monotonic()), Rejected)
+        registry.unhold_queued(holder, 40_000)  # the reservations failed: nothing was sent
+        assert isinstance(placer.place(_request(), [], 40, time.monotonic()), Placement)
+        registry.check_integrity()
+
+    asyncio.run(scenario())
