@@ -40,20 +40,22 @@ class AdmissionDoor:
         self._advance()
         return self._admitted / self._busy_s if self._busy_s >= _MIN_BUSY_S else None
 
-    def refuse(self, budget_s: float) -> Rejected | None:
-        """A refusal when the requests already waiting would take longer than `budget_s` to admit."""
+    def refuse(self, budget_s: float, queue_s: float = 0.0) -> Rejected | None:
+        """A refusal when the requests already waiting would take longer than `budget_s` to admit, counting
+        the `queue_s` an admitted request then waits on its prefill worker (the least queued)."""
         if self.waiting < _FLOOR:
             return None
         rate = self.rate()
         if rate is None:
             return None
         wait_s = self.waiting / max(rate, 1e-9)
-        if wait_s <= budget_s:
+        if wait_s + queue_s <= budget_s:
             return None
         self.refused += 1
         return Rejected(f"the scheduler is overloaded: {self.waiting} requests wait for admission, about "
-                        f"{wait_s:.1f}s at the {rate:.0f}/s it admits, past the {budget_s:.1f}s a request may "
-                        "wait (scheduler.queue_timeout_s, max_predicted_ttft_s); retry later", max(1.0, wait_s))
+                        f"{wait_s:.1f}s at the {rate:.1f}/s it admits, then ~{queue_s:.1f}s in a prefill queue: past "
+                        f"the {budget_s:.1f}s a request may wait (scheduler.queue_timeout_s, max_predicted_ttft_s, "
+                        "half of progress_timeout_s); retry later", max(1.0, wait_s))
 
     def entered(self) -> None:
         self._advance()

@@ -161,6 +161,21 @@ class Placer:
         self._queued.check_integrity()
         self._room.check_integrity()
 
+    def least_queue_s(self) -> float:
+        """Seconds of prompts queued ahead on the least queued worker that could prefill a request now
+        (calibrated like the TTFT guard's predictions; 0 for an empty queue): the least a request
+        admitted now waits there, beyond its own prefill."""
+        candidates = self._queued.best(1)
+        if self.s.mode != "colocated" and self.s.local_prefill:
+            candidates += self._room.best(1)  # the decode worker it would go to may prefill it itself
+        waits = []
+        for wid in candidates:
+            entry = self._registry.get(wid)
+            if entry is not None:
+                cost = entry.view.prefill_s_per_token or self.typical_cost(entry.view.role)
+                waits.append(self._guard.calibrated(wid, entry.view.queued_prefill_tokens * cost))
+        return min(waits, default=0.0)
+
     def retry_after_s(self) -> float:
         # Room frees as running requests finish: estimate from the queued prefill work on the pool.
         views = self._registry.views(self.pool)

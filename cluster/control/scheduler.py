@@ -261,7 +261,7 @@ class Scheduler:
         if self._door.waiting >= self.s.max_queued:
             return Rejected("the admission queue is full", self._placer.retry_after_s())
         if not patient:  # a moved request continues a stream the cluster already answered
-            refused = self._door.refuse(self._wait_budget_s())
+            refused = self._door.refuse(self._wait_budget_s(), self._placer.least_queue_s())
             if refused is not None:
                 return refused
         refused = self._shares.enter_queue(request)
@@ -306,6 +306,8 @@ class Scheduler:
                     answer = await self._carry_out(request, placed, blocks_needed)
                     if answer is not None:
                         return answer
+                elif not patient and (late := self._hopeless(arrived)) is not None:
+                    return late
             if time.monotonic() >= deadline:
                 if not self._registry.pool_size(pool):
                     return Rejected(f"no {pool} worker is ready", 5.0, unavailable=True)
@@ -313,6 +315,16 @@ class Scheduler:
                     return self._shares.over_share(request, blocks_needed, pool, self._placer.retry_after_s())
                 return Rejected("no worker has room for the request's KV", self._placer.retry_after_s())
             await self._waiters.wait(arrived, deadline - time.monotonic())
+
+    def _hopeless(self, arrived: float) -> Rejected | None:
+        """A refusal, now rather than at its deadline, for a request waiting for KV room that would miss the
+        TTFT limit even if room freed this moment (its wait so far + the shortest prefill queue)."""
+        limit, queue_s = self._guard.limit_s, self._placer.least_queue_s()
+        if limit is None or time.monotonic() - arrived + queue_s <= limit:
+            return None
+        return Rejected(f"overloaded: waited {time.monotonic() - arrived:.1f}s for KV room and ~{queue_s:.1f}s of "
+                        f"prompts are queued ahead, past the {limit:.1f}s limit ({self._guard.setting})",
+                        self._placer.retry_after_s())
 
     async def _carry_out(self, request: GenerateRequest, placement: Placement, blocks: int) -> Admitted | None:
         """Commit and send out a placement; None when it no longer holds (try placing again)."""

@@ -45,6 +45,10 @@ class TtftGuard:
                 ratio = min(max(wait.seconds / max(predicted, 1e-3), 0.5), 10.0)
                 self._calibration[worker_id] = 0.7 * self._calibration.get(worker_id, 1.0) + 0.3 * ratio
 
+    def calibrated(self, worker_id: str, seconds: float) -> float:
+        """`seconds` predicted on the worker, scaled as its measured first tokens say."""
+        return seconds * self._calibration.get(worker_id, 1.0)
+
     def overshoot(self, plan: PrefillPlan, step_s: float | None, waited_s: float, queue_ahead: bool) -> float | None:
         """The predicted TTFT when it exceeds the limit (shed the request), else None (admit it).
 

@@ -98,3 +98,13 @@ def test_placements_awaiting_their_reservation_count_as_queued_whatever_the_work
         registry.check_integrity()
 
     asyncio.run(scenario())
+
+
+def test_the_least_queue_is_the_shortest_a_request_could_meet():
+    async def scenario():
+        registry, placer = _cluster(SETTINGS, 20_000)  # no local prefill: the prefill worker's queue counts
+        assert abs(placer.least_queue_s() - 20.0) < 1e-6, placer.least_queue_s()
+        _, local = _cluster(dataclasses.replace(SETTINGS, local_prefill=True), 20_000)
+        assert local.least_queue_s() == 0.0  # its decode worker, idle, may prefill it itself
+
+    asyncio.run(scenario())
