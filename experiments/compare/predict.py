@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cluster.control.config import TandemConfig
-from experiments.planner.metrics import SLO, summarize
-from experiments.planner.profile import EngineLimits, EngineProfile
-from experiments.planner.simulator import Layout, SimOptions, SimResult, simulate
-from experiments.planner.workload import SimRequest
+from cluster.control.capacity.metrics import SLO, summarize
+from cluster.control.capacity.profile import EngineLimits, EngineProfile
+from cluster.control.capacity.simulator import Layout, SimOptions, SimResult, simulate
+from cluster.control.capacity.workload import SimRequest
 
 
 def requests_of(run: dict) -> tuple[list[SimRequest], list[bool]]:

@@ -20,8 +20,8 @@ from experiments.compare.server import ServeProcess, free_port
 from experiments.loadgen.runner import run_benchmark
 from experiments.loadgen.spec import BenchSpec
 from experiments.loadgen.sweep import sweep
-from experiments.planner.profile import EngineProfile
-from experiments.planner.simulator import Layout
+from cluster.control.capacity.profile import EngineProfile
+from cluster.control.capacity.simulator import Layout
 
 
 @dataclass

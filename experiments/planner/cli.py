@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 
 from experiments.loadgen.spec import LengthDist
-from experiments.planner.metrics import SLO
-from experiments.planner.profile import EngineLimits, EngineProfile
+from cluster.control.capacity.metrics import SLO
+from cluster.control.capacity.profile import EngineLimits, EngineProfile
 from experiments.planner.report import print_table, result_json
-from experiments.planner.roofline import GPUS, MODEL_PRESETS, model_shape, roofline_profile
-from experiments.planner.search import recommend, search
-from experiments.planner.simulator import SimOptions
-from experiments.planner.workload import Workload
+from cluster.control.capacity.roofline import GPUS, MODEL_PRESETS, model_shape, roofline_profile
+from cluster.control.capacity.search import recommend, search
+from cluster.control.capacity.simulator import SimOptions
+from experiments.planner.workload import synthetic_workload
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,7 +117,7 @@ def _plan(args: argparse.Namespace) -> int:
     slo = SLO(None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
               None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3)
     prompt, output = LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len)
-    workload = Workload.synthetic(args.num_requests, prompt, output, args.arrival, args.burstiness, args.seed)
+    workload = synthetic_workload(args.num_requests, prompt, output, args.arrival, args.burstiness, args.seed)
     options = SimOptions(routing=args.routing, local_prefill=not args.no_local_prefill)
     for p in profile.values():
         print(f"profile: {p.source} on {p.hardware}, model {p.model.name}")

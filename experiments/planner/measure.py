@@ -26,7 +26,7 @@ import torch
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
-from experiments.planner.profile import BatchShape, EngineLimits, EngineProfile, LinearCost, ModelShape, chunk_pairs
+from cluster.control.capacity.profile import BatchShape, EngineLimits, EngineProfile, LinearCost, ModelShape, chunk_pairs
 from experiments.planner.transfer_probe import measure_transfer
 
 PREFILL_GRID = [(1, 16), (1, 64), (1, 256), (1, 512), (1, 1024), (4, 32), (4, 128), (8, 64), (2, 512)]

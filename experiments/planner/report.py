@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from experiments.planner.profile import EngineProfile
-from experiments.planner.search import Evaluated, Recommendation
+from cluster.control.capacity.profile import EngineProfile
+from cluster.control.capacity.search import Evaluated, Recommendation
 
 
 def _ms(value: float | None) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from experiments.compare.layouts import parse_layouts
 from experiments.compare.server import ServeProcess, port_is_free, session_pids
-from experiments.planner.profile import EngineLimits, EngineProfile, LinearCost, ModelShape
+from cluster.control.capacity.profile import EngineLimits, EngineProfile, LinearCost, ModelShape
 from tandem.cli import main
 from tests.helpers.bench import check_run
 
@@ -101,9 +101,9 @@ def test_session_pids_sees_only_live_members():
 def test_simulated_lease_expiry_fails_late_handoffs():
     """A decode reservation lives `lease_s` from admission; KV landing later fails the request (no token),
     as on the real decode worker, and its reservation is given back."""
-    from experiments.planner.metrics import SLO, summarize
-    from experiments.planner.simulator import Layout, SimOptions, simulate
-    from experiments.planner.workload import SimRequest
+    from cluster.control.capacity.metrics import SLO, summarize
+    from cluster.control.capacity.simulator import Layout, SimOptions, simulate
+    from cluster.control.capacity.workload import SimRequest
 
     model = ModelShape("m", num_layers=1, hidden_size=8, num_heads=1, num_kv_heads=1, head_dim=8,
                        intermediate_size=8, vocab_size=16, dtype_bytes=4)

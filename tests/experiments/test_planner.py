@@ -9,12 +9,13 @@ import pytest
 
 from tandem.cli import main
 from experiments.loadgen.spec import LengthDist
-from experiments.planner.metrics import SLO, summarize
-from experiments.planner.profile import BatchShape, EngineLimits, EngineProfile, LinearCost, ModelShape
-from experiments.planner.roofline import MODEL_PRESETS, roofline_profile
-from experiments.planner.search import recommend, search
-from experiments.planner.simulator import Layout, SimOptions, simulate
-from experiments.planner.workload import SimRequest, Workload
+from cluster.control.capacity.metrics import SLO, summarize
+from cluster.control.capacity.profile import BatchShape, EngineLimits, EngineProfile, LinearCost, ModelShape
+from cluster.control.capacity.roofline import MODEL_PRESETS, roofline_profile
+from cluster.control.capacity.search import recommend, search
+from cluster.control.capacity.simulator import Layout, SimOptions, simulate
+from cluster.control.capacity.workload import SimRequest
+from experiments.planner.workload import synthetic_workload
 
 TOY = ModelShape("toy", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=512, dtype_bytes=4)  # 512 KV bytes per token
@@ -70,7 +71,7 @@ def test_a_request_too_big_for_any_worker_is_rejected_not_lost():
 def test_runs_are_deterministic_goodput_is_at_most_throughput_and_more_load_never_helps():
     p = linear_profile(prefill_per_token=2e-4, decode_per_seq=5e-4, decode_base=0.005,
                        limits=EngineLimits(16, 4096, 32, 1024), bytes_per_s=1e9)
-    work = Workload.synthetic(200, LengthDist.parse("lognormal:400:200"), LengthDist.parse("uniform:10:60"), seed=3)
+    work = synthetic_workload(200, LengthDist.parse("lognormal:400:200"), LengthDist.parse("uniform:10:60"), seed=3)
     slo = SLO(ttft_s=0.3, tpot_s=0.03)
     for layout in (Layout.disaggregated(1, 1), Layout.colocated_workers(2)):
         first = simulate(p, layout, work.at_rate(8.0))
@@ -97,7 +98,7 @@ def test_search_recommends_the_ratio_that_balances_prefill_and_decode_work(prefi
     limits = EngineLimits(16, 4096, 64, 100)
     p = linear_profile(prefill_per_token=prefill_s / 100, decode_per_seq=decode_s / 10, decode_base=decode_s / 100,
                        limits=limits, bytes_per_s=1e12, latency=0.0)
-    work = Workload.synthetic(400, LengthDist.parse("100"), LengthDist.parse("11"), "gamma", burstiness=20, seed=0)
+    work = synthetic_workload(400, LengthDist.parse("100"), LengthDist.parse("11"), "gamma", burstiness=20, seed=0)
     slo = SLO(ttft_s=5 * prefill_s, tpot_s=3 * decode_s)
     rows = search(p, work, slo, max_workers=4, mode="disaggregated", options=NO_LOCAL)
     rec = recommend(rows)
@@ -216,8 +217,8 @@ def test_a_tensor_parallel_recommendation_names_the_ranks_per_worker():
     import yaml
 
     from cluster.control.config import TandemConfig
-    from experiments.planner.search import Recommendation
-    from experiments.planner.simulator import Layout
+    from cluster.control.capacity.search import Recommendation
+    from cluster.control.capacity.simulator import Layout
 
     text = Recommendation(Layout("colocated", colocated=2, colocated_tp=4), 1.0, "best").yaml()
     config = TandemConfig.model_validate(yaml.safe_load(text))
@@ -234,7 +235,7 @@ def test_search_sizes_each_pool_independently(tmp_path):
     profiles = {tp: roofline_profile("h100", model, tensor_parallel=tp) for tp in (2, 4, 8)}
     shape = BatchShape(decode_seqs=16, decode_context=16 * 1024)
     assert profiles[8].step_s(shape) < profiles[4].step_s(shape) < profiles[2].step_s(shape)
-    workload = Workload.synthetic(60, LengthDist.parse("1024"), LengthDist.parse("128"), "poisson", 1.0, 0)
+    workload = synthetic_workload(60, LengthDist.parse("1024"), LengthDist.parse("128"), "poisson", 1.0, 0)
     rows = search(profiles, workload, SLO(ttft_s=1.0, tpot_s=0.05), max_workers=2, mode="disaggregated")
     assert len(rows) == 9  # 1P:1D, each pool at 3 sizes
     assert {(r.layout.prefill_tp, r.layout.decode_tp) for r in rows} == {(a, b) for a in (2, 4, 8) for b in (2, 4, 8)}

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from experiments.planner.simulator import SimResult
+from cluster.control.capacity.simulator import SimResult
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
-from experiments.planner.profile import BatchShape, EngineProfile, chunk_pairs
-from experiments.planner.workload import SimRequest
+from cluster.control.capacity.profile import BatchShape, EngineProfile, chunk_pairs
+from cluster.control.capacity.workload import SimRequest
 
 
 @dataclass

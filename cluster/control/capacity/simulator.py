@@ -33,9 +33,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.control.routing import WorkerView, pick_decode, plan_prefill
-from experiments.planner.profile import EngineProfile
-from experiments.planner.sim_worker import SimSeq, SimWorker
-from experiments.planner.workload import SimRequest
+from cluster.control.capacity.profile import EngineProfile
+from cluster.control.capacity.sim_worker import SimSeq, SimWorker
+from cluster.control.capacity.workload import SimRequest
 
 
 @dataclass(frozen=True)

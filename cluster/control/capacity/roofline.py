@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.planner.profile import EngineLimits, EngineProfile, ModelShape, RooflineCost
+from cluster.control.capacity.profile import EngineLimits, EngineProfile, ModelShape, RooflineCost
 
 
 @dataclass(frozen=True)
