@@ -21,6 +21,7 @@ def run(args: argparse.Namespace) -> int:
 
     import ray
 
+    from cluster.control.autoscale.autoscaler import Autoscaler
     from cluster.control.config import TandemConfig
     from cluster.control.launch import Cluster
     from cluster.control.scaling import ConfigWatcher
@@ -32,8 +33,9 @@ def run(args: argparse.Namespace) -> int:
     check_exposure(config.ingress, host)  # before anything starts
     cluster = Cluster.start(config, address=args.address)
     watcher = ConfigWatcher(cluster, args.config).start()  # edits of the pools' replicas resize live
+    autoscaler = Autoscaler(cluster, config.autoscaler).start() if config.autoscaler.mode != "off" else None
     try:
-        server = make_server(cluster, host, port)
+        server = make_server(cluster, host, port, autoscaler=autoscaler)
         pools = ", ".join(f"{role} x{pool.replicas}" for role, pool in config.pools().items())
         # The Ray address is what `tandem generate --address` (or RAY_ADDRESS) takes to reach this cluster.
         print(f"tandem: serving model {served_model_name(cluster)!r} ({config.mode}: {pools}) at "
@@ -45,5 +47,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         print("tandem: shutting down", flush=True)
         watcher.stop()
+        if autoscaler is not None:
+            autoscaler.stop()
         cluster.shutdown()
     return 0

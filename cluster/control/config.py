@@ -58,7 +58,9 @@ class EngineSection(_Strict):
 
 class PoolSection(_Strict):
     replicas: int = Field(1, ge=0, description="number of workers in this pool")
-    max_replicas: int = Field(64, ge=1, description="most workers a live resize (`tandem scale`, /admin/scale) may ask for")
+    max_replicas: int = Field(64, ge=1, description="most workers a live resize (`tandem scale`, /admin/scale, the "
+                              "autoscaler) may ask for")
+    min_replicas: int = Field(1, ge=1, description="fewest workers the autoscaler leaves in this pool")
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per worker")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per worker; > 0 places the model on cuda")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads per worker")
@@ -66,6 +68,34 @@ class PoolSection(_Strict):
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks per worker (one actor each, all on one node; num_cpus, num_gpus and resources "
         "are per rank): the model's heads and MLP widths are split across them")
+
+
+class LoadThresholds(_Strict):
+    """`autoscaler.mode: load`: grow a pool when its load passes `*_high`, shrink it when every signal of it is
+    below `*_low` (hysteresis between the two); nothing to profile."""
+
+    prefill_queue_high_s: float = Field(2.0, gt=0, description="seconds of prompts queued per prefill (or colocated) "
+                                        "worker, at its measured cost, above which the pool grows")
+    prefill_queue_low_s: float = Field(0.25, ge=0, description="... below which it may shrink")
+    kv_high: float = Field(0.8, gt=0, le=1, description="fraction of the decode (or colocated) pool's KV committed to "
+                           "requests in flight above which it grows; so does any request waiting for KV room")
+    kv_low: float = Field(0.3, ge=0, le=1, description="... below which it may shrink")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "LoadThresholds":
+        if self.prefill_queue_low_s >= self.prefill_queue_high_s or self.kv_low >= self.kv_high:
+            raise ValueError("each *_low threshold must be below its *_high")
+        return self
+
+
+class AutoscalerSection(_Strict):
+    mode: Literal["off", "load"] = Field("off", description="off: pools keep their replicas (resize by hand); load: "
+                                         "resize from queue depth and KV use (autoscaler.load)")
+    interval_s: float = Field(10.0, gt=0, description="how often the pools' load is read and a decision made")
+    cooldown_s: float = Field(30.0, ge=0, description="no resize this soon after the last one ended (no flapping)")
+    max_workers: int | None = Field(None, ge=1, description="most workers of all pools together; null: each pool's "
+                                    "max_replicas")
+    load: LoadThresholds = Field(default_factory=LoadThresholds, description="thresholds of mode load")
 
 
 class SchedulerSection(_Strict):
@@ -231,6 +261,7 @@ class TandemConfig(_Strict):
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="global scheduler policy")
     transfer: TransferSection = Field(default_factory=TransferSection, description="KV transfer between workers")
     ingress: IngressSection = Field(default_factory=IngressSection, description="the OpenAI HTTP server")
+    autoscaler: AutoscalerSection = Field(default_factory=AutoscalerSection, description="pools that size themselves")
 
     @model_validator(mode="after")
     def _pools_fit_the_mode(self) -> "TandemConfig":
@@ -242,6 +273,9 @@ class TandemConfig(_Strict):
         if short:
             raise ValueError(f"scheduler.shards {self.scheduler.shards} needs at least that many replicas in every "
                              f"pool (each shard has its own workers); {', '.join(short)} has fewer")
+        bounds = [role for role, pool in self.pools().items() if pool.min_replicas > pool.max_replicas]
+        if bounds:
+            raise ValueError(f"min_replicas above max_replicas in {', '.join(bounds)}")
         split = [role for role, pool in self.pools().items() if pool.tensor_parallel_size > 1]
         if split and self.transfer.backend == "collective":
             raise ValueError("tensor_parallel_size > 1 needs transfer.backend zmq (a rank's process holds one "

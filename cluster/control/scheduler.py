@@ -56,6 +56,7 @@ from actors.protocol.messages import (
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.worker_commands import AbortAttempt, SubmitAttempt
 from cluster.control.admission_door import AdmissionDoor
+from cluster.control.autoscale.pool_load import PoolLoad, pool_loads
 from cluster.control.client_port import ClientPort
 from cluster.control.decision_clock import ControlPlaneStats, DecisionClock
 from cluster.control.incarnation import Incarnation
@@ -409,6 +410,12 @@ class Scheduler:
             self._registry.draining(), len(self._table), self._table.committed_blocks(), counters,
             self._table.tenant_blocks(), self._links.estimates(),
             self._port.drops.snapshot() if self._port is not None else {})
+
+    async def pool_load(self) -> tuple[PoolLoad, ...]:
+        """Each pool's load now, as the autoscaler reads it every interval (cluster/control/autoscale/)."""
+        roles = ("colocated",) if self.s.mode == "colocated" else ("prefill", "decode")
+        return pool_loads(self._registry, self._table, roles, self._placer.pool, self._door.waiting,
+                          self._placer.typical_cost)
 
     async def control_stats(self, reset: bool = False) -> ControlPlaneStats:
         """Decision times and the control plane's own costs (`tandem bench control-plane`)."""

@@ -10,6 +10,7 @@ from actors.engine.model.loader import read_hf_config
 from cluster.control.config import IngressSection, TenantSection
 from cluster.control.launch import Cluster
 from cluster.frontend.http.admin import LOOPBACK, add_admin_routes
+from cluster.frontend.http.autoscaler_metrics import AutoscalerCollector
 from cluster.frontend.http.app import create_app
 from cluster.frontend.http.gate import Gate, tenant_limits
 from cluster.frontend.http.ingress import Ingress
@@ -59,9 +60,14 @@ def build_ingress(cluster: Cluster, host: str = "127.0.0.1", ingress: IngressSec
                    request_timeout_s=i.request_timeout_s, hide_cache_hits=not tenants and host not in LOOPBACK)
 
 
-def make_server(cluster: Cluster, host: str, port: int, ingress: IngressSection | None = None) -> uvicorn.Server:
+def make_server(cluster: Cluster, host: str, port: int, ingress: IngressSection | None = None,
+                autoscaler=None) -> uvicorn.Server:
+    """`autoscaler`: the cluster's, when it runs one (its record goes on /metrics)."""
     ingress = ingress or cluster.config.ingress
-    app = create_app(build_ingress(cluster, host, ingress), cluster.schedulers)
+    front = build_ingress(cluster, host, ingress)
+    if autoscaler is not None:
+        front.metrics.registry.register(AutoscalerCollector(autoscaler))
+    app = create_app(front, cluster.schedulers)
     add_admin_routes(app, cluster, ingress.admin(), host)
     # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: behind a same-host proxy every client
     # would then be whatever address it claims. Only the configured proxies are believed.

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
+from pydantic import ValidationError
 
 from cluster.control.config import TandemConfig
 
@@ -38,3 +40,16 @@ def test_keys_in_a_config_error_are_redacted(tmp_path):
     assert "tenant" in str(err.value) and "sk-file" not in str(err.value)
     keys.write_text("sk-file-0123456789: {tenant: team-a}\n")
     assert TandemConfig.from_file(bad).ingress.tenants()["sk-file-0123456789"].tenant == "team-a"
+
+
+def test_the_readmes_autoscaler_block_is_a_valid_config():
+    import re
+
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"^```yaml\n(.*?)^```", readme, re.S | re.M) if "autoscaler:" in b]
+    config = TandemConfig.model_validate(yaml.safe_load(block))
+    assert config.autoscaler.mode == "load" and config.autoscaler == config.autoscaler.model_validate(
+        {"mode": "load"})  # the block shows the shipped values
+    assert config.decode.min_replicas == 1 and config.decode.max_replicas == 8
+    with pytest.raises(ValidationError, match="min_replicas above max_replicas"):
+        TandemConfig.model_validate({"decode": {"min_replicas": 3, "max_replicas": 2}})

@@ -1,0 +1,104 @@
+"""The autoscaler loop: every `autoscaler.interval_s` it reads each pool's load from the scheduler (all
+shards), decides (load_policy.py), and resizes through `scaling.scale`, the drain-safe path `tandem
+scale` and /admin/scale take, so a shrink never fails a request.
+
+It runs as a thread of the process that owns the cluster (`tandem serve`), beside the config watcher:
+that process holds the workers' handles and spawns and stops them. A resize blocks the loop until the
+new workers are ready or the removed ones drained; the cool-down counts from its end. A worker that
+needs resources no node has waits for Ray's autoscaler (`ray up`, KubeRay) to add a node, up to the
+scaling path's ready timeout. Every decision is logged with its inputs and kept for /metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import ray
+
+from cluster.control.autoscale.load_policy import Bounds, Decision, decide
+from cluster.control.autoscale.pool_load import PoolLoad, merged
+from cluster.control.config import AutoscalerSection
+from cluster.control.scaling import ResizeInProgress, scale
+
+log = logging.getLogger("tandem.autoscaler")
+_READ_TIMEOUT_S = 10.0
+_HISTORY = 256
+
+
+@dataclass(frozen=True)
+class Record:
+    """One interval: what was read, what was decided, what came of it."""
+
+    at: float  # time.time()
+    loads: dict[str, PoolLoad]
+    replicas: dict[str, int]  # before the decision
+    decision: Decision
+    outcome: str  # "held", "resized", "cooling down", or the error
+
+
+class Autoscaler:
+    def __init__(self, cluster, section: AutoscalerSection):
+        self.cluster, self.section = cluster, section
+        self.history: deque[Record] = deque(maxlen=_HISTORY)
+        self.resizes: Counter[tuple[str, str]] = Counter()  # (pool, "up" | "down") -> resizes done
+        self._last_resize = float("-inf")  # monotonic end of the last resize
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-autoscaler", daemon=True)
+
+    def start(self) -> "Autoscaler":
+        log.info("autoscaler on: mode %s, every %.0fs, cool-down %.0fs", self.section.mode, self.section.interval_s,
+                 self.section.cooldown_s)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.section.interval_s):
+            try:
+                self.tick()
+            except Exception:  # a bad interval is logged; the cluster keeps serving at its size
+                log.exception("autoscaler: this interval failed; trying again at the next")
+
+    def tick(self) -> Record:
+        """One interval: read, decide and (out of the cool-down) resize."""
+        loads = self.read()
+        pools = self.cluster.config.pools()
+        current = {role: pool.replicas for role, pool in pools.items()}
+        bounds = {role: Bounds(pool.min_replicas, pool.max_replicas) for role, pool in pools.items()}
+        decision = decide(loads, current, bounds, self.section.load, self.section.max_workers)
+        outcome = "held"
+        if decision.replicas:
+            if time.monotonic() - self._last_resize < self.section.cooldown_s:
+                outcome = "cooling down"
+            else:
+                outcome = self._resize(decision, current)
+        record = Record(time.time(), loads, current, decision, outcome)
+        self.history.append(record)
+        level = logging.INFO if decision.replicas else logging.DEBUG
+        log.log(level, "autoscaler: %s -> %s (%s); %s", current, decision.replicas or "no change", outcome,
+                "; ".join(f"{role}: {why}" for role, why in decision.reasons.items()))
+        return record
+
+    def read(self) -> dict[str, PoolLoad]:
+        shards = ray.get([s.pool_load.remote() for s in self.cluster.schedulers], timeout=_READ_TIMEOUT_S)
+        return merged(shards)
+
+    def _resize(self, decision: Decision, current: dict[str, int]) -> str:
+        try:
+            scale(self.cluster, decision.replicas)
+        except ResizeInProgress:
+            return "a resize by hand is in progress"
+        except ValueError as exc:  # e.g. no node can take a new worker before the ready timeout
+            return f"resize failed: {exc}"
+        finally:
+            self._last_resize = time.monotonic()
+        for role, n in decision.replicas.items():
+            self.resizes[(role, "up" if n > current[role] else "down")] += 1
+        return "resized"

@@ -1,0 +1,40 @@
+"""The autoscaler on /metrics (`tandem:autoscaler_*`): the inputs of its last interval, the pools' sizes and
+the resizes it made. Read at scrape time from the autoscaler's own record, in the serve process."""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+class AutoscalerCollector(Collector):
+    def __init__(self, autoscaler) -> None:
+        self._autoscaler = autoscaler
+
+    def collect(self):
+        a = self._autoscaler
+        replicas = GaugeMetricFamily("tandem:autoscaler_replicas", "workers of each pool as the autoscaler sizes it",
+                                     labels=["pool"])
+        for role, pool in a.cluster.config.pools().items():
+            replicas.add_metric([role], pool.replicas)
+        resizes = CounterMetricFamily("tandem:autoscaler_resizes", "resizes the autoscaler made, by pool and direction",
+                                      labels=["pool", "direction"])
+        for (role, direction), n in sorted(a.resizes.items()):
+            resizes.add_metric([role, direction], n)
+        families = [replicas, resizes]
+        last = a.history[-1] if a.history else None
+        if last is not None:
+            queue = GaugeMetricFamily("tandem:autoscaler_queued_prefill_seconds_per_worker",
+                                      "prompts queued per worker in seconds of work, at the last interval", labels=["pool"])
+            kv = GaugeMetricFamily("tandem:autoscaler_kv_committed", "fraction of the pool's KV committed to requests "
+                                   "in flight, at the last interval", labels=["pool"])
+            waiting = GaugeMetricFamily("tandem:autoscaler_waiting_requests", "requests waiting for KV room in the "
+                                        "pool, at the last interval", labels=["pool"])
+            for role, load in last.loads.items():
+                queue.add_metric([role], load.queue_s_per_worker)
+                kv.add_metric([role], load.kv_used)
+                waiting.add_metric([role], load.waiting)
+            at = GaugeMetricFamily("tandem:autoscaler_last_decision_timestamp_seconds", "when the last interval ran")
+            at.add_metric([], last.at)
+            families += [queue, kv, waiting, at]
+        yield from families

@@ -1,0 +1,65 @@
+"""The autoscaler end to end on a real cluster, with its shipped settings (mode load): requests that wait for
+KV room grow the decode pool by a worker that takes them, the cool-down holds the next resize, and once
+the load is gone the pool shrinks back without failing a request or leaving a block behind."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from actors.protocol.sampling_params import SamplingParams
+from cluster.control.autoscale.autoscaler import Autoscaler
+from cluster.control.config import AutoscalerSection
+from cluster.control.launch import Cluster
+from tests.helpers.cluster import generate_in_background, load, wait_until_idle
+
+pytestmark = pytest.mark.slow  # pools resized with workers started and drained
+PROMPT = list(range(20, 52))
+# 32 + 2,000 tokens: 128 blocks of 16 committed per request; the decode worker's 320 hold two.
+PARAMS = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+
+
+def _waiting(cluster: Cluster) -> int:
+    loads = ray.get(cluster.scheduler.pool_load.remote(), timeout=10)
+    return sum(load.waiting for load in loads)
+
+
+def test_waiting_requests_grow_the_decode_pool_and_idle_shrinks_it(ray_session):
+    config = load("local.yaml", num_kv_blocks=320)
+    config = config.model_copy(update={"decode": config.decode.model_copy(update={"max_replicas": 2})})
+    cluster = Cluster.start(config)
+    try:
+        section = AutoscalerSection(mode="load")
+        assert (section.interval_s, section.cooldown_s) == (10.0, 30.0)  # the shipped ones; ticks driven here
+        autoscaler = Autoscaler(cluster, section)
+        assert autoscaler.tick().outcome == "held"  # idle, at its least: nothing to do
+        runner, out = generate_in_background(cluster, [PROMPT] * 3, PARAMS)
+        deadline = time.monotonic() + 60
+        while _waiting(cluster) < 1:  # two run, the third waits for KV room
+            assert time.monotonic() < deadline, "no request ever waited for KV room"
+            time.sleep(0.1)
+        grown = autoscaler.tick()
+        assert grown.decision.replicas == {"decode": 2} and grown.outcome == "resized", grown
+        assert grown.loads["decode"].waiting >= 1 and "grow" in grown.decision.reasons["decode"]
+        assert sorted(cluster.workers) == ["decode-0", "decode-1", "prefill-0"]
+        assert autoscaler.resizes == {("decode", "up"): 1}
+        runner.join(timeout=240)
+        results = [r[0] for r in out["got"]]
+        assert [r.finish_reason for r in results] == ["length"] * 3, [r.error for r in results]
+        assert results[0].token_ids == results[1].token_ids == results[2].token_ids  # greedy, on either worker
+        stats = ray.get(cluster.scheduler.state.remote(), timeout=10).worker_stats
+        assert stats["decode-1"].adopted >= 1  # the new worker took the waiting request
+        wait_until_idle(cluster)
+        held = autoscaler.tick()  # idle now, but within the cool-down of the last resize
+        assert held.decision.replicas == {"decode": 1} and held.outcome == "cooling down", held
+        # A fresh autoscaler (say `tandem serve` restarted) has no cool-down to wait out.
+        shrunk = Autoscaler(cluster, section).tick()
+        assert shrunk.outcome == "resized" and sorted(cluster.workers) == ["decode-0", "prefill-0"], shrunk
+        assert cluster.config.decode.replicas == 1
+        state = wait_until_idle(cluster)
+        assert state["scheduler"]["in_flight"] == 0
+        assert all(w["used_blocks"] == w["reserved"] == w["held"] == 0 for w in state["workers"].values())
+    finally:
+        cluster.shutdown()
