@@ -8,11 +8,13 @@ import time
 
 import pytest
 import ray
+from prometheus_client import CollectorRegistry, generate_latest
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.autoscale.autoscaler import Autoscaler
 from cluster.control.config import AutoscalerSection
 from cluster.control.launch import Cluster
+from cluster.frontend.http.autoscaler_metrics import AutoscalerCollector
 from tests.helpers.cluster import generate_in_background, load, wait_until_idle
 
 pytestmark = pytest.mark.slow  # pools resized with workers started and drained
@@ -58,6 +60,12 @@ def test_waiting_requests_grow_the_decode_pool_and_idle_shrinks_it(ray_session):
         shrunk = Autoscaler(cluster, section).tick()
         assert shrunk.outcome == "resized" and sorted(cluster.workers) == ["decode-0", "prefill-0"], shrunk
         assert cluster.config.decode.replicas == 1
+        registry = CollectorRegistry()  # what /metrics shows of it
+        registry.register(AutoscalerCollector(autoscaler))
+        metrics = generate_latest(registry).decode()
+        assert 'tandem:autoscaler_resizes_total{direction="up",pool="decode"} 1.0' in metrics, metrics
+        assert 'tandem:autoscaler_replicas{pool="decode"} 1.0' in metrics
+        assert 'tandem:autoscaler_waiting_requests{pool="decode"} 0.0' in metrics
         state = wait_until_idle(cluster)
         assert state["scheduler"]["in_flight"] == 0
         assert all(w["used_blocks"] == w["reserved"] == w["held"] == 0 for w in state["workers"].values())
