@@ -18,6 +18,7 @@ at once (measured, results/overload).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from actors.protocol.messages import Rejected
 
@@ -40,20 +41,21 @@ class AdmissionDoor:
         self._advance()
         return self._admitted / self._busy_s if self._busy_s >= _MIN_BUSY_S else None
 
-    def refuse(self, budget_s: float, queue_s: float = 0.0) -> Rejected | None:
+    def refuse(self, budget_s: float, first_token_s: Callable[[], float] = lambda: 0.0) -> Rejected | None:
         """A refusal when the requests already waiting would take longer than `budget_s` to admit, counting
-        the `queue_s` an admitted request then waits on its prefill worker (the least queued)."""
+        what an admitted request then waits for its first token (`first_token_s()`, asked only past the
+        floor: the best predicted TTFT)."""
         if self.waiting < _FLOOR:
             return None
         rate = self.rate()
         if rate is None:
             return None
-        wait_s = self.waiting / max(rate, 1e-9)
+        wait_s, queue_s = self.waiting / max(rate, 1e-9), first_token_s()
         if wait_s + queue_s <= budget_s:
             return None
         self.refused += 1
         return Rejected(f"the scheduler is overloaded: {self.waiting} requests wait for admission, about "
-                        f"{wait_s:.1f}s at the {rate:.1f}/s it admits, then ~{queue_s:.1f}s in a prefill queue: past "
+                        f"{wait_s:.1f}s at the {rate:.1f}/s it admits, then ~{queue_s:.1f}s to a first token: past "
                         f"the {budget_s:.1f}s a request may wait (scheduler.queue_timeout_s, max_predicted_ttft_s, "
                         "half of progress_timeout_s); retry later", max(1.0, wait_s))
 

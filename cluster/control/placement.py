@@ -161,20 +161,25 @@ class Placer:
         self._queued.check_integrity()
         self._room.check_integrity()
 
-    def least_queue_s(self) -> float:
-        """Seconds of prompts queued ahead on the least queued worker that could prefill a request now
-        (calibrated like the TTFT guard's predictions; 0 for an empty queue): the least a request
-        admitted now waits there, beyond its own prefill."""
-        candidates = self._queued.best(1)
-        if self.s.mode != "colocated" and self.s.local_prefill:
-            candidates += self._room.best(1)  # the decode worker it would go to may prefill it itself
-        waits = []
-        for wid in candidates:
-            entry = self._registry.get(wid)
-            if entry is not None:
-                cost = entry.view.prefill_s_per_token or self.typical_cost(entry.view.role)
-                waits.append(self._guard.calibrated(wid, entry.view.queued_prefill_tokens * cost))
-        return min(waits, default=0.0)
+    def best_ttft_s(self, prompt_len: int) -> float:
+        """The TTFT the guard would predict for an uncached prompt of `prompt_len` tokens placed now on the
+        best worker to prefill it (a prefill worker, or a decode worker with the most room prefilling it
+        itself, by the same rule as `place`): the least a request admitted now waits for its first token.
+        0 when no worker could prefill it."""
+        if self.s.mode == "colocated":
+            views = [v for wid in self._queued.best(SAMPLED) if (v := self._registry.view("colocated", wid))]
+            local = None
+        else:
+            views = self._prefill_candidates([])
+            room = self._room.best(1) if self.s.local_prefill else []
+            local = self._registry.view("decode", room[0]) if room else None
+        if not views and local is None:
+            return 0.0
+        if not views:
+            views, local = [local], None
+        plan = plan_prefill("cache_aware", views, {}, prompt_len, 0.0, self.typical_cost(views[0].role), 0,
+                            local=local, local_penalty=self.s.local_prefill_penalty)
+        return self._guard.calibrated(plan.worker_id, self._guard.predict(plan, self.step_s(plan.worker_id)))
 
     def retry_after_s(self) -> float:
         # Room frees as running requests finish: estimate from the queued prefill work on the pool.

@@ -262,7 +262,8 @@ class Scheduler:
         if self._door.waiting >= self.s.max_queued:
             return Rejected("the admission queue is full", self._placer.retry_after_s())
         if not patient:  # a moved request continues a stream the cluster already answered
-            refused = self._door.refuse(self._wait_budget_s(), self._placer.least_queue_s())
+            refused = self._door.refuse(self._wait_budget_s(),
+                                        lambda: self._placer.best_ttft_s(len(request.prompt_token_ids)))
             if refused is not None:
                 return refused
         refused = self._shares.enter_queue(request)
@@ -307,7 +308,7 @@ class Scheduler:
                     answer = await self._carry_out(request, placed, blocks_needed)
                     if answer is not None:
                         return answer
-                elif not patient and (late := self._hopeless(arrived)) is not None:
+                elif not patient and (late := self._hopeless(arrived, len(request.prompt_token_ids))) is not None:
                     return late
             if time.monotonic() >= deadline:
                 if not self._registry.pool_size(pool):
@@ -317,14 +318,14 @@ class Scheduler:
                 return Rejected("no worker has room for the request's KV", self._placer.retry_after_s())
             await self._waiters.wait(arrived, deadline - time.monotonic())
 
-    def _hopeless(self, arrived: float) -> Rejected | None:
+    def _hopeless(self, arrived: float, prompt_len: int) -> Rejected | None:
         """A refusal, now rather than at its deadline, for a request waiting for KV room that would miss the
-        TTFT limit even if room freed this moment (its wait so far + the shortest prefill queue)."""
-        limit, queue_s = self._guard.limit_s, self._placer.least_queue_s()
-        if limit is None or time.monotonic() - arrived + queue_s <= limit:
+        TTFT limit even if room freed this moment (its wait so far + the best predicted TTFT)."""
+        limit, ttft_s = self._guard.limit_s, self._placer.best_ttft_s(prompt_len)
+        if limit is None or time.monotonic() - arrived + ttft_s <= limit:
             return None
-        return Rejected(f"overloaded: waited {time.monotonic() - arrived:.1f}s for KV room and ~{queue_s:.1f}s of "
-                        f"prompts are queued ahead, past the {limit:.1f}s limit ({self._guard.setting})",
+        return Rejected(f"overloaded: waited {time.monotonic() - arrived:.1f}s for KV room, and its first token "
+                        f"would take ~{ttft_s:.1f}s more: past the {limit:.1f}s limit ({self._guard.setting})",
                         self._placer.retry_after_s())
 
     async def _carry_out(self, request: GenerateRequest, placement: Placement, blocks: int) -> Admitted | None:

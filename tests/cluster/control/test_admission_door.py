@@ -39,9 +39,9 @@ def test_refused_once_the_queue_would_wait_past_the_budget():
     rate = door.rate()
     assert 90 < rate < 110, rate
     assert door.refuse(budget_s=1.0) is None  # 50 waiting at ~100/s: half a second
-    assert door.refuse(budget_s=1.0, queue_s=0.3) is None
+    assert door.refuse(budget_s=1.0, first_token_s=lambda: 0.3) is None
     # ... unless the prefill queue an admitted request then meets takes the rest of the budget.
-    assert door.refuse(budget_s=1.0, queue_s=0.6) is not None and door.refused == 1
+    assert door.refuse(budget_s=1.0, first_token_s=lambda: 0.6) is not None and door.refused == 1
     door.refused = 0
     for _ in range(100):
         door.entered()

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import time
 
+import pytest
 from actors.protocol.messages import GenerateRequest, KvRankEndpoint, Rejected, WorkerInfo, WorkerStats
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.link_costs import LinkCosts
@@ -100,11 +101,12 @@ def test_placements_awaiting_their_reservation_count_as_queued_whatever_the_work
     asyncio.run(scenario())
 
 
-def test_the_least_queue_is_the_shortest_a_request_could_meet():
+def test_the_best_ttft_is_the_guards_prediction_on_the_best_worker():
     async def scenario():
-        registry, placer = _cluster(SETTINGS, 20_000)  # no local prefill: the prefill worker's queue counts
-        assert abs(placer.least_queue_s() - 20.0) < 1e-6, placer.least_queue_s()
+        _, placer = _cluster(SETTINGS, 20_000)  # no local prefill: the prefill worker's queue + the prompt
+        # (20,000 + 512) tokens at 1 ms, plus the step in progress (0.1 s).
+        assert placer.best_ttft_s(512) == pytest.approx(20.612), placer.best_ttft_s(512)
         _, local = _cluster(dataclasses.replace(SETTINGS, local_prefill=True), 20_000)
-        assert local.least_queue_s() == 0.0  # its decode worker, idle, may prefill it itself
+        assert local.best_ttft_s(512) == pytest.approx(0.612)  # its idle decode worker prefills it itself
 
     asyncio.run(scenario())
