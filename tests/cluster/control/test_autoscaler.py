@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 import ray
-from prometheus_client import CollectorRegistry, generate_latest
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.autoscale.autoscaler import Autoscaler
 from cluster.control.config import AutoscalerSection
 from cluster.control.launch import Cluster
-from cluster.frontend.http.autoscaler_metrics import AutoscalerCollector
+from cluster.frontend.http.server import make_server
 from tests.helpers.cluster import generate_in_background, load, wait_until_idle
+from tests.helpers.http_server import running
 
 pytestmark = pytest.mark.slow  # pools resized with workers started and drained
 PROMPT = list(range(20, 52))
@@ -60,9 +61,8 @@ def test_waiting_requests_grow_the_decode_pool_and_idle_shrinks_it(ray_session):
         shrunk = Autoscaler(cluster, section).tick()
         assert shrunk.outcome == "resized" and sorted(cluster.workers) == ["decode-0", "prefill-0"], shrunk
         assert cluster.config.decode.replicas == 1
-        registry = CollectorRegistry()  # what /metrics shows of it
-        registry.register(AutoscalerCollector(autoscaler))
-        metrics = generate_latest(registry).decode()
+        with running(make_server(cluster, "127.0.0.1", 0, autoscaler=autoscaler)) as url:  # as `tandem serve`
+            metrics = httpx.get(url + "/metrics", timeout=30).text
         assert 'tandem:autoscaler_resizes_total{direction="up",pool="decode"} 1.0' in metrics, metrics
         assert 'tandem:autoscaler_replicas{pool="decode"} 1.0' in metrics
         assert 'tandem:autoscaler_waiting_requests{pool="decode"} 0.0' in metrics
