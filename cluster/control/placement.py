@@ -181,6 +181,16 @@ class Placer:
                             local=local, local_penalty=self.s.local_prefill_penalty)
         return self._guard.calibrated(plan.worker_id, self._guard.predict(plan, self.step_s(plan.worker_id)))
 
+    def hopeless(self, arrived: float, prompt_len: int) -> Rejected | None:
+        """A refusal, now rather than at its deadline, for a request waiting for KV room since `arrived` that
+        would miss the TTFT limit even if room freed this moment (its wait so far + the best predicted TTFT)."""
+        waited_s, ttft_s = time.monotonic() - arrived, self.best_ttft_s(prompt_len)
+        limit = self._guard.limit_s
+        if limit is None or waited_s + ttft_s <= limit:
+            return None
+        return Rejected(f"overloaded: waited {waited_s:.1f}s for KV room, and its first token would take "
+                        f"~{ttft_s:.1f}s more: past the {limit:.1f}s limit ({self._guard.setting})", self.retry_after_s())
+
     def retry_after_s(self) -> float:
         # Room frees as running requests finish: estimate from the queued prefill work on the pool.
         views = self._registry.views(self.pool)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import ray
 
@@ -82,23 +83,22 @@ class WorkerRegistry:
                                        sum(costs) / len(costs) if costs else None)
         return sums
 
-    def hold_queued(self, worker_id: str, tokens: int) -> WorkerEntry | None:
+    @contextmanager
+    def queued_meanwhile(self, worker_id: str, tokens: int) -> Iterator[None]:
         """Prompt tokens placed on the worker whose admission awaits the decode worker's reservation: queued
         there from the decision on, so placements decided during that await see them (and shed on them),
-        whatever the worker reports meanwhile. The caller ends the hold with `unhold_queued`, sent or not."""
+        whatever the worker reports meanwhile; the hold ends with the block, sent or not."""
         entry = self._workers.get(worker_id)
         if entry is not None:
             entry.held_tokens += tokens
             self.add_queued(worker_id, tokens)
-        return entry
-
-    def unhold_queued(self, entry: WorkerEntry | None, tokens: int) -> None:
-        """End a hold on the entry it was taken on (the worker may have been replaced since)."""
-        if entry is None:
-            return
-        entry.held_tokens -= tokens
-        if self._workers.get(entry.info.worker_id) is entry:
-            self.add_queued(entry.info.worker_id, -tokens)
+        try:
+            yield
+        finally:
+            if entry is not None:
+                entry.held_tokens -= tokens
+                if self._workers.get(worker_id) is entry:  # not replaced meanwhile
+                    self.add_queued(worker_id, -tokens)
 
     def add_queued(self, worker_id: str, tokens: int) -> None:
         """Prompt tokens just sent to the worker: queued there until its next report says otherwise."""

@@ -18,6 +18,7 @@ import ray
 
 from cluster.control.config import TandemConfig
 from cluster.control.launch import Cluster
+from cluster.control.periodic import Periodic
 
 log = logging.getLogger("tandem.scaling")
 _resizing = threading.Lock()
@@ -135,29 +136,25 @@ class ConfigWatcher:
     """Applies edits of the pools' replicas in the config file `tandem serve` runs from."""
 
     def __init__(self, cluster: Cluster, path: str | Path, interval_s: float = 2.0):
-        self.cluster, self.path, self.interval_s = cluster, Path(path), interval_s
+        self.cluster, self.path = cluster, Path(path)
         self._mtime = self.path.stat().st_mtime
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tandem-config-watch", daemon=True)
+        # A bad edit is reported and ignored; the cluster keeps serving.
+        self._loop = Periodic("tandem-config-watch", interval_s, self._check,
+                              lambda exc: log.error("config %s: not applied: %s", self.path, exc))
 
     def start(self) -> "ConfigWatcher":
-        self._thread.start()
+        self._loop.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._loop.stop()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                mtime = self.path.stat().st_mtime
-                if mtime == self._mtime:
-                    continue
-                self._mtime = mtime
-                change = replicas_change(self.cluster.config, TandemConfig.from_file(self.path))
-                if change:
-                    log.info("config %s changed: resizing to %s", self.path, change)
-                    scale(self.cluster, change)
-            except Exception as exc:  # a bad edit is reported and ignored; the cluster keeps serving
-                log.error("config %s: not applied: %s", self.path, exc)
+    def _check(self) -> None:
+        mtime = self.path.stat().st_mtime
+        if mtime == self._mtime:
+            return
+        self._mtime = mtime
+        change = replicas_change(self.cluster.config, TandemConfig.from_file(self.path))
+        if change:
+            log.info("config %s changed: resizing to %s", self.path, change)
+            scale(self.cluster, change)

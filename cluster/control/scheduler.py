@@ -308,7 +308,7 @@ class Scheduler:
                     answer = await self._carry_out(request, placed, blocks_needed)
                     if answer is not None:
                         return answer
-                elif not patient and (late := self._hopeless(arrived, len(request.prompt_token_ids))) is not None:
+                elif not patient and (late := self._placer.hopeless(arrived, len(request.prompt_token_ids))) is not None:
                     return late
             if time.monotonic() >= deadline:
                 if not self._registry.pool_size(pool):
@@ -318,16 +318,6 @@ class Scheduler:
                 return Rejected("no worker has room for the request's KV", self._placer.retry_after_s())
             await self._waiters.wait(arrived, deadline - time.monotonic())
 
-    def _hopeless(self, arrived: float, prompt_len: int) -> Rejected | None:
-        """A refusal, now rather than at its deadline, for a request waiting for KV room that would miss the
-        TTFT limit even if room freed this moment (its wait so far + the best predicted TTFT)."""
-        limit, ttft_s = self._guard.limit_s, self._placer.best_ttft_s(prompt_len)
-        if limit is None or time.monotonic() - arrived + ttft_s <= limit:
-            return None
-        return Rejected(f"overloaded: waited {time.monotonic() - arrived:.1f}s for KV room, and its first token "
-                        f"would take ~{ttft_s:.1f}s more: past the {limit:.1f}s limit ({self._guard.setting})",
-                        self._placer.retry_after_s())
-
     async def _carry_out(self, request: GenerateRequest, placement: Placement, blocks: int) -> Admitted | None:
         """Commit and send out a placement; None when it no longer holds (try placing again)."""
         attempt = self._incarnation.next_attempt(request.request_id)
@@ -335,13 +325,10 @@ class Scheduler:
         if not placement.local:
             decode = self._registry.get(placement.decode_id)
             # Queued on the prefill worker from now: placements decided during the await must see it.
-            held = len(request.prompt_token_ids) - placement.prefill.cached_tokens
-            holder = self._registry.hold_queued(placement.prefill_id, held)
-            try:
+            with self._registry.queued_meanwhile(placement.prefill_id,
+                                                 len(request.prompt_token_ids) - placement.prefill.cached_tokens):
                 reservation = await self._out.reserve(decode.info.command_endpoint, WorkerRequest(attempt, request),
                                                       placement.decode_id)
-            finally:
-                self._registry.unhold_queued(holder, held)
             # Anything may have happened during the await: a worker forgotten, replaced or draining, or
             # another request of the tenant admitted.
             if (reservation is None or not self._placer.still_valid(placement)

@@ -12,7 +12,6 @@ scaling path's ready timeout. Every decision is logged with its inputs and kept 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import ray
 from cluster.control.autoscale.load_policy import Bounds, Decision, decide
 from cluster.control.autoscale.pool_load import PoolLoad, merged
 from cluster.control.config import AutoscalerSection
+from cluster.control.periodic import Periodic
 from cluster.control.scaling import ResizeInProgress, scale
 
 log = logging.getLogger("tandem.autoscaler")
@@ -46,25 +46,17 @@ class Autoscaler:
         self.history: deque[Record] = deque(maxlen=_HISTORY)
         self.resizes: Counter[tuple[str, str]] = Counter()  # (pool, "up" | "down") -> resizes done
         self._last_resize = float("-inf")  # monotonic end of the last resize
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tandem-autoscaler", daemon=True)
+        self._loop = Periodic("tandem-autoscaler", section.interval_s, self.tick, lambda exc: log.error(
+            "autoscaler: this interval failed; trying again at the next", exc_info=exc))
 
     def start(self) -> "Autoscaler":
         log.info("autoscaler on: mode %s, every %.0fs, cool-down %.0fs", self.section.mode, self.section.interval_s,
                  self.section.cooldown_s)
-        self._thread.start()
+        self._loop.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.section.interval_s):
-            try:
-                self.tick()
-            except Exception:  # a bad interval is logged; the cluster keeps serving at its size
-                log.exception("autoscaler: this interval failed; trying again at the next")
+        self._loop.stop()
 
     def tick(self) -> Record:
         """One interval: read, decide and (out of the cool-down) resize."""
