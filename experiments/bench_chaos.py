@@ -29,6 +29,7 @@ import ray
 
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
+from actors.worker.remote import WorkerActor
 from cluster.control.config import IngressSection, TandemConfig
 from cluster.control.launch import Cluster
 from cluster.frontend.http.server import make_server, served_model_name
@@ -89,6 +90,7 @@ class _Killer:
         self._down_since: dict[str, float] = {}  # worker id -> when it was killed alive, until Ray shows it alive
         self.back_after_s: list[float] = []
         self.ticks = 0
+        self.found_none = 0  # kill times at which no worker process was found: the run proves nothing then
         self.pool_down_ticks = {"prefill": 0, "decode": 0}
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -107,6 +109,7 @@ class _Killer:
             self._observe(self._routed_to())
             victims = alive if self._spare else {pid: alive.get(pid, "starting") for pid in _worker_processes(raylet)}
             pids = sorted(victims)
+            self.found_none += not pids
             self._rng.shuffle(pids)
             for pid in pids:
                 try:
@@ -168,10 +171,14 @@ def _raylet_pid() -> int | None:
     return raylets[0].process.pid if raylets else None
 
 
+_WORKER_TITLE = re.compile(rf"ray::(tandem-[\w.-]+:)?{WorkerActor.__name__}\b")
+
+
 def _worker_processes(raylet: int | None) -> list[int]:
-    """Every process of this cluster that Ray titled as a worker actor (`ray::tandem-decode-0:Worker.__init__`
-    while it starts, then `ray::Worker.watch`, ...), whatever state Ray shows it in: a restarting worker's
-    new process is one before Ray calls it alive."""
+    """Every process of this cluster that Ray titled as a worker actor (`ray::tandem-decode-0:WorkerActor.__init__`
+    while it starts, then `ray::WorkerActor.watch`, ...), whatever state Ray shows it in: a restarting worker's
+    new process is one before Ray calls it alive. The title follows the actor class's name (a rename once left
+    the killer finding nothing: see `_Killer.found_none`)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
@@ -179,7 +186,7 @@ def _worker_processes(raylet: int | None) -> list[int]:
             parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if entry.name.isdigit() and re.match(r"ray::(tandem-[\w.-]+:)?Worker\b", title) and parent == raylet:
+        if entry.name.isdigit() and _WORKER_TITLE.match(title) and parent == raylet:
             found.append(int(entry.name))
     return found
 
@@ -247,6 +254,9 @@ def bench(args: argparse.Namespace) -> dict:
         with _Killer(cluster, args.kill_every_s, args.seed, args.spare_restarting) as killer, ThreadPoolExecutor(args.concurrency) as pool:
             results = list(pool.map(lambda i: _stream(client, model, prompts[i], max_tokens[i]), range(args.requests)))
         seconds = time.monotonic() - started
+        if killer.found_none and not killer.kills:
+            raise RuntimeError(f"no worker process was found to kill at any of {killer.found_none} tries: the "
+                               "killer's match of the workers' process titles is out of date; this run proves nothing")
         kv_after = _kv_after(cluster)
     finally:
         http.should_exit = True
