@@ -43,6 +43,8 @@ BENCH = {
                              "the scheduler with N simulated workers: admissions/s, decision time p50/p99"),
     "serve": Command("experiments.loadgen.cli",
                      "open-loop load against an OpenAI-compatible server: latency, SLO goodput"),
+    "autoscale": Command("experiments.autoscale.cli",
+                         "the SLO autoscaler vs the best static layout on a 4-phase trace (simulated fleet)"),
     "compare": Command("experiments.compare.cli",
                        "the same trace against colocated and disaggregated layouts of equal resources"),
 }

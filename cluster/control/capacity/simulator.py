@@ -141,19 +141,22 @@ class _Cluster:
         self.admission: deque[SimSeq] = deque()
 
     def run(self, requests: list[SimRequest]) -> SimResult:
-        seqs = [SimSeq(i, r) for i, r in enumerate(requests)]
+        self.seqs = seqs = [SimSeq(i, r) for i, r in enumerate(requests)]
         for seq in seqs:
             self._push(seq.request.arrival_s, "arrive", seq)
         while self.events:
             now, _, kind, obj = heapq.heappop(self.events)
-            if kind == "arrive":
-                self.admission.append(obj)
-                self._admit(now)
-            elif kind == "step":
-                self._step_done(now, obj)
-            else:
-                self._transfer_done(now, obj)
+            self._handle(now, kind, obj)
         return SimResult(self.layout, seqs, {wid: w.step_ends for wid, w in self.workers.items()})
+
+    def _handle(self, now: float, kind: str, obj) -> None:
+        if kind == "arrive":
+            self.admission.append(obj)
+            self._admit(now)
+        elif kind == "step":
+            self._step_done(now, obj)
+        else:
+            self._transfer_done(now, obj)
 
     def _push(self, t: float, kind: str, obj) -> None:
         heapq.heappush(self.events, (t, next(self.order), kind, obj))
