@@ -88,14 +88,37 @@ class LoadThresholds(_Strict):
         return self
 
 
+class SloSection(_Strict):
+    """`autoscaler.mode: slo`: the objectives the pools are sized for, and the model that predicts them."""
+
+    ttft_ms: float = Field(..., gt=0, description="time to first token the prefill pool is sized for")
+    tpot_ms: float = Field(..., gt=0, description="time per output token the decode pool is sized for")
+    percentile: float = Field(90.0, gt=0, lt=100, description="the percentile of TTFT that must meet ttft_ms")
+    profile: str = Field(..., description="engine profile JSON of this model on these workers, from "
+                         "`tandem plan profile` (or hand-written): the step costs the pools are sized with")
+    forecast: Literal["constant", "trend"] = Field("trend", description="next interval's arrival rate: the last "
+                                                   "one, or the last plus its smoothed slope")
+    shrink_window_s: float = Field(60.0, ge=0, description="a pool shrinks only to the most it needed within this "
+                                   "window (growth is at once)")
+    headroom: float = Field(0.0, ge=0, description="size for this fraction more than the forecast rate")
+
+
 class AutoscalerSection(_Strict):
-    mode: Literal["off", "load"] = Field("off", description="off: pools keep their replicas (resize by hand); load: "
-                                         "resize from queue depth and KV use (autoscaler.load)")
+    mode: Literal["off", "load", "slo"] = Field(
+        "off", description="off: pools keep their replicas (resize by hand); load: resize from queue depth and KV "
+        "use (autoscaler.load); slo: size the pools for autoscaler.slo from the forecast demand and a profile")
     interval_s: float = Field(10.0, gt=0, description="how often the pools' load is read and a decision made")
     cooldown_s: float = Field(30.0, ge=0, description="no resize this soon after the last one ended (no flapping)")
     max_workers: int | None = Field(None, ge=1, description="most workers of all pools together; null: each pool's "
                                     "max_replicas")
     load: LoadThresholds = Field(default_factory=LoadThresholds, description="thresholds of mode load")
+    slo: SloSection | None = Field(None, description="objectives and profile of mode slo")
+
+    @model_validator(mode="after")
+    def _slo_given(self) -> "AutoscalerSection":
+        if self.mode == "slo" and self.slo is None:
+            raise ValueError("autoscaler.mode slo needs autoscaler.slo (ttft_ms, tpot_ms, profile)")
+        return self
 
 
 class SchedulerSection(_Strict):

@@ -57,6 +57,7 @@ from actors.protocol.request_status import RequestStatus
 from actors.protocol.worker_commands import AbortAttempt, SubmitAttempt
 from cluster.control.admission_door import AdmissionDoor
 from cluster.control.autoscale.pool_load import PoolLoad, pool_loads
+from cluster.control.autoscale.demand import DemandSample, DemandWindow
 from cluster.control.client_port import ClientPort
 from cluster.control.decision_clock import ControlPlaneStats, DecisionClock
 from cluster.control.incarnation import Incarnation
@@ -92,6 +93,7 @@ class Scheduler:
         self._registry.on_change = self._table.on_change = self._placer.refresh
         self._shares = TenantShares(self._table, self._registry, settings.max_queued)
         self._door = AdmissionDoor()
+        self._demand = DemandWindow()
         self._out = Outbox(self._registry, WorkerMail(_CALL_TIMEOUT_S, settings.curve_keys), settings.curve_keys)
         self._clock = DecisionClock()
         self._waiters = RoomWaiters()
@@ -147,6 +149,7 @@ class Scheduler:
             return False
         self._index.apply(report.worker_id, report.kv_events)
         self._guard.observe(report.worker_id, report.first_token_waits)
+        self._demand.first_tokens([w.seconds for w in report.first_token_waits])
         self._links.observe(report.worker_id, report.transfers)
         for attempt in report.received:
             self._table.confirm(attempt)
@@ -238,6 +241,8 @@ class Scheduler:
         """`patient`: the request lost its worker (a migration, a re-routed prefill): it waits for a
         worker until its own deadline, since one that Ray restarts is back in seconds."""
         self._submitted += 1
+        if not (request.retried or request.moved):
+            self._demand.arrived(len(request.prompt_token_ids), request.params.max_tokens)
         self._table.admission_started(request.request_id)
         arrived = time.perf_counter()
         try:
@@ -405,6 +410,14 @@ class Scheduler:
         return pool_loads(self._registry, self._table, roles, self._placer.pool, self._door.waiting,
                           self._placer.typical_cost)
 
+    async def demand_sample(self) -> DemandSample:
+        """The demand since the last call and the pools' state now, as mode slo reads it every interval."""
+        entries = self._registry.entries().values()
+        steps = tuple(e.stats.step_s for e in entries if e.info.role == self._placer.pool and e.stats is not None
+                      and e.stats.step_s is not None)
+        prefilling = sum(e.view.queued_prefill_tokens for e in entries if e.info.role != "decode")
+        return self._demand.take(steps, prefilling, self._door.waiting, len(self._table))
+
     async def control_stats(self, reset: bool = False) -> ControlPlaneStats:
         """Decision times and the control plane's own costs (`tandem bench control-plane`)."""
         return self._clock.stats(reset, len(self._table), self._index.size(), len(self._registry.ids()),
@@ -416,6 +429,7 @@ class Scheduler:
         self._placer.check_integrity()
         self._shares.check_integrity()
         self._door.check_integrity()
+        self._demand.check_integrity()
         if self._door.waiting != self._shares.queued():
             raise RuntimeError(f"{self._door.waiting} requests in admission, but the tenants' count is {self._shares.queued()}")
         self._links.check_integrity()

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=500.0)
     p.add_argument("--slo-tpot-ms", type=float, default=20.0)
     p.add_argument("--percentile", type=float, default=90.0, help="the SLO's percentile")
-    p.add_argument("--interval-s", type=float, default=30.0, help="autoscaler.interval_s")
+    p.add_argument("--interval-s", type=float, default=10.0, help="autoscaler.interval_s (shipped: 10)")
     p.add_argument("--start-s", type=float, default=60.0, help="a new worker's start to serving (process + weights)")
     p.add_argument("--flip-s", type=float, default=None,
                    help="also run the autoscaler with role flips taking this long after a drain (simulated only)")

@@ -34,7 +34,30 @@ class AutoscalerCollector(Collector):
                 queue.add_metric([role], load.queue_s_per_worker)
                 kv.add_metric([role], load.kv_used)
                 waiting.add_metric([role], load.waiting)
+            if last.observed is not None:
+                families += _slo_families(last.observed, a.slo_corrections())
             at = GaugeMetricFamily("tandem:autoscaler_last_decision_timestamp_seconds", "when the last interval ran")
             at.add_metric([], last.at)
             families += [queue, kv, waiting, at]
         yield from families
+
+
+def _slo_families(seen, corrections) -> list[GaugeMetricFamily]:
+    """Mode slo: the last interval's demand and latencies, and the model's correction factors."""
+    out = []
+    for name, help_, value in (
+        ("arrival_rate", "requests/s that arrived in the last interval", seen.demand.rate),
+        ("prompt_tokens_mean", "mean prompt tokens of the last interval's arrivals", seen.demand.prompt_tokens),
+        ("max_tokens_mean", "mean max_tokens of the last interval's arrivals", seen.demand.output_tokens),
+        ("first_token_wait_seconds", "the SLO percentile of worker receive -> first token, last interval", seen.ttft_s),
+        ("decode_step_seconds", "the slowest decode worker's step time (its TPOT), at the last interval", seen.tpot_s),
+    ):
+        if value is not None:
+            family = GaugeMetricFamily(f"tandem:autoscaler_{name}", help_)
+            family.add_metric([], value)
+            out.append(family)
+    factor = GaugeMetricFamily("tandem:autoscaler_correction", "observed / predicted by the profile, smoothed",
+                               labels=["metric"])
+    for metric, value in corrections.items():
+        factor.add_metric([metric], value)
+    return out + [factor]

@@ -1,6 +1,7 @@
 """The autoscaler end to end on a real cluster, with its shipped settings (mode load): requests that wait for
 KV room grow the decode pool by a worker that takes them, the cool-down holds the next resize, and once
-the load is gone the pool shrinks back without failing a request or leaving a block behind."""
+the load is gone the pool shrinks back without failing a request or leaving a block behind. Mode slo does
+the same from the demand the scheduler saw and a profile of the pools, its window holding the shrink."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import ray
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.autoscale.autoscaler import Autoscaler
-from cluster.control.config import AutoscalerSection
+from cluster.control.capacity.profile import EngineLimits, EngineProfile, LinearCost, ModelShape
+from cluster.control.config import AutoscalerSection, SloSection
 from cluster.control.launch import Cluster
 from cluster.frontend.http.server import make_server
 from tests.helpers.cluster import generate_in_background, load, wait_until_idle
@@ -70,6 +72,54 @@ def test_waiting_requests_grow_the_decode_pool_and_idle_shrinks_it(ray_session):
         assert 'tandem:autoscaler_waiting_requests{pool="decode"} 0.0' in metrics
         state = wait_until_idle(cluster)
         assert state["scheduler"]["in_flight"] == 0
+        assert all(w["used_blocks"] == w["reserved"] == w["held"] == 0 for w in state["workers"].values())
+    finally:
+        cluster.shutdown()
+
+
+def _profile(path) -> str:
+    """A hand-written profile of the tiny model on this box's workers: KV for 320 blocks of 16, as configured."""
+    model = ModelShape("tiny-llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                       intermediate_size=128, vocab_size=512)
+    profile = EngineProfile("measured", "this box", model, LinearCost(0.005, 2e-5, 0.0, 0.005, 1e-4, 1e-7),
+                            EngineLimits(16, 320, 64, 2048))
+    profile.save(path)
+    return str(path)
+
+
+def test_mode_slo_sizes_the_decode_pool_for_the_requests_it_holds(ray_session, tmp_path):
+    config = load("local.yaml", num_kv_blocks=320)
+    config = config.model_copy(update={"decode": config.decode.model_copy(update={"max_replicas": 2})})
+    cluster = Cluster.start(config)
+    try:
+        slo = SloSection(ttft_ms=2000, tpot_ms=200, profile=_profile(tmp_path / "profile.json"))
+        assert (slo.percentile, slo.forecast, slo.shrink_window_s, slo.headroom) == (90.0, "trend", 60.0, 0.0)
+        autoscaler = Autoscaler(cluster, AutoscalerSection(mode="slo", slo=slo))
+        assert autoscaler.tick().decision.replicas == {}  # no demand: the pools stay at their least
+        runner, out = generate_in_background(cluster, [PROMPT] * 3, PARAMS)
+        deadline = time.monotonic() + 60
+        while _waiting(cluster) < 1:
+            assert time.monotonic() < deadline, "no request ever waited for KV room"
+            time.sleep(0.1)
+        grown = autoscaler.tick()
+        assert grown.decision.replicas == {"decode": 2} and grown.outcome == "resized", grown
+        assert grown.observed.demand.output_tokens == 2000 and grown.observed.waiting >= 1
+        assert grown.observed.demand.rate > 0 and grown.decision.reasons["decode"].startswith("2 workers")
+        runner.join(timeout=240)
+        results = [r[0] for r in out["got"]]
+        assert [r.finish_reason for r in results] == ["length"] * 3, [r.error for r in results]
+        assert results[0].token_ids == results[1].token_ids == results[2].token_ids
+        wait_until_idle(cluster)
+        held = autoscaler.tick()  # idle, but it wanted 2 decode workers within the window
+        assert held.decision.replicas == {} and "hold (wanted 2" in held.decision.reasons["decode"], held
+        with running(make_server(cluster, "127.0.0.1", 0, autoscaler=autoscaler)) as url:
+            metrics = httpx.get(url + "/metrics", timeout=30).text
+        assert 'tandem:autoscaler_correction{metric="tpot"}' in metrics and "tandem:autoscaler_arrival_rate" in metrics
+        eager = Autoscaler(cluster, AutoscalerSection(mode="slo", slo=slo.model_copy(update={"shrink_window_s": 0})))
+        shrunk = eager.tick()
+        assert shrunk.decision.replicas == {"decode": 1} and shrunk.outcome == "resized", shrunk
+        assert sorted(cluster.workers) == ["decode-0", "prefill-0"]
+        state = wait_until_idle(cluster)
         assert all(w["used_blocks"] == w["reserved"] == w["held"] == 0 for w in state["workers"].values())
     finally:
         cluster.shutdown()

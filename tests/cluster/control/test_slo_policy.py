@@ -1,0 +1,154 @@
+"""Mode slo of the autoscaler, without a cluster: the forecast, the pool model, the correction factors,
+the stabilization window, the budget; and the elastic simulator it is evaluated on."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cluster.control.autoscale.load_policy import Bounds
+from cluster.control.autoscale.slo_policy import (
+    Corrections, Demand, Forecast, Observed, PoolModel, SloPolicy, SloTargets,
+)
+from cluster.control.capacity.elastic import simulate_elastic
+from cluster.control.capacity.roofline import MODEL_PRESETS, roofline_profile
+from cluster.control.capacity.simulator import Layout, simulate
+from cluster.control.capacity.workload import SimRequest
+
+PROFILE = roofline_profile("h100", MODEL_PRESETS["llama3-8b"])
+MODEL = PoolModel(PROFILE)
+SLO = SloTargets(ttft_s=0.5, tpot_s=0.02)
+WIDE = {"prefill": Bounds(1, 32), "decode": Bounds(1, 32)}
+PROMPTS = Demand(40.0, 3000, 100)  # prompt-heavy
+ANSWERS = Demand(40.0, 500, 1500)  # decode-heavy
+
+
+def observed(demand: Demand, ttft: float | None = None, tpot: float | None = None, **kw) -> Observed:
+    return Observed(demand, ttft, tpot, **kw)
+
+
+def policy(**kw) -> SloPolicy:
+    return SloPolicy(MODEL, SLO, interval_s=10.0, **kw)
+
+
+def test_trend_forecast_follows_a_ramp_and_constant_repeats_the_last():
+    trend, constant = Forecast("trend"), Forecast("constant")
+    for rate in (10, 20, 30):
+        ahead, same = trend.update(Demand(rate, 100, 10)), constant.update(Demand(rate, 100, 10))
+    assert same.rate == 30
+    assert 30 < ahead.rate <= 40  # the slope carried one interval on
+    assert ahead.prompt_tokens == 100 and ahead.output_tokens == 10  # lengths are not extrapolated
+    with pytest.raises(ValueError, match="forecast"):
+        Forecast("arima")
+
+
+def test_the_model_is_monotone_and_saturates():
+    ttfts = [MODEL.ttft_s(n, PROMPTS) for n in range(1, 8)]
+    tpots = [MODEL.tpot_s(n, ANSWERS) for n in range(1, 12)]
+    assert ttfts[:3] == [math.inf] * 3 and all(math.isfinite(t) for t in ttfts[3:])  # 3.6 workers' worth of prompts
+    assert ttfts[3:] == sorted(ttfts[3:], reverse=True)
+    assert tpots[0] == math.inf  # one worker's KV cannot hold the requests in flight
+    finite = [t for t in tpots if math.isfinite(t)]
+    assert finite == sorted(finite, reverse=True) and finite[-1] < SLO.tpot_s
+    assert MODEL.most_batch(SLO.tpot_s, ANSWERS) < MODEL.most_batch(SLO.tpot_s * 2, ANSWERS)
+
+
+def test_each_phase_grows_the_pool_it_loads():
+    prompts = policy().decide(observed(PROMPTS), {"prefill": 1, "decode": 1}, WIDE, None)
+    answers = policy().decide(observed(ANSWERS), {"prefill": 1, "decode": 1}, WIDE, None)
+    assert prompts.replicas.get("prefill", 1) > answers.replicas.get("prefill", 1)
+    assert answers.replicas.get("decode", 1) > prompts.replicas.get("decode", 1)
+    for n, demand in ((prompts.replicas["prefill"], PROMPTS), (answers.replicas["decode"], ANSWERS)):
+        assert n >= 2  # and it is the fewest that meets the SLO:
+    assert MODEL.ttft_s(prompts.replicas["prefill"], PROMPTS) <= SLO.ttft_s < MODEL.ttft_s(prompts.replicas["prefill"] - 1, PROMPTS)
+
+
+def test_a_slow_pool_raises_its_correction_and_gets_more_workers():
+    plain, corrected = policy(), policy()
+    sizes = {"prefill": 4, "decode": 2}
+    predicted = MODEL.ttft_s(4, PROMPTS)
+    plain.decide(observed(PROMPTS, ttft=predicted), sizes, WIDE, None)
+    corrected.decide(observed(PROMPTS, ttft=3 * predicted), sizes, WIDE, None)
+    assert plain.corrections.ttft == pytest.approx(1.0)
+    assert corrected.corrections.ttft == pytest.approx(2.0)  # half way to 3, smoothed
+    again = corrected.decide(observed(PROMPTS, ttft=3 * predicted), sizes, WIDE, None)
+    assert again.replicas["prefill"] > (plain.decide(observed(PROMPTS), sizes, WIDE, None).replicas.get("prefill", 4))
+
+
+def test_corrections_ignore_missing_samples_and_stay_in_range():
+    c = Corrections()
+    c.update(observed(PROMPTS, ttft=None, tpot=1000.0), predicted_ttft=0.1, predicted_tpot=0.01)
+    assert c.ttft == 1.0 and c.tpot == pytest.approx((1 + 4.0) / 2)  # 1e5x clamped to 4
+
+
+def test_shrinking_waits_for_the_stabilization_window_and_growing_does_not():
+    p = policy(shrink_window_s=30.0)
+    big = {"prefill": 8, "decode": 8}
+    quiet = observed(Demand(1.0, 500, 100))
+    decisions = [p.decide(quiet, big, WIDE, None) for _ in range(3)]
+    assert [d.replicas for d in decisions[:2]] == [{}, {}]  # the pool's size stands for the window's past
+    assert decisions[2].replicas["prefill"] < 8 and decisions[2].replicas["decode"] < 8
+    assert "hold (wanted 8" in decisions[0].reasons["prefill"]
+    grown = p.decide(observed(PROMPTS), {"prefill": 1, "decode": 1}, WIDE, None)
+    assert grown.replicas["prefill"] > 1  # at once
+
+
+def test_queued_work_and_requests_in_flight_are_demand_too():
+    sizes = {"prefill": 1, "decode": 1}
+    calm = policy().decide(observed(Demand(5.0, 1000, 100)), sizes, WIDE, None)
+    backlog = policy().decide(observed(Demand(5.0, 1000, 100), queued=600), sizes, WIDE, None)
+    full = policy().decide(observed(Demand(5.0, 1000, 100), decoding=2000, waiting=500, queued=500), sizes, WIDE, None)
+    assert backlog.replicas.get("prefill", 1) > calm.replicas.get("prefill", 1)
+    assert full.replicas.get("decode", 1) > calm.replicas.get("decode", 1)
+    assert full.replicas.get("prefill", 1) == calm.replicas.get("prefill", 1)  # waiting for KV is not prefill work
+    assert "in flight or waiting" in full.reasons["decode"]
+
+
+def test_the_budget_is_shared_in_proportion_to_need():
+    d = policy().decide(observed(Demand(200.0, 2000, 800)), {"prefill": 1, "decode": 1}, WIDE, max_workers=10)
+    assert sum({"prefill": 1, "decode": 1, **d.replicas}.values()) == 10
+    held = policy(shrink_window_s=600.0)
+    held.decide(observed(PROMPTS), {"prefill": 8, "decode": 2}, WIDE, max_workers=10)
+    moved = held.decide(observed(ANSWERS), {"prefill": 8, "decode": 2}, WIDE, max_workers=10)
+    assert moved.replicas["decode"] > 2 and moved.replicas["prefill"] < 8  # the window gives way to the budget
+    assert "for the budget" in moved.reasons["prefill"]
+
+
+def requests(rate: float, seconds: float, prompt: int, output: int) -> list[SimRequest]:
+    return [SimRequest(i / rate, prompt, output) for i in range(int(rate * seconds))]
+
+
+def test_a_fixed_layout_runs_the_same_elastic_or_not():
+    reqs = requests(5.0, 20.0, 500, 20)
+    fixed = simulate(PROFILE, Layout.disaggregated(1, 1), reqs)
+    elastic = simulate_elastic(PROFILE, Layout.disaggregated(1, 1), reqs, lambda window, sizes: None, interval_s=5.0,
+                               end_s=20.0)
+    assert [s.finish_s for s in elastic.result.seqs] == [s.finish_s for s in fixed.seqs]
+    assert elastic.machine_s == pytest.approx(2 * 20.0)
+
+
+def test_resizes_start_cold_drain_before_release_and_flip_roles():
+    reqs = requests(20.0, 60.0, 2000, 50)
+    asked = []
+
+    def controller(window, sizes):
+        asked.append((window.end_s, dict(sizes), len(window.arrived)))
+        return {10.0: {"prefill": 3, "decode": 1}, 30.0: {"prefill": 1, "decode": 3}}.get(window.end_s)
+
+    cold = simulate_elastic(PROFILE, Layout.disaggregated(1, 1), reqs, controller, 10.0, start_s=15.0, end_s=60.0)
+    assert all(s.finish_s is not None and s.rejected is None for s in cold.result.seqs)  # nothing lost on a resize
+    assert asked[0] == (10.0, {"prefill": 1, "decode": 1}, 200)
+    assert [c.flips for c in cold.changes] == [0, 0]
+    assert cold.timeline[-1][1] == {"prefill": 1, "decode": 3}
+    served = {s.prefill_worker for s in cold.result.seqs}
+    assert "prefill-1" in served  # a new worker served, once started
+    first_new = min(s.submitted_s for s in cold.result.seqs if s.prefill_worker == "prefill-1")
+    assert first_new >= 10.0 + 15.0  # not before its cold start ended
+
+    asked.clear()
+    flipped = simulate_elastic(PROFILE, Layout.disaggregated(1, 1), reqs, controller, 10.0, start_s=15.0, flip_s=1.0,
+                               end_s=60.0)
+    assert [c.flips for c in flipped.changes] == [0, 2]  # the two drained prefill machines became decode workers
+    assert all(s.finish_s is not None for s in flipped.result.seqs)
+    assert flipped.machine_s < cold.machine_s  # no new machines for the second change
