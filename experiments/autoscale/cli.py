@@ -1,6 +1,6 @@
 """`tandem bench autoscale`: a time-varying trace against the best static layout and the SLO autoscaler.
 
-    tandem bench autoscale --gpu h100 --model-preset llama3-8b --budget 16 --rate 40 --out results/autoscale
+    tandem bench autoscale --gpu h100 --model-preset llama3-8b --budget 16 --rate 40 --out results/autoscale/run.json
 
 Both see the same trace (seed) and the same budget of workers; the report gives each one's goodput (requests
 within both SLOs per second of trace), SLO attainment per phase and per interval, machine-seconds, the
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode workers never prefill (scheduler.local_prefill: false); on by default, as shipped")
     p.add_argument("--start", default="static", choices=["static", "small"],
                    help="the autoscaler's first layout: the best static one, or 1P:1D")
-    p.add_argument("--out", default=None, help="directory for autoscale.json and autoscale.png")
+    p.add_argument("--out", default=None, help="the report's JSON; the PNG timeline goes beside it")
     p.set_defaults(func=main, smoke={"budget": 4, "rate": 4.0, "phase_s": 40.0, "interval_s": 10.0})
 
 
@@ -83,14 +83,17 @@ def main(args: argparse.Namespace) -> int:
                                args.start_s, flip_s, duration, name, options))
     report = _report(args, profile, phases, requests, duration, runs, tried)
     _print(report)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "autoscale.json").write_text(json.dumps(report, indent=1))
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
         from experiments.autoscale.plots import timeline_png
 
-        timeline_png(report, out / "autoscale.png")
-        print(f"wrote {out / 'autoscale.json'} and {out / 'autoscale.png'}")
+        timeline_png(report, out.with_suffix(".png"))
+    scaled = report["runs"][1]
+    print(f"tandem bench autoscale: goodput {scaled['goodput_vs_static']:.2f}x the static {report['runs'][0]['layout']} "
+          f"at {scaled['machine_s_vs_static']:.2f}x its machine-seconds"
+          + (f"; wrote {out} and {out.with_suffix('.png')}" if out else ""))
     return 0
 
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from cluster.control.config import TandemConfig
+from cluster.control.config import SloSection, TandemConfig
 
 
 def test_local_config_loads(default_model_dir):
@@ -46,10 +46,15 @@ def test_the_readmes_autoscaler_block_is_a_valid_config():
     import re
 
     readme = (Path(__file__).parents[3] / "README.md").read_text()
-    (block,) = [b for b in re.findall(r"^```yaml\n(.*?)^```", readme, re.S | re.M) if "autoscaler:" in b]
-    config = TandemConfig.model_validate(yaml.safe_load(block))
+    load_block, slo_block = [b for b in re.findall(r"^```yaml\n(.*?)^```", readme, re.S | re.M) if "autoscaler:" in b]
+    config = TandemConfig.model_validate(yaml.safe_load(load_block))
     assert config.autoscaler.mode == "load" and config.autoscaler == config.autoscaler.model_validate(
         {"mode": "load"})  # the block shows the shipped values
+    slo = TandemConfig.model_validate(yaml.safe_load(slo_block)).autoscaler.slo
+    shipped = SloSection(ttft_ms=slo.ttft_ms, tpot_ms=slo.tpot_ms, profile=slo.profile)
+    assert slo == shipped  # the block shows the shipped values of what it does not have to set
+    with pytest.raises(ValidationError, match="mode slo needs autoscaler.slo"):
+        TandemConfig.model_validate({"autoscaler": {"mode": "slo"}})
     assert config.decode.min_replicas == 1 and config.decode.max_replicas == 8
     with pytest.raises(ValidationError, match="min_replicas above max_replicas"):
         TandemConfig.model_validate({"decode": {"min_replicas": 3, "max_replicas": 2}})
