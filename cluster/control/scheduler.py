@@ -10,6 +10,8 @@
   clients (outbox.py); `Rebuild`: what a restarted scheduler learns back from workers and clients, and
   what it answers meanwhile (rebuild.py, adoption.py)
 - `DecisionClock`: how long decisions take and what the control plane costs (decision_clock.py)
+- `UntilPlaced`: a request's wait for a placement, from the door to the carry-out (until_placed.py)
+- `DemandWindow`: the demand and first-token waits the SLO autoscaler reads (autoscale/demand.py)
 
 An async actor: every method runs on one event loop, so its state needs no locks, but an `await` lets
 anything happen: after one, a placement is checked again (`still_valid`) before it is committed.
@@ -25,9 +27,9 @@ host; the same messages either way). Calls to workers leave batched per tick (wo
 call costs about what one placement does, so at thousands of requests per second the calls, not the
 decisions, would be the scheduler's work.
 
-Why ~400 lines: what is left here are the entry points and the paths that
-await (admission, reservation, re-routing after a loss), which must re-check state after each await in
-one place; every decision taken without an await lives in the owners above.
+What is left here are the entry points and the paths that await (the carry-out of a placement,
+reservation, re-routing after a loss), which must re-check state after each await in one place; every
+decision taken without an await lives in the owners above.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from cluster.control.room_waiters import RoomWaiters
 from cluster.control.scheduler_state import Phase, SchedulerCounters, SchedulerSettings, SchedulerState, Tracked
 from cluster.control.tenant_shares import TenantShares
 from cluster.control.ttft_guard import shed_guard
+from cluster.control.until_placed import UntilPlaced
 from cluster.control.worker_mail import WorkerMail
 from kv_transfer.curve import CurveKeys
 
@@ -97,6 +100,8 @@ class Scheduler:
         self._out = Outbox(self._registry, WorkerMail(_CALL_TIMEOUT_S, settings.curve_keys), settings.curve_keys)
         self._clock = DecisionClock()
         self._waiters = RoomWaiters()
+        self._until_placed = UntilPlaced(settings, self._guard, self._registry, self._placer, self._shares,
+                                         self._waiters, self._hasher, self._carry_out)
         self._incarnation = Incarnation(settings.heartbeat_timeout_s)
         self._rebuild = Rebuild(self._table, self._placer, self._out, self._incarnation,
                                 lambda attempt: self._reclaim(attempt, failed=True))
@@ -267,7 +272,7 @@ class Scheduler:
         if self._door.waiting >= self.s.max_queued:
             return Rejected("the admission queue is full", self._placer.retry_after_s())
         if not patient:  # a moved request continues a stream the cluster already answered
-            refused = self._door.refuse(self._wait_budget_s(),
+            refused = self._door.refuse(self._until_placed.wait_budget_s(),
                                         lambda: self._placer.best_ttft_s(len(request.prompt_token_ids)))
             if refused is not None:
                 return refused
@@ -277,51 +282,11 @@ class Scheduler:
         self._door.entered()
         answer = None
         try:
-            answer = await self._admit(request, patient)
+            answer = await self._until_placed.admit(request, patient)
             return answer
         finally:
             self._shares.leave_queue(request)
             self._door.left(isinstance(answer, Admitted))
-
-    def _wait_budget_s(self) -> float:
-        """The longest a new request may wait for admission: waiting for KV room past the TTFT target is
-        pointless too, the request would miss it."""
-        return min(self.s.queue_timeout_s, self._guard.limit_s or self.s.queue_timeout_s)
-
-    async def _admit(self, request: GenerateRequest, patient: bool) -> Admitted | Rejected:
-        arrived = time.monotonic()
-        wait_s = self._wait_budget_s()
-        if patient and request.deadline is not None:
-            wait_s = max(wait_s, request.deadline - time.time())
-        deadline = arrived + wait_s
-        blocks_needed = self._placer.blocks_needed(request)
-        hashes = self._hasher(request.prompt_token_ids, request.cache_salt)
-        pool = self._placer.pool
-        while True:
-            workers, biggest = self._registry.pool_size(pool), self._registry.largest(pool)
-            if workers and blocks_needed > biggest:
-                return Rejected(f"the request needs {blocks_needed} KV blocks (prompt + max_tokens x n); the "
-                                    f"largest {pool} worker has {biggest}: lower max_tokens or n", None)
-            too_big = self._shares.too_big(request, blocks_needed, pool)
-            if too_big is not None:
-                return too_big
-            if workers and self._shares.fits(request, blocks_needed, pool):
-                placed = self._placer.place(request, hashes, blocks_needed, arrived)
-                if isinstance(placed, Rejected):
-                    return placed
-                if placed is not None:
-                    answer = await self._carry_out(request, placed, blocks_needed)
-                    if answer is not None:
-                        return answer
-                elif not patient and (late := self._placer.hopeless(arrived, len(request.prompt_token_ids))) is not None:
-                    return late
-            if time.monotonic() >= deadline:
-                if not self._registry.pool_size(pool):
-                    return Rejected(f"no {pool} worker is ready", 5.0, unavailable=True)
-                if not self._shares.fits(request, blocks_needed, pool):
-                    return self._shares.over_share(request, blocks_needed, pool, self._placer.retry_after_s())
-                return Rejected("no worker has room for the request's KV", self._placer.retry_after_s())
-            await self._waiters.wait(arrived, deadline - time.monotonic())
 
     async def _carry_out(self, request: GenerateRequest, placement: Placement, blocks: int) -> Admitted | None:
         """Commit and send out a placement; None when it no longer holds (try placing again)."""
@@ -412,11 +377,8 @@ class Scheduler:
 
     async def demand_sample(self) -> DemandSample:
         """The demand since the last call and the pools' state now, as mode slo reads it every interval."""
-        entries = self._registry.entries().values()
-        steps = tuple(e.stats.step_s for e in entries if e.info.role == self._placer.pool and e.stats is not None
-                      and e.stats.step_s is not None)
-        prefilling = sum(e.view.queued_prefill_tokens for e in entries if e.info.role != "decode")
-        return self._demand.take(steps, prefilling, self._door.waiting, len(self._table))
+        return self._demand.take(self._registry.entries().values(), self._placer.pool, self._door.waiting,
+                                 len(self._table))
 
     async def control_stats(self, reset: bool = False) -> ControlPlaneStats:
         """Decision times and the control plane's own costs (`tandem bench control-plane`)."""

@@ -50,11 +50,15 @@ class DemandWindow:
     def first_tokens(self, seconds: list[float]) -> None:
         self._waits.extend(seconds)
 
-    def take(self, decode_step_s: tuple[float, ...], queued_prefill_tokens: int, waiting: int,
-             holding: int) -> DemandSample:
+    def take(self, workers, kv_pool: str, waiting: int, holding: int) -> DemandSample:
+        """The window so far, and the pools now: `workers` the registry's entries, `kv_pool` the role that
+        holds requests' KV while they decode."""
+        steps = tuple(e.stats.step_s for e in workers
+                      if e.info.role == kv_pool and e.stats is not None and e.stats.step_s is not None)
+        prefilling = sum(e.view.queued_prefill_tokens for e in workers if e.info.role != "decode")
         now = time.monotonic()
         sample = DemandSample(now - self._since, self._arrivals, self._prompt_tokens, self._max_tokens,
-                              tuple(self._waits), decode_step_s, queued_prefill_tokens, waiting, holding)
+                              tuple(self._waits), steps, prefilling, waiting, holding)
         self.__init__()
         self._since = now
         return sample
