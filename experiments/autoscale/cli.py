@@ -41,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-s", type=float, default=60.0, help="a new worker's start to serving (process + weights)")
     p.add_argument("--flip-s", type=float, default=None,
                    help="also run the autoscaler with role flips taking this long after a drain (simulated only)")
-    p.add_argument("--static", default=None, metavar="P:D",
-                   help="compare against this static layout instead of searching every split of the budget")
+    p.add_argument("--static", default=None, metavar="P:D[,P:D...]",
+                   help="compare against the best of these static layouts instead of searching every split of the budget")
     p.add_argument("--forecast", default="trend", choices=["constant", "trend"])
     p.add_argument("--no-local-prefill", action="store_true",
                    help="decode workers never prefill (scheduler.local_prefill: false); on by default, as shipped")
@@ -65,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
           + ", ".join(f"{p.name} {p.rate:g}/s {p.prompt_tokens:.0f} in {p.output_tokens:.0f} out" for p in phases))
 
     t0 = time.monotonic()
-    splits = None if args.static is None else [_split(args.static, args.budget)]
+    splits = None if args.static is None else [_split(one, args.budget) for one in args.static.split(",")]
     options = SimOptions(local_prefill=not args.no_local_prefill)
     static, tried = best_static(profile, requests, slo, args.budget, duration, splits, options)
     print(f"static layout of {args.budget}: {static.layout} (best of {len(tried)} splits simulated, "
