@@ -54,6 +54,9 @@ from kv_transfer.endpoints import advertised_host
 log = logging.getLogger("tandem.client")
 # How often to ask Ray again where a scheduler that is restarting listens (scheduler_link.py).
 _RESEND_S = 0.5
+# A caller's thread waits on the client's event loop at most this long past what the loop itself bounds:
+# a loop that is blocked or gone must end the call with an error, never hang it.
+_LOOP_GRACE_S = 30.0
 _DEFAULTS = SchedulerSection()
 
 
@@ -223,7 +226,7 @@ class TandemClient:
         request = self.request(prompt, params, cache_salt, request_id)
         stream = self._listen(request, deltas or Inbox(self._loop))
         try:
-            answer = self._send(request, timeout_s).result()
+            answer = self._on_loop(self._send(request, timeout_s), timeout_s, request.request_id)
         except BaseException:
             self.forget(request.request_id)
             raise
@@ -327,13 +330,28 @@ class TandemClient:
                 if self._closed.is_set():
                     raise RuntimeError("this client is closed")
                 try:
-                    yield asyncio.run_coroutine_threadsafe(pumping.__anext__(), self._loop).result()
+                    # The pump ends the request at its deadline at the latest.
+                    yield self._on_loop(asyncio.run_coroutine_threadsafe(pumping.__anext__(), self._loop),
+                                        max(stream.deadline - time.monotonic(), 0.0), stream.request_id)
                 except StopAsyncIteration:
                     return
         finally:
             if not self._closed.is_set():
-                asyncio.run_coroutine_threadsafe(pumping.aclose(), self._loop).result()
+                try:
+                    asyncio.run_coroutine_threadsafe(pumping.aclose(), self._loop).result(timeout=_LOOP_GRACE_S)
+                except concurrent.futures.TimeoutError:
+                    log.warning("request %s: the client's event loop did not close its pump", stream.request_id)
             self.finish(stream)
+
+    def _on_loop(self, future: concurrent.futures.Future, bound_s: float, request_id: str):
+        """The result of work on the client's loop, which bounds it by `bound_s` itself; a loop that has not
+        answered `_LOOP_GRACE_S` later is blocked or gone: an error, not a hang."""
+        try:
+            return future.result(timeout=bound_s + _LOOP_GRACE_S)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise RuntimeError(f"request {request_id}: the client's event loop gave no answer within "
+                               f"{bound_s + _LOOP_GRACE_S:.0f}s (blocked or stopped)") from None
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
                  cache_salt: str | None = None, timeout_s: float = 300.0) -> list[list[SampleResult]]:
