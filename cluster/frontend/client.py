@@ -1,9 +1,6 @@
 """Python client of a running cluster: submit requests to the scheduler, stream tokens back over zmq.
 
-The client binds one PULL socket (its sink); workers push one message per engine step to it, and the
-receive thread hands each delta to its request's inbox. With the cluster's CURVE keys only its
-workers and scheduler can connect; whatever does arrive that is not a list of token deltas is dropped
-and counted, and only closing the client (or the `kill_sink` chaos hook) ends the thread.
+Workers push token deltas to the client's sink (token_sink.py), which hands each to its request's inbox.
 
 A `RequestStream` per request is its one record here. One async pump (`pump`) turns its inbox into
 events (order, text, stop strings) and keeps its progress bound: the HTTP ingress runs it on its event
@@ -14,9 +11,8 @@ per tick, sent again to a scheduler that restarted under it. A cluster may run s
 each with its own workers: the client sends each request to the shard its prompt hashes to (shards.py)
 and keeps talking to that one about it.
 
-Why ~380 lines: submit, the sink's receive thread, the pump, the audit of a restarted scheduler and
-migration all work on the one request record (`RequestStream`) and socket this client owns; split, each
-part would reach into it.
+Why ~400 lines: submit, the pump, the audit of a restarted scheduler and migration all work on the one
+request record (`RequestStream`) this client owns; split, each part would reach into it.
 """
 
 from __future__ import annotations
@@ -31,15 +27,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
 import ray
-import zmq
 
-from actors.protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, decode_deltas
 from actors.protocol.messages import Admitted, AdmittedBy, Forgotten, GenerateRequest, Rejected
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import SchedulerSection
 from cluster.frontend.inbox import OVERFLOW, Inbox
 from cluster.frontend.scheduler_link import SchedulerLink
 from cluster.frontend.shards import shard_for
+from cluster.frontend.token_sink import TokenSink
 from cluster.frontend.request_stream import (
     MigrationRefused,
     RequestStream,
@@ -47,9 +42,8 @@ from cluster.frontend.request_stream import (
     SchedulerForgot,
     StreamEvent,
 )
-from kv_transfer.curve import CurveKeys, secure_server
+from kv_transfer.curve import CurveKeys
 from kv_transfer.drops import DropCounter
-from kv_transfer.endpoints import advertised_host
 
 log = logging.getLogger("tandem.client")
 # How often to ask Ray again where a scheduler that is restarting listens (scheduler_link.py).
@@ -95,21 +89,13 @@ class TandemClient:
         self.schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
         self.scheduler = self.schedulers[0]
         self.tokenizer = tokenizer
-        self._socket = zmq.Context.instance().socket(zmq.PULL)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a bigger one disconnects its sender
-        secure_server(self._socket, keys)
-        port = self._socket.bind_to_random_port(f"tcp://{host}")
-        self.sink = f"tcp://{advertised_host(host)}:{port}"  # workers on other nodes connect to it
         self._listening: dict[str, RequestStream] = {}  # this client's one record of each request, by id
         self._latest: list[str | None] = [None] * len(self.schedulers)  # each shard's latest incarnation heard of
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._killed = threading.Event()
-        self.drops = DropCounter("token_sink")
+        self._sink = TokenSink(host, keys, self._inbox_of)
+        self.sink, self.drops = self._sink.endpoint, self._sink.drops
         self.link_drops = DropCounter("scheduler_link")
-        self._thread = threading.Thread(target=self._receive, name="tandem-client-sink", daemon=True)
-        self._thread.start()
         self._audit_s = audit_s
         # Every submit and abort goes out from this loop (sync callers wait on it; see `_send`), over each
         # shard's link, batched per tick.
@@ -129,38 +115,16 @@ class TandemClient:
     @property
     def sink_alive(self) -> bool:
         """False once the receiving thread has ended: no token can reach any request any more."""
-        return self._thread.is_alive()
+        return self._sink.alive
 
     def kill_sink(self) -> None:
         """Chaos hook: end the receiving thread as a crash would (health checks must notice)."""
-        self._killed.set()
-        self._thread.join(timeout=5)
+        self._sink.kill()
 
-    def _receive(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        while not (self._closed.is_set() or self._killed.is_set()):
-            try:
-                if poller.poll(100):
-                    self._deliver(self._socket.recv())
-            except zmq.ZMQError as exc:
-                if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
-                    return
-                self.drops.drop("error", exc)
-            except Exception as exc:  # whatever one message did, the next is still delivered
-                self.drops.drop("error", exc, exc_info=True)
-
-    def _deliver(self, payload: bytes) -> None:
-        try:
-            deltas = decode_deltas(payload)
-        except ProtocolError as exc:  # garbage on the sink costs that message, never the stream
-            self.drops.drop("malformed", exc)
-            return
-        for delta in deltas:
-            with self._lock:
-                listening = self._listening.get(delta.attempt.request_id)
-            if listening is not None:
-                listening.inbox.put(delta)
+    def _inbox_of(self, request_id: str):
+        with self._lock:
+            listening = self._listening.get(request_id)
+        return None if listening is None else listening.inbox
 
     def _audit_loop(self) -> None:
         while not self._closed.wait(self._audit_s):
@@ -199,8 +163,7 @@ class TandemClient:
 
     def close(self) -> None:
         self._closed.set()
-        self._thread.join(timeout=5)
-        self._socket.close(linger=0)
+        self._sink.close()
         try:
             asyncio.run_coroutine_threadsafe(_close_all(self._links), self._loop).result(timeout=5)
         except concurrent.futures.TimeoutError:
