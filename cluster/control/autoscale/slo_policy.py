@@ -269,6 +269,8 @@ def _within_budget(needs: dict[str, int], bounds: dict[str, Bounds], max_workers
     spare = max_workers - sum(floor.values())
     wanted = {role: target[role] - floor[role] for role in target}
     total = sum(wanted.values())
+    if spare <= 0 or total == 0:  # the pools' minimums alone fill (or pass) the budget
+        return floor
     share = {role: floor[role] + math.floor(spare * wanted[role] / total) for role in target}
     left = max_workers - sum(share.values())
     for role in sorted(target, key=lambda r: wanted[r] * spare / total - math.floor(wanted[r] * spare / total),

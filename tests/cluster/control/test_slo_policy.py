@@ -113,6 +113,8 @@ def test_the_budget_is_shared_in_proportion_to_need():
     moved = held.decide(observed(ANSWERS), {"prefill": 8, "decode": 2}, WIDE, max_workers=10)
     assert moved.replicas["decode"] > 2 and moved.replicas["prefill"] < 8  # the window gives way to the budget
     assert "for the budget" in moved.reasons["prefill"]
+    tight = {"prefill": Bounds(3, 8), "decode": Bounds(3, 8)}  # the minimums alone pass the budget
+    assert policy().decide(observed(PROMPTS), {"prefill": 3, "decode": 3}, tight, max_workers=4).replicas == {}
 
 
 def requests(rate: float, seconds: float, prompt: int, output: int) -> list[SimRequest]:
