@@ -14,6 +14,8 @@ import threading
 import time
 from collections import Counter
 
+import zmq
+
 log = logging.getLogger("tandem.drops")
 _LOG_EVERY_S = 5.0  # garbage can arrive at line rate; the log gets one line per reason this often
 
@@ -36,6 +38,18 @@ class DropCounter:
         if not quiet:
             log.warning("%s dropped a %s message (%d so far): %s", self.socket, reason, total, detail,
                         exc_info=exc_info)
+
+    def survived(self, exc: Exception) -> bool:
+        """What one receive (or the handling of its message) raised, counted; False when it says the socket
+        is closed, and the loop should end. A loop's `except Exception` calls this, so that garbage, a bug
+        in one message's handling and a transient socket error all cost that message only."""
+        if isinstance(exc, zmq.ZMQError):
+            if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                return False
+            self.drop("error", exc)
+        else:
+            self.drop("error", exc, exc_info=True)
+        return True
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

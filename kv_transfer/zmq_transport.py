@@ -269,13 +269,11 @@ class ZmqKVReceiver(KVReceiver):
                         self._serve(*self._recv_staged(sock, first))
                     else:
                         self._serve(*self._recv_frames(sock, first))
-                except zmq.ZMQError as e:
-                    if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
-                        return
-                    self.drops.drop("error", e)
                 except Exception as e:  # whatever a message did, the next one is still served
-                    self.drops.drop("error", e, exc_info=True)
-                    _drain(sock)
+                    if not self.drops.survived(e):
+                        return
+                    if not isinstance(e, zmq.ZMQError):
+                        _drain(sock)
         finally:
             _close_listening(sock)
             if self._lanes is not None:
