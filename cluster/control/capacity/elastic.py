@@ -69,10 +69,11 @@ class _Elastic(_Cluster):
                     for role in ("prefill", "decode", "colocated")}
         self.machine_start = {wid: 0.0 for wid in self.workers}  # worker id -> when its machine started
         self.ready_at = dict.fromkeys(self.workers, 0.0)
-        self.draining: set[str] = set()
-        self.released: dict[str, float] = {}
+        self.draining: set[str] = set()  # taking nothing new, not yet idle
+        self.released: dict[str, float] = {}  # worker id -> when its machine was released (or flipped)
         self.flip_to: dict[str, str] = {}  # draining worker -> the role its machine takes next
         self.changes: list[Change] = []
+        self._now = 0.0  # the event being handled: what `_views` (called from the base class) serves at
         self.timeline: list[tuple[float, dict[str, int]]] = [(0.0, self.serving_counts())]
 
     def run_until(self, requests: list[SimRequest], end_s: float) -> ElasticRun:
@@ -104,8 +105,6 @@ class _Elastic(_Cluster):
                 and self.ready_at[v.worker_id] <= now]
 
     # ---- events ----
-
-    _now = 0.0
 
     def _handle(self, now: float, kind: str, obj) -> None:
         self._now = now
@@ -142,7 +141,7 @@ class _Elastic(_Cluster):
         flips = 0
         for role, n in wanted.items():
             for _ in range(n - counts.get(role, 0)):
-                mine = [w for w in spare if w not in self.released and self.flip_s is not None]
+                mine = [w for w in spare if w in self.draining and self.flip_s is not None]
                 if mine:
                     spare.remove(mine[0])
                     self.flip_to[mine[0]] = role
@@ -166,7 +165,8 @@ class _Elastic(_Cluster):
             self.ready_at[wid] = now
 
     def _release_drained(self, now: float) -> None:
-        for wid in [w for w in self.draining if w not in self.released and self._idle(self.workers[w])]:
+        for wid in [w for w in self.draining if self._idle(self.workers[w])]:
+            self.draining.discard(wid)
             self.released[wid] = now
             role = self.flip_to.pop(wid, None)
             if role is not None:  # the machine goes on in its new role: no new start, no release
