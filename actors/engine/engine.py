@@ -191,6 +191,14 @@ class Engine:
         """(phase, tag) of every request here."""
         return [(record.phase, record.tag) for record in self._requests.records()]
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix and the KV events not yet taken; False (nothing changes) while a request
+        holds blocks. For a worker that changes role: the scheduler knows its cache under its old id only."""
+        if self._requests or not self.kv.reset_prefix_cache():
+            return False
+        self.kv.take_events()
+        return True
+
     def holding(self) -> list[Hashable]:
         """The requests RESERVED or HANDED_OFF: their blocks are a lease (`release` ends it)."""
         return [record.request_id for record in self._requests.records() if record.phase is not Phase.RUNNING]

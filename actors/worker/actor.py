@@ -67,14 +67,21 @@ _EXIT_GROUP_LOST = 71  # ... when a rank of its tensor-parallel group ended
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, scheduler=None):
+    def __init__(self, spec: WorkerSpec, scheduler=None, engine: Engine | None = None):
+        """`engine`: a loaded engine with nothing in it, handed over by the worker this process was before a
+        role flip (`hand_over`): no model load."""
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.scheduler = scheduler
-        model_dir = ensure_on_this_node(spec.engine.model, spec.engine.model_source)
-        # A tensor-parallel worker: this actor is rank 0, the other ranks are actors of its own (tp_group.py).
-        self._tp = TPGroup(spec) if spec.tensor_parallel_size > 1 else None
-        self._engine = Engine(dataclasses.replace(spec.engine, model=model_dir), self._tp.comm if self._tp else SINGLE)
+        self._tp = None
+        if engine is not None:
+            self._engine = engine
+        else:
+            model_dir = ensure_on_this_node(spec.engine.model, spec.engine.model_source)
+            # A tensor-parallel worker: this actor is rank 0, the other ranks are actors of its own (tp_group.py).
+            self._tp = TPGroup(spec) if spec.tensor_parallel_size > 1 else None
+            self._engine = Engine(dataclasses.replace(spec.engine, model=model_dir),
+                                  self._tp.comm if self._tp else SINGLE)
         self._inbox = Inbox(spec.worker_id)
         self._publisher = TokenPublisher(keys=spec.curve_keys)
         self._handoffs = HandoffTable(self._engine, spec.lease_s)
@@ -174,8 +181,30 @@ class Worker:
         """Which process answers: lets the scheduler tell a dropped watch call from a dead worker."""
         return self._incarnation
 
+    def hand_over(self) -> Engine:
+        """A role flip: stop serving and give up the engine, weights loaded and empty, its prefix cache
+        dropped, for the worker this process becomes. Refused (ValueError, and it goes on serving) while it
+        holds a request or a lease, or for a tensor-parallel worker, whose ranks are built for one role."""
+        if self._tp is not None:
+            raise ValueError(f"worker {self.spec.worker_id} is tensor-parallel: its role cannot change")
+        self._inbox.call(self._check_empty, None, _CALL_TIMEOUT_S)
+        self.shutdown()
+        if self._thread.is_alive():
+            raise RuntimeError(f"worker {self.spec.worker_id}: the engine thread did not stop")
+        self._check_empty(None)  # a command that slipped in before the stop is here now, not lost unseen
+        if not self._engine.reset_prefix_cache():
+            raise RuntimeError(f"worker {self.spec.worker_id}: its prefix cache could not be dropped")
+        return self._engine
+
+    def _check_empty(self, _) -> None:
+        held = len(self._engine.tags()) + len(self._finished) + len(self._handed_off) + sum(
+            self._handoffs.count(kind) for kind in LeaseKind)
+        if held or self._inbox.prompt_tokens:
+            raise ValueError(f"worker {self.spec.worker_id} still serves {held} requests: drain it first")
+
     def shutdown(self) -> None:
         self._stop.set()
+        self._inbox.put(lambda _: None, None)  # wakes the engine thread waiting for a command
         if self._pulse is not None:
             self._pulse.stop()
         self._thread.join(timeout=10)

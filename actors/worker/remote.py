@@ -21,9 +21,23 @@ if TYPE_CHECKING:
 
 class WorkerActor:
     def __init__(self, spec: WorkerSpec, scheduler=None):
+        from actors.worker import identity
         from actors.worker.actor import Worker
 
-        self._worker = Worker(spec, scheduler)
+        self._scheduler = scheduler
+        self._worker = Worker(identity.current(spec), scheduler)  # after a flip, restarted as what it became
+
+    def become(self, worker_id: str, role: str, torch_threads: int) -> WorkerInfo:
+        """A role flip: this process, drained and forgotten by the scheduler under its old id, serves on as
+        a new worker with the same engine (no weights reloaded); it registers itself in its new pool."""
+        from actors.worker import identity
+        from actors.worker.actor import Worker
+
+        became = identity.Became(worker_id, role, torch_threads)
+        engine = self._worker.hand_over()
+        self._worker = Worker(became.applied(self._worker.spec), self._scheduler, engine)
+        identity.remember(became)
+        return self._worker.info()
 
     def info(self) -> WorkerInfo:
         return self._worker.info()

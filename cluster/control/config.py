@@ -113,6 +113,9 @@ class AutoscalerSection(_Strict):
                                     "max_replicas")
     load: LoadThresholds = Field(default_factory=LoadThresholds, description="thresholds of mode load")
     slo: SloSection | None = Field(None, description="objectives and profile of mode slo")
+    flips: bool = Field(True, description="when one pool shrinks while another grows, turn the shrinking pool's "
+                        "workers into the growing pool's (no weights reloaded) instead of stopping some and starting "
+                        "others, where the pools' workers ask the same resources")
 
     @model_validator(mode="after")
     def _slo_given(self) -> "AutoscalerSection":
@@ -204,6 +207,11 @@ class IngressSection(_Strict):
     max_stop_chars: int = Field(256, gt=0, description="longest stop string")
     max_logit_bias: int = Field(1024, gt=0, description="most logit_bias entries in one request")
     max_body_bytes: int = Field(1 << 20, gt=0, description="larger request bodies get 413")
+    default_max_tokens: int = Field(
+        1024, gt=0, description="max_tokens of a chat request that sets none (or the rest of the context, if less)")
+    unknown_fields: Literal["reject", "accept"] = Field(
+        "reject", description="a request field the API does not know: `reject` answers 400 naming it; `accept` "
+        "logs its name (WARNING) and goes on, for clients that send vendor extras")
     stream_queue_tokens: int = Field(4096, gt=0, description="undelivered deltas per request before a slow client's request is aborted")
     request_timeout_s: float = Field(600.0, gt=0, description="default deadline of a request; a request's own `timeout` overrides it")
     default_tokens_per_minute: float | None = Field(

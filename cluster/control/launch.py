@@ -134,9 +134,8 @@ class Cluster:
         """Create one worker of a pool (it registers itself); returns its id. Ids are never reused, so a
         new worker cannot collide with the name of one still being torn down."""
         pool = self.config.pools()[role]
-        index = next(self._indices[role])
-        worker_id = f"{role}-{index}"
-        shard = self._shard_of[worker_id] = index % len(self.schedulers)  # every shard gets its share of each pool
+        worker_id = self.next_id(role)
+        shard = self._shard_of[worker_id] = worker_index(worker_id) % len(self.schedulers)  # shards share each pool
         spec = WorkerSpec(
             worker_id=worker_id, role=role,
             engine=dataclasses.replace(self._engine, device="cuda" if pool.num_gpus > 0 else "cpu"),
@@ -161,6 +160,14 @@ class Cluster:
             max_restarts=-1,  # a dead worker comes back and re-registers itself
         ).remote(spec, self.schedulers[shard])
         return worker_id
+
+    def next_id(self, role: str) -> str:
+        return f"{role}-{next(self._indices[role])}"
+
+    def rename(self, old_id: str, new_id: str) -> None:
+        """A flipped worker's process serves on under its new id (role_flip.py), with the same scheduler shard."""
+        self.workers[new_id] = self.workers.pop(old_id)
+        self._shard_of[new_id] = self._shard_of.pop(old_id, 0)
 
     def scheduler_of(self, worker_id: str):
         """The scheduler shard the worker registers with."""
@@ -229,6 +236,15 @@ class Cluster:
             ray.kill(scheduler, no_restart=True)
         if self._owns_ray:
             ray.shutdown()
+
+
+def worker_index(worker_id: str) -> int:
+    return int(worker_id.rsplit("-", 1)[1])
+
+
+def role_of(worker_id: str) -> str:
+    """A worker id is its role and an index never reused in that role (a flipped worker gets a new id)."""
+    return worker_id.rsplit("-", 1)[0]
 
 
 def _clear_orphaned_schedulers() -> None:

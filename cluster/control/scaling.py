@@ -9,7 +9,6 @@ ordinary worker-loss path (re-route or migration).
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from pathlib import Path
@@ -17,8 +16,10 @@ from pathlib import Path
 import ray
 
 from cluster.control.config import TandemConfig
-from cluster.control.launch import Cluster
+from cluster.control.draining import wait_drained
+from cluster.control.launch import Cluster, role_of, worker_index
 from cluster.control.periodic import Periodic
+from cluster.control.role_flip import become, flip_refusal
 
 log = logging.getLogger("tandem.scaling")
 _resizing = threading.Lock()
@@ -29,17 +30,20 @@ class ResizeInProgress(RuntimeError):
 
 
 def scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float = 300.0,
-          drain_timeout_s: float = 600.0) -> dict:
-    """Bring each named pool to its replica count; returns {"added": [...], "removed": [...]}."""
+          drain_timeout_s: float = 600.0, flips: bool = False) -> dict:
+    """Bring each named pool to its replica count; returns {"added": [...], "removed": [...], "flipped":
+    [...], "replicas": {...}}. `flips`: where one pool shrinks and another grows, the shrinking pool's
+    workers change role (role_flip.py) instead of some stopping and others starting cold."""
     if not _resizing.acquire(blocking=False):
         raise ResizeInProgress("a resize is already in progress")
     try:
-        return _scale(cluster, replicas, ready_timeout_s, drain_timeout_s)
+        return _scale(cluster, replicas, ready_timeout_s, drain_timeout_s, flips)
     finally:
         _resizing.release()
 
 
-def _scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float, drain_timeout_s: float) -> dict:
+def _scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float, drain_timeout_s: float,
+           flips: bool) -> dict:
     pools = cluster.config.pools()
     for role, n in replicas.items():
         if role not in pools:
@@ -51,22 +55,44 @@ def _scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float, d
             raise ValueError(f"{role} replicas must be at most {pools[role].max_replicas} (its max_replicas), got {n}")
     if cluster.config.transfer.backend == "collective" and any(n != _count(cluster, r) for r, n in replicas.items()):
         raise ValueError("live scaling needs transfer.backend zmq: the collective group's size is fixed at start")
+    moves = _flips(cluster, replicas) if flips else []
     added = []
     for role, n in replicas.items():
-        added += [cluster.spawn_worker(role) for _ in range(n - _count(cluster, role))]
+        arriving = sum(1 for _, to in moves if to == role)
+        added += [cluster.spawn_worker(role) for _ in range(n - _count(cluster, role) - arriving)]
     if added:
         _wait_ready(cluster, added, ready_timeout_s)
+    flipping = {wid for wid, _ in moves}
     removed = []
     for role, n in replicas.items():
-        removed += sorted(_ids(cluster, role), key=_index)[n:]
-    for wid in removed:  # all stop taking work first, then each drains
+        removed += [wid for wid in sorted(_ids(cluster, role), key=worker_index)[n:] if wid not in flipping]
+    started = time.monotonic()
+    for wid in removed + [wid for wid, _ in moves]:  # all stop taking work first, then each drains
         ray.get(cluster.scheduler_of(wid).drain.remote(wid), timeout=30)
+    flipped = [become(cluster, wid, role, started, drain_timeout_s, ready_timeout_s) for wid, role in moves]
     for wid in removed:
         _drain_and_stop(cluster, wid, drain_timeout_s)
     cluster.config = _with_replicas(cluster.config, {role: _count(cluster, role) for role in replicas})
-    log.info("scaled: added %s, removed %s", added or "none", removed or "none")
+    log.info("scaled: added %s, removed %s, flipped %s", added or "none", removed or "none",
+             [f"{f.old_id} -> {f.new_id}" for f in flipped] or "none")
     return {"added": added, "removed": removed,
+            "flipped": [{"from": f.old_id, "to": f.new_id, "seconds": round(f.total_s, 3), "cold": f.cold}
+                        for f in flipped],
             "replicas": {role: _count(cluster, role) for role in cluster.config.pools()}}
+
+
+def _flips(cluster: Cluster, replicas: dict[str, int]) -> list[tuple[str, str]]:
+    """(worker, new role) pairs: the workers a shrinking pool gives up (its highest ids, as a removal picks)
+    that a growing pool can take by a flip."""
+    leaving = {role: sorted(_ids(cluster, role), key=worker_index)[n:] for role, n in replicas.items()}
+    short = {role: n - _count(cluster, role) for role, n in replicas.items() if n > _count(cluster, role)}
+    moves = []
+    for to_role, need in short.items():
+        for from_role, victims in leaving.items():
+            while need and victims and flip_refusal(cluster.config, from_role, to_role) is None:
+                moves.append((victims.pop(), to_role))
+                need -= 1
+    return moves
 
 
 def _wait_ready(cluster: Cluster, worker_ids: list[str], timeout_s: float) -> None:
@@ -81,35 +107,21 @@ def _wait_ready(cluster: Cluster, worker_ids: list[str], timeout_s: float) -> No
 
 
 def _drain_and_stop(cluster: Cluster, worker_id: str, timeout_s: float) -> None:
-    handle = cluster.workers[worker_id]
-    deadline = time.monotonic() + timeout_s
-    while not _idle(handle) or not ray.get(cluster.scheduler_of(worker_id).remove.remote(worker_id), timeout=30):
-        if time.monotonic() > deadline:
-            log.warning("worker %s still busy after %.0fs of draining: stopping it anyway", worker_id, timeout_s)
-            break
-        time.sleep(0.1)
+    if not wait_drained(cluster, worker_id, timeout_s):
+        log.warning("worker %s still busy after %.0fs of draining: stopping it anyway", worker_id, timeout_s)
     try:
-        ray.get(handle.shutdown.remote(), timeout=30)
+        ray.get(cluster.workers[worker_id].shutdown.remote(), timeout=30)
     except ray.exceptions.RayError as exc:
         log.warning("worker %s shutdown: %s", worker_id, exc)
     cluster.stop_worker(worker_id)
 
 
-def _idle(handle) -> bool:
-    stats = ray.get(handle.check_integrity.remote(), timeout=30)
-    return stats.live_requests == stats.reserved == stats.held == 0
-
-
 def _ids(cluster: Cluster, role: str) -> list[str]:
-    return [wid for wid in cluster.workers if wid.rsplit("-", 1)[0] == role]
+    return [wid for wid in cluster.workers if role_of(wid) == role]
 
 
 def _count(cluster: Cluster, role: str) -> int:
     return len(_ids(cluster, role))
-
-
-def _index(worker_id: str) -> int:
-    return int(re.search(r"(\d+)$", worker_id).group(1))
 
 
 def _with_replicas(config: TandemConfig, replicas: dict[str, int]) -> TandemConfig:

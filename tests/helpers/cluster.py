@@ -67,3 +67,33 @@ def generate_in_background(cluster: Cluster, prompts, params, timeout_s: float =
     runner = threading.Thread(target=lambda: out.update(got=client.generate(prompts, params, timeout_s=timeout_s)))
     runner.start()
     return runner, out
+
+
+class ClosedLoop:
+    """Closed-loop greedy requests from a few threads (a test resizes the pools meanwhile); every result is
+    checked against `expected`, the engine's tokens for the same prompt. `bad` lists what went wrong."""
+
+    def __init__(self, cluster: Cluster, prompts, params, expected: list[list[int]], threads: int = 4):
+        self.client, self.prompts, self.params, self.expected = cluster.client(), prompts, params, expected
+        self.done, self.bad = 0, []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i, threads), daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, k: int, stride: int) -> None:
+        i, n = k, len(self.prompts)
+        while not self._stop.is_set():
+            try:
+                (r,) = self.client.generate([self.prompts[i % n]], self.params, timeout_s=120)[0]
+                ok = r.finish_reason == "length" and r.token_ids == self.expected[i % n]
+                self.bad += [] if ok else [r.error or "wrong tokens"]
+            except Exception as exc:
+                self.bad.append(f"{type(exc).__name__}: {exc}")
+            self.done += 1
+            i += stride
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=120)

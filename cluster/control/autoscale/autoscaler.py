@@ -27,6 +27,7 @@ from cluster.control.autoscale.pool_load import PoolLoad, merged
 from cluster.control.autoscale.slo_policy import Demand, Forecast, Observed, PoolModel, SloPolicy, SloTargets
 from cluster.control.capacity.profile import EngineProfile
 from cluster.control.config import AutoscalerSection
+from cluster.control.launch import role_of
 from cluster.control.periodic import Periodic
 from cluster.control.scaling import ResizeInProgress, scale
 
@@ -52,6 +53,7 @@ class Autoscaler:
         self.cluster, self.section = cluster, section
         self.history: deque[Record] = deque(maxlen=_HISTORY)
         self.resizes: Counter[tuple[str, str]] = Counter()  # (pool, "up" | "down") -> resizes done
+        self.flips: Counter[tuple[str, str]] = Counter()  # (from pool, to pool) -> workers flipped
         self._last_resize = float("-inf")  # monotonic end of the last resize
         self._slo = _slo_policy(section) if section.mode == "slo" else None
         self._last_demand: Demand | None = None
@@ -112,7 +114,7 @@ class Autoscaler:
 
     def _resize(self, decision: Decision, current: dict[str, int]) -> str:
         try:
-            scale(self.cluster, decision.replicas)
+            result = scale(self.cluster, decision.replicas, flips=self.section.flips)
         except ResizeInProgress:
             return "a resize by hand is in progress"
         except ValueError as exc:  # e.g. no node can take a new worker before the ready timeout
@@ -121,7 +123,9 @@ class Autoscaler:
             self._last_resize = time.monotonic()
         for role, n in decision.replicas.items():
             self.resizes[(role, "up" if n > current[role] else "down")] += 1
-        return "resized"
+        for flipped in result["flipped"]:
+            self.flips[(role_of(flipped["from"]), role_of(flipped["to"]))] += 1
+        return f"resized ({len(result['flipped'])} by role flips)" if result["flipped"] else "resized"
 
 
 def _slo_policy(section: AutoscalerSection) -> SloPolicy:

@@ -3,7 +3,6 @@ and the same through an edit of the served config file."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -15,7 +14,7 @@ from actors.protocol.sampling_params import SamplingParams
 from tandem.cli import main as tandem
 from cluster.control.launch import NAMESPACE, Cluster
 from cluster.control.scaling import ConfigWatcher
-from tests.helpers.cluster import CONFIGS, load, wait_until_idle
+from tests.helpers.cluster import CONFIGS, ClosedLoop, load, wait_until_idle
 
 pytestmark = pytest.mark.slow  # pools resized under load
 
@@ -29,33 +28,8 @@ def expected():
     return [r.outputs[0].token_ids for r in engine.generate(PROMPTS, PARAMS)]
 
 
-class Load:
-    """Closed-loop greedy requests from a few threads; every result is checked against the engine."""
-
-    def __init__(self, cluster: Cluster, expected: list[list[int]], threads: int = 4):
-        self.client, self.expected = cluster.client(), expected
-        self.done, self.bad = 0, []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def _run(self, k: int) -> None:
-        i = k
-        while not self._stop.is_set():
-            try:
-                (r,) = self.client.generate([PROMPTS[i % 8]], PARAMS, timeout_s=120)[0]
-                ok = r.finish_reason == "length" and r.token_ids == self.expected[i % 8]
-                self.bad += [] if ok else [r.error or "wrong tokens"]
-            except Exception as exc:
-                self.bad.append(f"{type(exc).__name__}: {exc}")
-            self.done += 1
-            i += 4
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=120)
+def Load(cluster: Cluster, expected: list[list[int]], threads: int = 4) -> ClosedLoop:
+    return ClosedLoop(cluster, PROMPTS, PARAMS, expected, threads)
 
 
 def assert_clean(cluster: Cluster) -> dict:
