@@ -10,7 +10,8 @@ parsed back into OpenAI `tool_calls`.
   blocks, the text around them is the content; `llama3_json`: the whole answer is one JSON object
   `{"name": ..., "parameters": {...}}`.
 - Messages: an assistant message's `tool_calls` reach the template with their arguments as objects (the
-  templates render them as JSON), a `tool` message as it is.
+  templates render them as JSON, once), a `tool` message as it is.
+- `parallel_tool_calls: false`: only an answer's first call is made (a forced answer is one call anyway).
 """
 
 from __future__ import annotations
@@ -73,9 +74,10 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def parse(text: str, parser: str | None, forced: bool) -> tuple[str | None, list[dict]]:
+def parse(text: str, parser: str | None, forced: bool, one: bool = False) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of an answer. `forced`: the grammar made it one JSON call, unless max_tokens
-    cut it short: then there is no call, and the text is the answer (its finish reason says "length")."""
+    cut it short: then there is no call, and the text is the answer (its finish reason says "length").
+    `one` (parallel_tool_calls: false): only the answer's first call is made."""
     if forced:
         call = _json_object(text)
         if call is None:
@@ -89,7 +91,7 @@ def parse(text: str, parser: str | None, forced: bool) -> tuple[str | None, list
                 calls.append(_call(call["name"], call.get("arguments", {})))
         if calls:
             content = _HERMES.sub("", text).strip()
-            return content or None, calls
+            return content or None, calls[:1] if one else calls
     if parser == "llama3_json":
         call = _json_object(text.strip())
         if call is not None and isinstance(call.get("name"), str):
@@ -106,5 +108,10 @@ def _json_object(text: str) -> dict | None:
 
 
 def _call(name: str, arguments) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+    # A model that copies a history of string arguments writes its own as a string holding JSON: that
+    # string is already the wire form (encoding it again would hand the client a str, not an object).
+    if isinstance(arguments, str) and isinstance(_json_object(arguments), dict):
+        text = arguments
+    else:
+        text = json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
