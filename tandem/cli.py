@@ -45,6 +45,8 @@ BENCH = {
                      "open-loop load against an OpenAI-compatible server: latency, SLO goodput"),
     "autoscale": Command("experiments.autoscale.cli",
                          "the SLO autoscaler vs the best static layout on a 4-phase trace (simulated fleet)"),
+    "flip": Command("experiments.bench_role_flip",
+                    "a worker changing role (prefill <-> decode) vs a cold start, under greedy load"),
     "compare": Command("experiments.compare.cli",
                        "the same trace against colocated and disaggregated layouts of equal resources"),
 }

@@ -71,6 +71,7 @@ SLOW = {
     "tandem bench control-plane --workers 64,256,512 --rate 600",
     "python experiments/kv_transfer_bench.py --encryption none curve",
     "tandem serve --config configs/local.yaml &", "tandem bench compare --layouts 2C,1P:1D",
+    "tandem bench flip --out results/role_flip/run.json",
     "tandem bench control-plane --workers 64,256,512 --rate 400,800,1200 --duration 10 [--shards 2] [--out cp.json]",
 }
 COMMAND_TIMEOUT_S = 600  # a smoke command takes seconds to a minute or two; this bounds a hang

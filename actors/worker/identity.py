@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import warnings
 from dataclasses import dataclass
 
 import ray
@@ -45,13 +46,11 @@ def current(spec: WorkerSpec) -> WorkerSpec:
     """The spec this actor process serves with: its creation spec, or after a flip and a restart, the
     worker it had become."""
     key = _key()
-    if key is None:
-        return spec
-    if not ray.get_runtime_context().was_current_actor_reconstructed:
-        _internal_kv_del(key, namespace=_NAMESPACE)
-        return spec
-    raw = _internal_kv_get(key, namespace=_NAMESPACE)
+    raw = None if key is None else _internal_kv_get(key, namespace=_NAMESPACE)
     if raw is None:
+        return spec
+    if not _restarted():
+        _internal_kv_del(key, namespace=_NAMESPACE)
         return spec
     try:
         became = Became(**json.loads(raw))
@@ -65,3 +64,9 @@ def current(spec: WorkerSpec) -> WorkerSpec:
 def _key() -> bytes | None:
     name = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
     return None if not name else f"identity:{name}".encode()
+
+
+def _restarted() -> bool:
+    with warnings.catch_warnings():  # Ray's property warns about a deprecated call of its own
+        warnings.simplefilter("ignore")
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)

@@ -76,8 +76,8 @@ def _scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float, d
     log.info("scaled: added %s, removed %s, flipped %s", added or "none", removed or "none",
              [f"{f.old_id} -> {f.new_id}" for f in flipped] or "none")
     return {"added": added, "removed": removed,
-            "flipped": [{"from": f.old_id, "to": f.new_id, "seconds": round(f.total_s, 3), "cold": f.cold}
-                        for f in flipped],
+            "flipped": [{"from": f.old_id, "to": f.new_id, "seconds": round(f.total_s, 3), "cold": f.cold,
+                         "drained_s": round(f.drained_s, 3), "switched_s": round(f.switched_s, 3)} for f in flipped],
             "replicas": {role: _count(cluster, role) for role in cluster.config.pools()}}
 
 

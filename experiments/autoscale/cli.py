@@ -73,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
     runs = [static]
     for flip_s in (None, args.flip_s) if args.flip_s is not None else (None,):
         policy = SloPolicy(PoolModel(profile), SloTargets(slo.ttft_s, slo.tpot_s), args.interval_s,
-                           Forecast(args.forecast))
+                           Forecast(args.forecast), flips=flip_s is not None)
         bounds = {"prefill": Bounds(1, args.budget - 1), "decode": Bounds(1, args.budget - 1)}
         controller = SloController(policy, bounds, args.budget, args.percentile)
         name = "autoscaler" if flip_s is None else f"autoscaler+flips({flip_s:g}s)"

@@ -135,4 +135,5 @@ def _slo_policy(section: AutoscalerSection) -> SloPolicy:
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"autoscaler.slo.profile {slo.profile!r}: {exc}") from None
     return SloPolicy(PoolModel(profile), SloTargets(slo.ttft_ms / 1000, slo.tpot_ms / 1000), section.interval_s,
-                     Forecast(slo.forecast), shrink_window_s=slo.shrink_window_s, headroom=slo.headroom)
+                     Forecast(slo.forecast), shrink_window_s=slo.shrink_window_s, headroom=slo.headroom,
+                     flips=section.flips)

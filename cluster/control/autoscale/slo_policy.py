@@ -188,6 +188,9 @@ class SloPolicy:
     forecast: Forecast = field(default_factory=Forecast)
     shrink_window_s: float = 60.0
     headroom: float = 0.0  # size for this fraction more than the forecast (a burst arrives before the next decision)
+    # A pool held against shrinking gives its surplus to a pool that must grow: a role flip moves the
+    # capacity without a cold start, so holding it idle beside a short pool buys nothing.
+    flips: bool = False
     corrections: Corrections = field(default_factory=Corrections)
     _wanted: dict[str, deque] = field(default_factory=dict)  # role -> its last targets, newest last
 
@@ -208,14 +211,18 @@ class SloPolicy:
             sizes[role] = n if n >= current[role] else min(max(wanted), current[role])
             if sizes[role] > n:
                 reasons[role] = f"hold (wanted {sizes[role]} within the last {self.shrink_window_s:g}s): " + reasons[role]
-        # A pool held against shrinking gives up what the budget needs for the pools that must grow.
+        # A pool held against shrinking gives up what the budget needs for the pools that must grow (with
+        # flips: what they grow by, whatever the budget).
         over = 0 if max_workers is None else sum(sizes.values()) - max_workers
+        growth = sum(max(sizes[role] - current[role], 0) for role in sizes)
+        why = "to flip into the pool that grows" if self.flips and growth > over else "for the budget (autoscaler.max_workers)"
+        over = max(over, growth) if self.flips else over
         for role in sorted(sizes, key=lambda r: sizes[r] - target[r], reverse=True):
             give = min(max(over, 0), sizes[role] - target[role])
             if give > 0:
                 sizes[role] -= give
                 over -= give
-                reasons[role] = f"shrink to {sizes[role]} for the budget (autoscaler.max_workers): " + reasons[role]
+                reasons[role] = f"shrink to {sizes[role]} {why}: " + reasons[role]
         return Decision({role: n for role, n in sizes.items() if n != current[role]}, reasons)
 
     def _predicted(self, demand: Demand, current: dict[str, int]) -> tuple[float, float]:

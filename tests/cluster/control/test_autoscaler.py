@@ -123,3 +123,39 @@ def test_mode_slo_sizes_the_decode_pool_for_the_requests_it_holds(ray_session, t
         assert all(w["used_blocks"] == w["reserved"] == w["held"] == 0 for w in state["workers"].values())
     finally:
         cluster.shutdown()
+
+
+def test_mode_slo_flips_a_held_prefill_worker_into_the_short_decode_pool(ray_session, tmp_path):
+    config = load("local.yaml", num_kv_blocks=320)
+    config = config.model_copy(update={"prefill": config.prefill.model_copy(update={"replicas": 2, "max_replicas": 2}),
+                                       "decode": config.decode.model_copy(update={"max_replicas": 2})})
+    cluster = Cluster.start(config)
+    try:
+        slo = SloSection(ttft_ms=2000, tpot_ms=200, profile=_profile(tmp_path / "profile.json"))
+        autoscaler = Autoscaler(cluster, AutoscalerSection(mode="slo", slo=slo))
+        assert autoscaler.section.flips  # the shipped setting
+        process = ray.get(cluster.workers["prefill-1"].__ray_call__.remote(lambda _: __import__("os").getpid()),
+                          timeout=30)
+        runner, out = generate_in_background(cluster, [PROMPT] * 3, PARAMS)
+        deadline = time.monotonic() + 60
+        while _waiting(cluster) < 1:
+            assert time.monotonic() < deadline, "no request ever waited for KV room"
+            time.sleep(0.1)
+        moved = autoscaler.tick()  # prefill wants 1 but its window holds 2: the surplus flips to decode
+        assert moved.decision.replicas == {"prefill": 1, "decode": 2}, moved
+        assert moved.outcome == "resized (1 by role flips)", moved
+        assert "to flip into the pool that grows" in moved.decision.reasons["prefill"]
+        assert sorted(cluster.workers) == ["decode-0", "decode-1", "prefill-0"]
+        assert ray.get(cluster.workers["decode-1"].__ray_call__.remote(lambda _: __import__("os").getpid()),
+                       timeout=30) == process  # the same process: no cold start
+        assert autoscaler.flips == {("prefill", "decode"): 1}
+        runner.join(timeout=240)
+        results = [r[0] for r in out["got"]]
+        assert [r.finish_reason for r in results] == ["length"] * 3, [r.error for r in results]
+        assert results[0].token_ids == results[1].token_ids == results[2].token_ids
+        stats = ray.get(cluster.scheduler.state.remote(), timeout=10).as_dict()["worker_stats"]
+        assert stats["decode-1"]["adopted"] >= 1  # the waiting request went to the flipped worker
+        state = wait_until_idle(cluster)
+        assert all(w["used_blocks"] == w["reserved"] == w["held"] == 0 for w in state["workers"].values())
+    finally:
+        cluster.shutdown()

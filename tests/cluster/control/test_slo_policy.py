@@ -117,6 +117,22 @@ def test_the_budget_is_shared_in_proportion_to_need():
     assert policy().decide(observed(PROMPTS), {"prefill": 3, "decode": 3}, tight, max_workers=4).replicas == {}
 
 
+def test_with_flips_a_held_pool_gives_its_surplus_to_the_pool_that_grows():
+    for flips in (False, True):
+        held = policy(shrink_window_s=600.0, flips=flips)
+        held.decide(observed(PROMPTS), {"prefill": 8, "decode": 2}, WIDE, None)
+        moved = held.decide(observed(ANSWERS), {"prefill": 8, "decode": 2}, WIDE, None)
+        grow = moved.replicas["decode"] - 2
+        assert grow > 0
+        if flips:  # prefill's surplus moves over (to its need at most), without any budget
+            unheld = policy(shrink_window_s=0.0).decide(observed(ANSWERS), {"prefill": 8, "decode": 2}, WIDE, None)
+            surplus = 8 - unheld.replicas["prefill"]
+            assert 8 - moved.replicas["prefill"] == min(grow, surplus) > 0
+            assert "to flip into the pool that grows" in moved.reasons["prefill"]
+        else:
+            assert "prefill" not in moved.replicas  # held by its window
+
+
 def requests(rate: float, seconds: float, prompt: int, output: int) -> list[SimRequest]:
     return [SimRequest(i / rate, prompt, output) for i in range(int(rate * seconds))]
 
