@@ -22,7 +22,7 @@ from cluster.frontend.http.body_guard import BodyGuard, tenant_of
 from cluster.frontend.http.chat_request import prepare_chat
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.lifecycle import ClientGone, raise_if_failed, run_unless_disconnected
-from cluster.frontend.http.openapi import ChatCompletionResponse, CompletionResponse, ModelList, documented
+from cluster.frontend.http.openapi import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList, documented
 from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from cluster.frontend.http.responses_api import add_responses_route
 from cluster.frontend.http.streaming import chat_chunks, completion_chunks, sse
@@ -119,11 +119,20 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
                                         "scheduler_port": state.port_drops}, rejected_handshakes())
         return Response(ingress.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def model_card() -> dict:
+        return {"id": ingress.model.name, "object": "model", "created": 0, "owned_by": "tandem",
+                "max_model_len": ingress.model.max_model_len}
+
     @app.get("/v1/models", response_model=None, responses=documented(ModelList, 401))
     async def models(request: Request):
         tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
-        return {"object": "list", "data": [{"id": ingress.model.name, "object": "model", "created": 0, "owned_by": "tandem",
-                                            "max_model_len": ingress.model.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=None, responses=documented(ModelCard, 401, 404))
+    async def model(model_id: str, request: Request):
+        tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
+        ingress.model.check_model(model_id)
+        return model_card()
 
     add_token_routes(app, ingress)
     add_responses_route(app, ingress)
@@ -137,10 +146,12 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         max_tokens = ingress.model.check_common(req, 1 if req.scores_only else req.max_tokens)
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise ApiError(400, "logprobs must be between 0 and 20", "logprobs")
-        params = req.sampling_params(max_tokens, req.logprobs, req.wanted_prompt_logprobs(),
-                                     await ingress.model.structured_output(req))
-        prompts = await ingress.model.encode_prompts(req.prompt)
-        opened = await ingress.open_all(prompts, params, tenant, req.timeout)
+        structured = await ingress.model.structured_output(req)
+        prompts = await ingress.model.encode_prompts(req.prompt, req.truncate_prompt_tokens,
+                                                     req.add_special_tokens is not False)
+        max_tokens = ingress.model.fit_max_tokens(max_tokens, max(len(p) for p in prompts))
+        params = req.sampling_params(max_tokens, req.logprobs, req.wanted_prompt_logprobs(), structured)
+        opened = await ingress.open_all(prompts, params, tenant, req.timeout, req.user)
         rid = f"cmpl-{uuid.uuid4().hex}"
         echo_texts = [ingress.model.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         if req.stream:
@@ -165,7 +176,7 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         tenant = tenant_of(request)
         chat = await prepare_chat(ingress, req)
         prompt, calls = chat.prompt, chat.calls
-        (stream,) = await ingress.open_all([prompt], chat.params, tenant, req.timeout)
+        (stream,) = await ingress.open_all([prompt], chat.params, tenant, req.timeout, req.user)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return sse(chat_chunks(ingress, stream, rid, req, arrival, calls),

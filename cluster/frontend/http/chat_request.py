@@ -11,6 +11,7 @@ from typing import Callable
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.frontend.http import tool_calls
+from cluster.frontend.http.chat_template import TemplateOptions
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.served_model import check_text
 from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest
@@ -25,21 +26,23 @@ class PreparedChat:
 
 def _text_content(message: dict) -> dict:
     """Content given as parts ([{"type": "text", "text": ...}], as vLLM's benchmark and many clients send it)
-    becomes one string: chat templates concatenate content as text."""
+    becomes one string, the parts joined by a newline as vLLM joins them."""
     content = message.get("content")
     if not isinstance(content, list):
         return message
     if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
         kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content})
         raise ApiError(400, f"messages: only text content parts are served (got {', '.join(kinds)})", "messages")
-    return {**message, "content": "".join(p["text"] for p in content)}
+    return {**message, "content": "\n".join(p["text"] for p in content)}
 
 
 async def prepare_chat(ingress: Ingress, req: ChatCompletionRequest) -> PreparedChat:
-    max_tokens = ingress.model.check_common(
-        req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
+    asked_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = ingress.model.check_common(req, getattr(req, asked_param))
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise ApiError(400, "top_logprobs must be between 0 and 20", "top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     tools, forced = tool_calls.plan(req, ingress.model.tool_call_parser)
     structured = await ingress.model.structured_output(req)
     if forced is not None:
@@ -48,12 +51,17 @@ async def prepare_chat(ingress: Ingress, req: ChatCompletionRequest) -> Prepared
                            "tool_choice")
         structured = await ingress.model.check_structured(forced, "tools")
     messages = tool_calls.template_messages([_text_content(m.model_dump()) for m in req.messages])
-    check_text(json.dumps(messages, ensure_ascii=False), "messages")
-    prompt = await asyncio.to_thread(ingress.model.chat_prompt, messages, tools)
+    check_text(json.dumps([messages, req.chat_template_kwargs], ensure_ascii=False), "messages")
+    options = TemplateOptions(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs or {},
+                              bool(req.add_special_tokens))
+    prompt = await asyncio.to_thread(ingress.model.chat_prompt, messages, tools, options)
+    prompt = ingress.model.truncated(prompt, req.truncate_prompt_tokens)
     ingress.model.check_prompt(prompt, "messages")
-    max_tokens = min(max_tokens, ingress.model.max_model_len - len(prompt))  # unset: the rest of the context
+    max_tokens = ingress.model.fit_max_tokens(max_tokens, len(prompt), asked_param)
     params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs,
                                  structured)
     # With tools offered, an answer is read whole (it may be a call).
-    calls = (lambda text: tool_calls.parse(text, ingress.model.tool_call_parser, forced is not None)) if tools else None
+    one = req.parallel_tool_calls is False
+    calls = (lambda text: tool_calls.parse(text, ingress.model.tool_call_parser, forced is not None, one)) if tools \
+        else None
     return PreparedChat(prompt, params, calls)

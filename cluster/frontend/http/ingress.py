@@ -44,6 +44,7 @@ class Ingress:
         self.request_timeout_s = request_timeout_s
         self.gate = gate
         self.metrics = IngressMetrics()
+        self._users: dict[str, str] = {}  # request id -> the request's `user` (OpenAI's end-user id), for its usage record
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         return responses.usage(prompt_tokens, completion_tokens, 0 if self.hide_cache_hits else cached_tokens)
@@ -115,7 +116,8 @@ class Ingress:
         self.metrics.prefix_queries.inc(len(stream.prompt_token_ids))
         self.metrics.prefix_hits.inc(first.num_cached_tokens)
         log.info("usage %s", json.dumps({
-            "request_id": stream.request_id, "tenant": tenant, "prompt_tokens": len(stream.prompt_token_ids),
+            "request_id": stream.request_id, "tenant": tenant, "user": self._users.pop(stream.request_id, None),
+            "prompt_tokens": len(stream.prompt_token_ids),
             "cached_tokens": first.num_cached_tokens,
             "generated_tokens": stream.received_tokens,
             "emitted_tokens": sum(len(r.token_ids) for r in stream.results),
@@ -126,8 +128,9 @@ class Ingress:
             self.metrics.finished.labels(r.finish_reason or "abort").inc()
 
     async def open_all(self, prompts: list[list[int]], params: SamplingParams, tenant: str | None,
-                       timeout_s: float | None = None) -> list:
-        """Pass the gate, then open one cluster request per prompt; all or nothing."""
+                       timeout_s: float | None = None, user: str | None = None) -> list:
+        """Pass the gate, then open one cluster request per prompt; all or nothing. `user`: the client's
+        end-user id, named in each request's usage record."""
         try:
             params.validate_token_ids(self.model.vocab_size)
         except ValueError as exc:
@@ -144,6 +147,8 @@ class Ingress:
         try:
             for p in prompts:
                 opened.append(await self.open(p, params, tenant, until, own))
+                if user is not None:
+                    self._users[opened[-1].request_id] = user
         except BaseException:
             for stream in opened:
                 self.finish(stream, 0.0)

@@ -29,7 +29,8 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class RequestCaps:
-    """Per-request caps of the ingress (config `ingress`): one request cannot crowd out the others."""
+    """Per-request caps and defaults of the ingress (config `ingress`): one request cannot crowd out the
+    others, and a field the server does not know is refused (or, accepted, logged: fields.py)."""
 
     max_n: int = 16
     max_prompts: int = 64  # prompts in one /v1/completions request
@@ -37,31 +38,34 @@ class RequestCaps:
     max_stop_strings: int = 16
     max_stop_chars: int = 256
     max_logit_bias: int = 1024
+    default_max_tokens: int = 1024  # a chat request that sets none (bounded by the rest of the context)
+    accept_unknown_fields: bool = False
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
     name: str = "response"
+    description: str | None = None  # OpenAI's hint to the model (LangChain sends a schema's docstring): the grammar is the schema
     schema_: dict = Field(alias="schema")
-    strict: bool | None = None
+    strict: bool | None = None  # the schema is always enforced
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do: clients send vendor extras. No float
-    # may be Infinity or NaN (JSON has neither; Python's parser accepts both).
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Undeclared fields are kept so that fields.check_fields can refuse them by name (or log them): none is
+    # dropped silently. No float may be Infinity or NaN (JSON has neither; Python's parser accepts both).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     n: int = 1
@@ -71,6 +75,7 @@ class _Common(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    typical_p: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
@@ -84,6 +89,13 @@ class _Common(BaseModel):
     timeout: float | None = Field(None, gt=0, description="seconds before the request ends as timed out; it can "
                                    "only shorten the server's own deadline")
     best_of: int | None = None
+    # vLLM's extras
+    allowed_token_ids: list[int] | None = None  # the only tokens that may be sampled
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep the last N prompt tokens (after the "
+                                               "chat template); -1: the model's context")
+    add_special_tokens: bool | None = None  # the tokenizer's own (BOS); None: completions add them, chat does not
     # Structured output: OpenAI's response_format, vLLM's guided_* extras and its newer structured_outputs.
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
@@ -106,6 +118,11 @@ class _Common(BaseModel):
         for key, value in (self.structured_outputs or {}).items():  # vLLM >= 0.10's spelling of the same
             if key in ("json", "regex", "choice", "grammar") and value is not None:
                 extras[f"structured_outputs.{key}"] = value
+            elif key == "json_object" and value:
+                asked.append((StructuredOutput("json_object"), "structured_outputs.json_object"))
+            elif key not in ("json", "regex", "choice", "grammar", "json_object") and value:
+                raise ApiError(400, f"structured_outputs.{key} is not supported by this server",
+                               f"structured_outputs.{key}")
         for name, value in extras.items():
             if value is None:
                 continue
@@ -148,11 +165,14 @@ class _Common(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=None if self.top_k in (None, -1, 0) else self.top_k,
-            min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty or 1.0,
+            min_p=self.min_p or 0.0, typical_p=1.0 if self.typical_p is None else self.typical_p,
+            repetition_penalty=self.repetition_penalty or 1.0,
             frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
             logit_bias=bias, seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            structured_output=structured,
+            structured_output=structured, include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
         )
         try:
             return SamplingParams(**values)
@@ -178,7 +198,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # every key reaches the chat template, as in vLLM
     role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
     content: str | list[dict] | None = None
     tool_calls: list[dict] | None = None  # an assistant's calls, passed back in the conversation
@@ -187,7 +207,7 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # a tool definition reaches the chat template whole
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments
@@ -195,7 +215,7 @@ class FunctionDef(BaseModel):
 
 
 class ToolDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     type: Literal["function"] = "function"
     function: FunctionDef
 
@@ -209,7 +229,11 @@ class ChatCompletionRequest(_Common):
     prompt_logprobs: int | None = None  # vLLM's extra
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call is read back from the answer
+    # vLLM's template extras (chat_template.py)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
 
 def _spec_text(kind: str, value) -> str:

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.frontend.http.chat_request import prepare_chat
+from cluster.frontend.http.fields import check_fields
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.lifecycle import raise_if_failed, run_unless_disconnected
 from cluster.frontend.http.openapi import ResponseObject, documented
@@ -23,7 +24,7 @@ from cluster.frontend.http.body_guard import tenant_of
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # undeclared fields: refused or logged (fields.py)
     model: str
     input: str | list[dict] = Field(min_length=1)
     instructions: str | None = None
@@ -41,7 +42,7 @@ class ResponsesRequest(BaseModel):
 
 
 def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    for name in ("tools", "previous_response_id", "background"):
+    for name in ("tools", "previous_response_id", "background", "store"):
         if getattr(req, name):
             raise ApiError(400, f"{name} is not supported on /v1/responses here; use /v1/chat/completions", name)
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -99,8 +100,9 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
     async def create_response(req: ResponsesRequest, request: Request):
         arrival = time.perf_counter()
         tenant = tenant_of(request)
+        check_fields(req, ingress.model.caps.accept_unknown_fields)
         chat = await prepare_chat(ingress, _chat_request(req))
-        (stream,) = await ingress.open_all([chat.prompt], chat.params, tenant)
+        (stream,) = await ingress.open_all([chat.prompt], chat.params, tenant, user=req.user)
         rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
 
         def usage() -> dict:

@@ -10,6 +10,8 @@ import asyncio
 
 from actors.engine.structured import GrammarError, Grammars
 from actors.protocol.structured_output import StructuredOutput
+from cluster.frontend.http.chat_template import TemplateOptions, render, template_variables
+from cluster.frontend.http.fields import check_fields
 from cluster.frontend.http.protocol import ApiError, RequestCaps
 
 
@@ -24,9 +26,11 @@ class ServedModel:
         self.chat_template = chat_template  # None: the model's own
         self.tool_call_parser = tool_call_parser
         self._grammars: Grammars | None = None  # compiles structured outputs to check them (made on first use)
+        self.template_variables = template_variables(chat_template or getattr(tokenizer, "chat_template", None))
 
-    async def encode_prompts(self, prompt) -> list[list[int]]:
-        """Token ids of each prompt; the tokenizer runs off the event loop (a long prompt takes a while)."""
+    async def encode_prompts(self, prompt, truncate: int | None = None, add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each prompt, each cut to its last `truncate` tokens (vLLM's truncate_prompt_tokens);
+        the tokenizer runs off the event loop (a long prompt takes a while)."""
         if isinstance(prompt, str):
             raw = [prompt]
         elif prompt and all(isinstance(p, int) for p in prompt):
@@ -41,22 +45,28 @@ class ServedModel:
         for p in raw:
             if isinstance(p, str):
                 check_text(p, "prompt")
-        prompts = await asyncio.to_thread(lambda: [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-                                                   for p in raw])
+        prompts = await asyncio.to_thread(lambda: [self.tokenizer.encode(p, add_special_tokens=add_special_tokens)
+                                                   if isinstance(p, str) else list(p) for p in raw])
+        prompts = [self.truncated(p, truncate) for p in prompts]
         for p in prompts:
             self.check_prompt(p, "prompt")
         return prompts
 
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """The conversation through the chat template, as token ids (call it off the event loop). A
-        `developer` message is a system message under OpenAI's newer name: templates know only the old."""
-        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.chat_template,
-                                                      tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # a template that rejects the conversation is the client's error
-            raise ApiError(400, f"messages: {exc}", "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                    options: TemplateOptions = TemplateOptions()) -> list[int]:
+        """The conversation through the chat template, as token ids (call it off the event loop)."""
+        options.check(self.template_variables, messages)
+        return render(self.tokenizer, self.chat_template, messages, tools, options)
+
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """The last `keep` tokens of a prompt (-1: as many as the context holds; None: all)."""
+        if keep is None:
+            return ids
+        if keep == 0:
+            raise ApiError(400, "truncate_prompt_tokens must be at least 1 (or -1: the model's context)",
+                           "truncate_prompt_tokens")
+        keep = self.max_model_len if keep == -1 else keep
+        return ids[-keep:]
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -90,14 +100,29 @@ class ServedModel:
             raise ApiError(404, f"model {model!r} does not exist; this server serves {self.name!r}", "model",
                            "not_found_error")
 
-    def check_common(self, req, max_tokens: int | None) -> int:
+    def check_common(self, req, max_tokens: int | None) -> int | None:
+        """The checks every generating request passes before its prompt is made; its max_tokens as asked
+        (None: not set), to be fitted to the prompt by `fit_max_tokens`."""
+        check_fields(req, self.caps.accept_unknown_fields)
         self.check_model(req.model)
         if not 1 <= req.n <= self.caps.max_n:
             raise ApiError(400, f"n must be between 1 and {self.caps.max_n}", "n")
         req.check_limits(self.caps)
         if max_tokens is not None and max_tokens < 1:
             raise ApiError(400, "max_tokens must be at least 1", "max_tokens")
-        return max_tokens if max_tokens is not None else self.max_model_len
+        return max_tokens
+
+    def fit_max_tokens(self, asked: int | None, prompt_tokens: int, param: str = "max_tokens") -> int:
+        """max_tokens for a prompt of `prompt_tokens`: as asked, if the context holds both (else a 400
+        naming `param`, as vLLM answers, never a silent clip); unset, `ingress.default_max_tokens`
+        bounded by the rest of the context."""
+        room = self.max_model_len - prompt_tokens
+        if asked is None:
+            return min(self.caps.default_max_tokens, room)
+        if asked > room:
+            raise ApiError(400, f"{param} ({asked}) + prompt tokens ({prompt_tokens}) exceeds the model's context "
+                                f"length ({self.max_model_len}); ask for at most {room}", param)
+        return asked
 
 
 

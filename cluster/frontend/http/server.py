@@ -46,7 +46,8 @@ def build_ingress(cluster: Cluster, host: str = "127.0.0.1", ingress: IngressSec
     i = ingress or config.ingress
     tenants = check_exposure(i, host)
     gate = Gate(tenant_limits(tenants, i.default_tokens_per_minute))
-    caps = RequestCaps(i.max_n, i.max_prompts, i.max_sequences, i.max_stop_strings, i.max_stop_chars, i.max_logit_bias)
+    caps = RequestCaps(i.max_n, i.max_prompts, i.max_sequences, i.max_stop_strings, i.max_stop_chars, i.max_logit_bias,
+                       i.default_max_tokens, i.unknown_fields == "accept")
     template = None
     if i.chat_template is not None:
         try:

@@ -11,6 +11,8 @@ import json
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.frontend.http.chat_template import TemplateOptions
+from cluster.frontend.http.fields import check_fields
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.served_model import check_text
 from cluster.frontend.http.openapi import (
@@ -21,15 +23,19 @@ from cluster.frontend.http.body_guard import tenant_of
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # undeclared fields are refused or logged (fields.py)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None  # through the chat template, as chat completions would
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: a prompt gets them, messages do not (their template writes them)
+    # with messages, as in chat completions (chat_template.py)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
 
@@ -38,21 +44,29 @@ def add_token_routes(app: FastAPI, ingress: Ingress) -> None:
     @app.post("/tokenize", response_model=None, responses=documented(TokenizeResponse, 400, 401, 404, 413))
     async def tokenize(req: TokenizeRequest, request: Request):
         tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
+        check_fields(req, ingress.model.caps.accept_unknown_fields)
         ingress.model.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
             messages = [m.model_dump() for m in req.messages]
-            check_text(json.dumps(messages, ensure_ascii=False), "messages")
-            ids = await asyncio.to_thread(ingress.model.chat_prompt, messages)
+            check_text(json.dumps([messages, req.chat_template_kwargs], ensure_ascii=False), "messages")
+            options = TemplateOptions(req.add_generation_prompt, req.continue_final_message,
+                                      req.chat_template_kwargs or {}, bool(req.add_special_tokens))
+            ids = await asyncio.to_thread(ingress.model.chat_prompt, messages, None, options)
         else:
+            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+                if name in req.model_fields_set:
+                    raise ApiError(400, f"{name} applies to messages, not to a prompt", name)
             check_text(req.prompt, "prompt")
-            ids = await asyncio.to_thread(ingress.model.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await asyncio.to_thread(ingress.model.tokenizer.encode, req.prompt,
+                                          add_special_tokens=req.add_special_tokens is not False)
         return {"count": len(ids), "max_model_len": ingress.model.max_model_len, "tokens": ids, "token_strs": None}
 
     @app.post("/detokenize", response_model=None, responses=documented(DetokenizeResponse, 400, 401, 404, 413))
     async def detokenize(req: DetokenizeRequest, request: Request):
         tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
+        check_fields(req, ingress.model.caps.accept_unknown_fields)
         ingress.model.check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < ingress.model.vocab_size]
         if bad:

@@ -30,11 +30,12 @@ def test_completion_top_logprobs_include_the_sampled_token(client):
 
 
 def test_text_content_parts(client, server):
-    """Content as a list of text parts (vLLM's chat benchmark sends it so) is the same text; other parts are a 400."""
+    """Content as a list of text parts (vLLM's chat benchmark sends it so) is the parts' text joined by a newline,
+    as vLLM joins them; other parts are a 400."""
     def ask(content):
         return client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
                                               messages=[{"role": "user", "content": content}]).choices[0].message.content
-    assert ask([{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]) == ask("Hello")
+    assert ask([{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]) == ask("Hel\nlo")
     with pytest.raises(openai.BadRequestError) as bad:
         ask([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
     assert "only text content parts" in bad.value.body["message"] and bad.value.body["param"] == "messages"
@@ -85,6 +86,9 @@ def test_tokenize_detokenize_version_and_models(server, engine):
     assert info["eos_token"] == engine.tokenizer.eos_token and info["model_max_length"] == engine.max_model_len
     (model,) = httpx.get(url + "/v1/models").json()["data"]
     assert model["id"] == MODEL and model["max_model_len"] == engine.max_model_len
+    assert httpx.get(url + f"/v1/models/{MODEL}").json() == model
+    missing = httpx.get(url + "/v1/models/gpt-17")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model", missing.text
 
 
 def test_client_errors_are_logged(client, caplog):

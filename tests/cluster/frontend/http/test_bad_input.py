@@ -45,6 +45,13 @@ ROWS = [
     ("1025 logit_bias entries", CMPL, _body(CMPL, logit_bias={str(i): 1.0 for i in range(1025)}), 400, "logit_bias"),
     ("unknown model", CMPL, _body(CMPL, model="gpt-4"), 404, "model"),
     ("no such path", "/v1/nothing", _body(CMPL), 404, None),
+    ("embeddings (not served)", "/v1/embeddings", _body(CMPL), 404, None),
+    ("score (not served)", "/v1/score", _body(CMPL), 404, None),
+    ("rerank (not served)", "/v1/rerank", _body(CMPL), 404, None),
+    ("GET-only path", "/v1/models", _body(CMPL), 405, None),
+    ("chat max_tokens past the context", CHAT, _body(CHAT, max_tokens=2048), 400, "max_tokens"),
+    ("an unknown field", CMPL, _body(CMPL, foo_bar=1), 400, "foo_bar"),
+    ("a field not served", CHAT, _body(CHAT, use_beam_search=True), 400, "use_beam_search"),
 ]
 
 
