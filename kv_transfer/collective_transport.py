@@ -81,13 +81,8 @@ def init_collective(init_method: str, rank: int, world_size: int, *, backend: st
     device = torch.device(device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = timedelta(seconds=timeout_s)
-    scheme, _, address = init_method.partition("://")
-    if scheme == "store":
-        host, _, port = address.rpartition(":")
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    else:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                            **rendezvous_of(init_method, timeout))
     world = dist.group.WORLD
     if backend == "gloo":
         return CollectiveGroup(rank, world_size, world, world, torch.device("cpu"))
@@ -117,6 +112,16 @@ def host_rendezvous(bind_host: str, timeout_s: float = 300.0) -> tuple[dist.TCPS
     store = dist.TCPStore(bind_host, port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
     return store, f"store://{advertised_host(bind_host)}:{port}"
+
+
+def rendezvous_of(init_method: str, timeout: timedelta) -> dict:
+    """`init_process_group`'s rendezvous arguments for `init_method`: "store://host:port" joins one hosted
+    by `host_rendezvous` as a client; any other scheme is torch's own."""
+    scheme, _, address = init_method.partition("://")
+    if scheme != "store":
+        return {"init_method": init_method}
+    host, _, port = address.rpartition(":")
+    return {"store": dist.TCPStore(host, int(port), is_master=False, timeout=timeout)}
 
 
 def rank_endpoint(rank: int) -> str:

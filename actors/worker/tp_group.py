@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import threading
 from datetime import timedelta
 
@@ -30,6 +29,7 @@ from actors.engine.model.parallel import DistComm, TPShard
 from actors.engine.model.runner import ModelRunner
 from actors.worker.kv_handoff import HandoffEnds
 from actors.worker.spec import WorkerSpec
+from kv_transfer.collective_transport import host_rendezvous, rendezvous_of
 
 log = logging.getLogger("tandem.worker")
 # How long joining the group and any collective may wait. It covers the ranks' start (importing torch took
@@ -54,9 +54,12 @@ class TPRank:
         spec = self.spec
         torch.set_num_threads(spec.torch_threads)
         engine = dataclasses.replace(spec.engine, model=ensure_on_this_node(spec.engine.model, spec.engine.model_source))
-        dist.init_process_group(_backend(engine), init_method=self.init_method, rank=self.rank,
-                                world_size=spec.tensor_parallel_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        runner = ModelRunner.from_config(engine, DistComm(TPShard(self.rank, spec.tensor_parallel_size)))
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        dist.init_process_group(_backend(engine), rank=self.rank, world_size=spec.tensor_parallel_size,
+                                timeout=timeout, **rendezvous_of(self.init_method, timeout))
+        comm = DistComm(TPShard(self.rank, spec.tensor_parallel_size))
+        dist.barrier()  # every rank has built its groups: rank 0 closes the rendezvous after this
+        runner = ModelRunner.from_config(engine, comm)
         # This rank's own KV ends: a prefill rank sends its heads, a decode rank receives its heads.
         self.ends = HandoffEnds(spec, runner.kv_caches, (runner.model.total_kv_heads, runner.model.kv_heads_by_rank),
                                 runner.comm)
@@ -95,7 +98,10 @@ class TPGroup:
         size = spec.tensor_parallel_size
         if spec.placement_group is None:
             raise ValueError(f"worker {spec.worker_id}: tensor_parallel_size={size} needs a placement group")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"  # STRICT_PACK: every rank is on this node
+        # The group's rendezvous: a store on loopback (STRICT_PACK puts every rank on this node), open
+        # only until the group has formed. (torch's tcp:// scheme would have rank 0's store listen on every
+        # interface, unauthenticated, for the worker's whole life.)
+        rendezvous, init_method = host_rendezvous("127.0.0.1", COLLECTIVE_TIMEOUT_S)
         rank_cls = ray.remote(max_concurrency=2)(TPRank)  # `run` for life, and queries
         self.ranks = [
             rank_cls.options(
@@ -105,9 +111,12 @@ class TPGroup:
             for r in range(1, size)
         ]
         self._runs = [rank.run.remote() for rank in self.ranks]
-        dist.init_process_group(_backend(spec.engine), init_method=init_method, rank=0, world_size=size,
-                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        dist.init_process_group(_backend(spec.engine), rank=0, world_size=size, timeout=timeout,
+                                **rendezvous_of(init_method, timeout))
         self.comm = DistComm(TPShard(0, size))
+        dist.barrier()  # every rank has joined and built its groups (NCCL's included): nobody needs the store
+        del rendezvous  # its port closes
         self.lost: str | None = None  # why the group broke, once a rank has ended
         self._stopping = False
         threading.Thread(target=self._watch, name=f"tp-watch-{spec.worker_id}", daemon=True).start()
@@ -134,8 +143,3 @@ class TPGroup:
         self._stopping = True
         runner.stop_followers()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -1,15 +1,21 @@
 """Tensor-parallel workers in a cluster (gloo on CPU): colocated TP=2 and TP=4 (more ranks than KV heads)
-give the single-process engine's greedy tokens; losing a rank restarts the whole group as one worker,
+give the single-process engine's greedy tokens, with no socket of theirs open on every interface (the
+group's rendezvous closes once it has formed); losing a rank restarts the whole group as one worker,
 and the streams it was serving migrate and finish with the fault-free tokens; a resize adds and removes
 whole groups, placement groups included."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import shutil
+import subprocess
 import time
 
 import pytest
 import ray
+from ray._private import state
 
 from actors.engine.engine import Engine
 from cluster.control.config import TandemConfig
@@ -44,9 +50,30 @@ def test_colocated_tp_matches_the_engine(ray_session, size):
         assert all(w["used_blocks"] == 0 for w in state["workers"].values()), state["workers"]
         (worker,) = cluster.workers.values()
         assert len(ray.get(worker.tensor_parallel_ranks.remote(), timeout=30)) == size - 1
+        assert _open_to_the_network(cluster) == []
     finally:
         cluster.shutdown()
     assert not cluster.groups  # the placement groups went with their workers
+
+
+def _open_to_the_network(cluster: Cluster) -> list[str]:
+    """Listening sockets of the workers' processes (rank 0 and its ranks) on every interface, less Ray's own
+    core-worker port of each (Ray's, not ours: every actor has one)."""
+    if shutil.which("ss") is None:
+        pytest.skip("needs ss (iproute2)")
+    ray_ports = {(a.get("Pid"), a["Address"]["Port"]) for a in state.actors().values() if a["State"] == "ALIVE"}
+    pids = set()
+    for handle in cluster.workers.values():
+        for actor in [handle, *ray.get(handle.tensor_parallel_ranks.remote(), timeout=30)]:
+            pids.add(ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30))
+    open_ = []
+    for line in subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout.splitlines():
+        local, owner = line.split()[3], line.split()[-1]
+        pid = next((int(p) for p in re.findall(r"pid=(\d+)", owner) if int(p) in pids), None)
+        host, _, port = local.rpartition(":")
+        if pid is not None and host in ("*", "0.0.0.0", "[::]") and (pid, int(port)) not in ray_ports:
+            open_.append(line)
+    return open_
 
 
 def test_losing_a_rank_restarts_the_group_and_streams_migrate(ray_session):
