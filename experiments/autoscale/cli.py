@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static", default=None, metavar="P:D[,P:D...]",
                    help="compare against the best of these static layouts instead of searching every split of the budget")
     p.add_argument("--forecast", default="trend", choices=["constant", "trend"])
+    p.add_argument("--headroom", type=float, default=0.0,
+                   help="autoscaler.slo.headroom: size for this fraction more than the forecast (shipped: 0)")
     p.add_argument("--no-local-prefill", action="store_true",
                    help="decode workers never prefill (scheduler.local_prefill: false); on by default, as shipped")
     p.add_argument("--start", default="static", choices=["static", "small"],
@@ -73,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
     runs = [static]
     for flip_s in (None, args.flip_s) if args.flip_s is not None else (None,):
         policy = SloPolicy(PoolModel(profile), SloTargets(slo.ttft_s, slo.tpot_s), args.interval_s,
-                           Forecast(args.forecast), flips=flip_s is not None)
+                           Forecast(args.forecast), headroom=args.headroom, flips=flip_s is not None)
         bounds = {"prefill": Bounds(1, args.budget - 1), "decode": Bounds(1, args.budget - 1)}
         controller = SloController(policy, bounds, args.budget, args.percentile)
         name = "autoscaler" if flip_s is None else f"autoscaler+flips({flip_s:g}s)"
