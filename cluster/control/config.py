@@ -233,6 +233,18 @@ class IngressSection(_Strict):
     allow_anonymous: bool = Field(
         False, description="serve a non-loopback ingress with no API keys (everyone is one tenant and shares one "
         "prefix cache; its cache hits are then not reported)")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a request's head (request line and headers) must arrive whole within this many "
+        "seconds of the connection opening or of the previous response; else the connection is closed (slowloris)")
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="a request's whole body must arrive within this many seconds of its head; else 408 "
+        "and the connection is closed")
+    keep_alive_timeout_s: float = Field(
+        5.0, gt=0, description="an idle keep-alive connection is closed after this many seconds (uvicorn's "
+        "timeout_keep_alive)")
+    max_connections_per_client: int | None = Field(
+        1024, gt=0, description="open connections one client address (the TCP peer) may hold; more are answered 503 "
+        "and closed. Behind a proxy every client is the proxy: raise it or set null (no cap)")
 
     def tenants(self) -> dict[str, TenantSection]:
         """Every API key: the inline ones and those of `api_keys_file`."""

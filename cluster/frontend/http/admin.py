@@ -1,5 +1,7 @@
 """Operator endpoints on the ingress port, kept out of the OpenAPI schema: `POST /admin/scale`.
 
+Who may call them is checked by the body guard (body_guard.py) with `AdminAccess.check`, from the headers
+and the peer before any byte of the body is read; the body then has the same size limit as any other.
 Guarded by `ingress.admin_key` (a bearer token) when set. Without one, only clients on this machine
 (loopback) may call them, and only when the ingress itself binds loopback: bound to a routable address,
 a same-host proxy would make every client look local. The client is the TCP peer; X-Forwarded-For
@@ -11,11 +13,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 
+from dataclasses import dataclass
+
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.control.launch import Cluster
 from cluster.control.scaling import ResizeInProgress, scale
+from cluster.frontend.http.body_guard import admitted_admin
 from cluster.frontend.http.protocol import ApiError
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
@@ -28,23 +33,31 @@ class ScaleRequest(BaseModel):
     colocated: int | None = Field(None, ge=1)
 
 
-def add_admin_routes(app: FastAPI, cluster: Cluster, admin_key: str | None, bind_host: str) -> None:
-    def authorize(request: Request) -> None:
-        if admin_key is None:
-            if bind_host not in LOOPBACK:
+@dataclass(frozen=True)
+class AdminAccess:
+    admin_key: str | None
+    bind_host: str
+
+    def check(self, authorization: str | None, client: str | None) -> None:
+        """Raises the 401/403 to answer; `client`: the peer's address (a trusted proxy's forwarded one)."""
+        if self.admin_key is None:
+            if self.bind_host not in LOOPBACK:
                 raise ApiError(403, "admin endpoints need ingress.admin_key on an ingress that does not bind loopback",
                                None, "permission_error")
-            if request.client is None or request.client.host not in LOOPBACK:
+            if client is None or client not in LOOPBACK:
                 raise ApiError(403, "admin endpoints answer only local clients unless ingress.admin_key is set", None,
                                "permission_error")
             return
-        sent = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(sent.encode(), admin_key.encode()):
+        sent = (authorization or "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(sent.encode(), self.admin_key.encode()):
             raise ApiError(401, "a valid admin key is required", None, "authentication_error")
 
+
+def add_admin_routes(app: FastAPI, cluster: Cluster) -> None:
+    """The routes only: the app's body guard must have been given an `AdminAccess` (create_app's `admin`)."""
     @app.post("/admin/scale", include_in_schema=False)
     async def admin_scale(body: ScaleRequest, request: Request):
-        authorize(request)
+        admitted_admin(request)
         replicas = {role: n for role, n in body.model_dump().items() if n is not None}
         if not replicas:
             raise ApiError(400, "give at least one of prefill, decode, colocated", None)

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.control.scheduler_state import SchedulerState
 from cluster.frontend.http import responses
-from cluster.frontend.http.body_guard import BodyGuard, tenant_of
+from cluster.frontend.http.body_guard import AdminCheck, BodyGuard, tenant_of
 from cluster.frontend.http.chat_request import prepare_chat
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.lifecycle import ClientGone, raise_if_failed, run_unless_disconnected
@@ -38,8 +38,9 @@ def _serves(state: SchedulerState) -> bool:
     return roles >= {"prefill", "decode"} or "colocated" in roles
 
 
-def create_app(ingress: Ingress, scheduler) -> FastAPI:
-    """`scheduler`: the scheduler actor, or the list of its shards."""
+def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None, body_timeout_s: float = 30.0) -> FastAPI:
+    """`scheduler`: the scheduler actor, or the list of its shards; `admin`: who may call `/admin/*`
+    (admin.AdminAccess.check; None: nobody), checked with the API key, before any body."""
     app = FastAPI(title="tandem", version="0.1.0")
 
     @app.exception_handler(ApiError)
@@ -76,8 +77,9 @@ def create_app(ingress: Ingress, scheduler) -> FastAPI:
         _log_refusal(request, 400, error.message)
         return JSONResponse(error.body(), status_code=400)
 
-    # API key first, then the body's bytes as they arrive: nobody gets a body read for free.
-    app.add_middleware(BodyGuard, gate=ingress.gate, max_body_bytes=ingress.max_body_bytes)
+    # API key first, then the body's bytes as they arrive, on every route: nobody gets a body read for free.
+    app.add_middleware(BodyGuard, gate=ingress.gate, max_body_bytes=ingress.max_body_bytes, admin=admin,
+                       body_timeout_s=body_timeout_s)
 
     @app.get("/health")
     async def health():

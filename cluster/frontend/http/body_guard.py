@@ -1,13 +1,17 @@
-"""The ASGI layer in front of the API: who is asking, and how much they send, before a body is read.
+"""The ASGI layer in front of every route: who is asking, and how much they send, before a body is read.
 
-For `/v1/*` requests it checks the API key from the headers first (401 without reading a byte of the
-body), then counts body bytes as they arrive, chunked or not (413 at the first byte over the limit,
-without reading the rest). The body, at most `max_body_bytes`, is then replayed to the app, which
-goes on receiving from the client after it (a disconnect still reaches it).
+Every HTTP request passes it. It first checks who may ask, from the headers alone: the API key for the
+API (`/v1/*`, `/tokenize`, ...), the admin check for `/admin/*`, nobody for the probes (`/health`,
+`/ready`, `/metrics`, `/version`) and the docs; a refusal (401/403) is sent without reading a byte of
+the body. Then it counts body bytes as they arrive, chunked or not, on every route: 413 at the first
+byte over `max_body_bytes` (without reading the rest), 408 when the whole body has not arrived within
+`body_timeout_s` (a client trickling bytes holds a connection and a task). The body is then replayed
+to the app, which goes on receiving from the client after it (a disconnect still reaches it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Awaitable, Callable
 
@@ -17,32 +21,54 @@ from cluster.frontend.http.protocol import ApiError
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
+# (Authorization header, client address) -> None, or raises the ApiError to answer (admin.AdminAccess.check)
+AdminCheck = Callable[[str | None, str | None], None]
+
+API_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")  # the routes that serve the model
+ADMIN_PREFIX = "/admin/"
 
 
 class BodyGuard:
-    def __init__(self, app, gate: Gate, max_body_bytes: int,
-                 prefixes: tuple[str, ...] = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")):
+    def __init__(self, app, gate: Gate, max_body_bytes: int, admin: AdminCheck | None = None,
+                 body_timeout_s: float = 30.0):
+        """`admin`: who may call `/admin/*`; None: nobody (403), e.g. an app with no admin routes."""
         self.app = app
         self.gate = gate
         self.max_body_bytes = max_body_bytes
-        self.prefixes = prefixes  # the routes that read a body or serve the model; probes stay open
+        self.admin = admin
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(self.prefixes):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
         try:
-            # Here, once, before a byte of the body is read; the routes read the tenant from the scope.
-            scope.setdefault("state", {})["tenant"] = self.gate.authenticate(headers.get("authorization"))
+            # Here, once, before a byte of the body is read; the routes read what it decided from the scope.
+            self._authorize(scope, headers.get("authorization"))
             length = headers.get("content-length")
             if length is not None and length.strip().isdigit() and int(length) > self.max_body_bytes:
                 raise _too_large(self.max_body_bytes)
-            body, more = await self._read(receive)
+            try:
+                body, more = await asyncio.wait_for(self._read(receive), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"the request body did not arrive within {self.body_timeout_s:g}s "
+                                    "(ingress.body_timeout_s)", None, "timeout") from None
         except ApiError as exc:
             await _reply(send, exc)
             return
         await self.app(scope, _replay(body, more, receive), send)
+
+    def _authorize(self, scope: Scope, authorization: str | None) -> None:
+        path, state = scope["path"], scope.setdefault("state", {})
+        if path.startswith(ADMIN_PREFIX):
+            if self.admin is None:
+                raise ApiError(403, "this server has no admin endpoints", None, "permission_error")
+            client = scope.get("client")
+            self.admin(authorization, client[0] if client else None)
+            state["admin"] = True
+        elif path.startswith(API_PREFIXES):
+            state["tenant"] = self.gate.authenticate(authorization)
 
     async def _read(self, receive: Receive) -> tuple[bytes, bool]:
         """The whole body, counted as it arrives; `more` is False when the client left mid-body."""
@@ -89,6 +115,13 @@ async def _reply(send: Send, error: ApiError) -> None:
 
 
 def tenant_of(request) -> str | None:
-    """The tenant the guard authenticated the request as. A route outside the guard's prefixes has none, and
+    """The tenant the guard authenticated the request as. A route outside the API prefixes has none, and
     fails here (a 500) rather than serving an unauthenticated caller."""
     return request.state.tenant
+
+
+def admitted_admin(request) -> None:
+    """Fails (a 500) unless the guard passed the request's admin check: an admin route outside `/admin/`
+    would otherwise answer anyone."""
+    if request.state.admin is not True:
+        raise RuntimeError("an admin route was reached without the guard's admin check")

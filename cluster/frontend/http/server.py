@@ -9,9 +9,10 @@ import uvicorn
 from actors.engine.model.loader import read_hf_config
 from cluster.control.config import IngressSection, TenantSection
 from cluster.control.launch import Cluster
-from cluster.frontend.http.admin import LOOPBACK, add_admin_routes
+from cluster.frontend.http.admin import LOOPBACK, AdminAccess, add_admin_routes
 from cluster.frontend.http.autoscaler_metrics import AutoscalerCollector
 from cluster.frontend.http.app import create_app
+from cluster.frontend.http.connections import guarded_h11
 from cluster.frontend.http.gate import Gate, tenant_limits
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.served_model import ServedModel
@@ -68,10 +69,12 @@ def make_server(cluster: Cluster, host: str, port: int, ingress: IngressSection 
     front = build_ingress(cluster, host, ingress)
     if autoscaler is not None:
         front.metrics.registry.register(AutoscalerCollector(autoscaler))
-    app = create_app(front, cluster.schedulers)
-    add_admin_routes(app, cluster, ingress.admin(), host)
+    app = create_app(front, cluster.schedulers, AdminAccess(ingress.admin(), host).check, ingress.body_timeout_s)
+    add_admin_routes(app, cluster)
     # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: behind a same-host proxy every client
     # would then be whatever address it claims. Only the configured proxies are believed.
     trusted = ingress.trusted_proxies
+    protocol = guarded_h11(ingress.header_timeout_s, ingress.max_connections_per_client)
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                         proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None))
+                                         proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
+                                         http=protocol, timeout_keep_alive=ingress.keep_alive_timeout_s))

@@ -14,6 +14,7 @@ import pytest
 from cluster.control.launch import Cluster
 from cluster.frontend.http.server import make_server
 from tests.helpers.cluster import load
+from tests.cluster.frontend.http.test_body_guard import _chunked_post, _rss
 from tests.helpers.http_server import MODEL, running
 
 
@@ -77,4 +78,41 @@ def test_a_routable_ingress_needs_keys(cluster, tmp_path):
         assert wrong.status_code == 401 and "s3cret" not in wrong.text
         capped = _scale(url, {"prefill": 65}, Authorization="Bearer s3cret")
         assert capped.status_code == 400 and "max_replicas" in capped.json()["error"]["message"]
+    assert sorted(cluster.workers) == ["decode-0", "prefill-0"]
+
+
+class BodyCounter:
+    """Outermost ASGI layer of the test's server: counts the body bytes uvicorn handed to the app."""
+
+    def __init__(self, app):
+        self.app, self.received = app, 0
+
+    async def __call__(self, scope, receive, send):
+        async def counted():
+            message = await receive()
+            self.received += len(message.get("body", b""))
+            return message
+        await self.app(scope, counted, send)
+
+
+def test_admin_scale_refuses_a_huge_body_without_a_key_before_reading_it(cluster):
+    """The attack: 1.5 GB chunked into /admin/scale without a key took the ingress 713 MB -> 6.67 GB and got
+    a 400. 200 MB here: a 401 once the head is read, the body never reaches the app."""
+    original = cluster.config
+    cluster.config = original.model_copy(update={"ingress": original.ingress.model_copy(update={"admin_key": "s3cret"})})
+    try:
+        http = make_server(cluster, "127.0.0.1", 0)
+    finally:
+        cluster.config = original
+    counter = BodyCounter(http.config.app)
+    http.config.app = counter
+    with running(http) as url:
+        port = int(url.rsplit(":", 1)[1])
+        before = _rss()
+        status, body, sent = _chunked_post(port, None, 200 << 20, "/admin/scale")
+        grown = _rss() - before
+    assert (status, body["error"]["type"]) == (401, "authentication_error"), body
+    assert counter.received == 0
+    assert sent < 64 << 20  # what the client got into the sockets' buffers before the answer
+    assert grown < 64 << 20  # the server (a thread of this process) kept none of it
     assert sorted(cluster.workers) == ["decode-0", "prefill-0"]

@@ -1,7 +1,8 @@
-"""The body guard under a real uvicorn server and raw sockets: a chunked body without a key gets 401
-before it is read, an oversized chunked body with a key gets 413 at the limit, and a body within it
-reaches the app whole, with the tenant the guard authenticated it as (the routes authenticate no more).
-The app behind the guard only records what reached it."""
+"""The body guard under a real uvicorn server and raw sockets: a chunked body without a key (the API's,
+or the admin key on /admin/*) gets 401 before it is read, an oversized chunked body gets 413 at the
+limit on every route (the open probes too), a body trickled slower than the body timeout gets 408, and
+a body within the limit reaches the app whole, with the tenant the guard authenticated it as (the routes
+authenticate no more). The app behind the guard only records what reached it."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import psutil
 import pytest
 import uvicorn
 
+from cluster.frontend.http.admin import AdminAccess
 from cluster.frontend.http.body_guard import BodyGuard
 from cluster.frontend.http.gate import Gate, TenantLimits
 
 LIMIT = 1 << 20
+BODY_TIMEOUT_S = 3.0
 CHUNK = b"x" * 65536
 
 
@@ -44,7 +47,8 @@ class Recorder:
 @pytest.fixture(scope="module")
 def server():
     app = Recorder()
-    guarded = BodyGuard(app, Gate({"k1": TenantLimits("a")}), LIMIT)
+    guarded = BodyGuard(app, Gate({"k1": TenantLimits("a")}), LIMIT, AdminAccess("adm", "127.0.0.1").check,
+                        body_timeout_s=BODY_TIMEOUT_S)
     http = uvicorn.Server(uvicorn.Config(guarded, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
@@ -58,40 +62,42 @@ def server():
 
 
 def _chunked_post(port: int, key: str | None, total: int, path: str = "/v1/completions") -> tuple[int, dict, int]:
-    """POST `total` bytes chunked, stopping as soon as a response arrives; (status, body, bytes sent)."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    """POST `total` bytes chunked, stopping as soon as a response arrives; (status, body, bytes sent). A
+    thread reads the answer while this one sends whole chunks (a partial send would break the framing)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
     sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
                  "Transfer-Encoding: chunked\r\n\r\n".encode())
+    parts: list[bytes] = []
+    answered = threading.Event()
+
+    def read() -> None:
+        try:
+            while part := sock.recv(65536):
+                parts.append(part)
+                answered.set()
+        except OSError:
+            pass
+        answered.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     sent = 0
-    sock.setblocking(False)
-    response = b""
     try:
-        while sent < total:
-            try:
-                response += sock.recv(65536)
-                if response:
-                    break
-            except BlockingIOError:
-                pass
+        while sent < total and not answered.is_set():
             n = min(len(CHUNK), total - sent)
-            try:
-                sock.sendall(b"%x\r\n" % n + CHUNK[:n] + b"\r\n")
-                sent += n
-            except (BlockingIOError, BrokenPipeError, ConnectionResetError):
-                time.sleep(0.01)
+            sock.sendall(b"%x\r\n" % n + CHUNK[:n] + b"\r\n")
+            sent += n
         if sent >= total:
             sock.sendall(b"0\r\n\r\n")
-        sock.setblocking(True)
-        while b"\r\n\r\n" not in response or not response.split(b"\r\n\r\n", 1)[1]:
-            part = sock.recv(65536)
-            if not part:
-                break
-            response += part
-    finally:
-        sock.close()
-    head, _, body = response.partition(b"\r\n\r\n")
+    except OSError:  # the server closed the connection after answering
+        pass
+    reader.join(timeout=60)
+    sock.close()
+    head, _, body = b"".join(parts).partition(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
+    if b"transfer-encoding: chunked" in head.lower():
+        body = body.split(b"\r\n", 1)[1].rsplit(b"\r\n0\r\n", 1)[0]
     return status, json.loads(body), sent
 
 
@@ -99,7 +105,7 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/detokenize", "/tokenizer_info"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/detokenize", "/tokenizer_info", "/admin/scale"])
 def test_no_key_gets_401_before_the_body_is_read(server, path):
     app, port = server
     before = _rss()
@@ -110,10 +116,12 @@ def test_no_key_gets_401_before_the_body_is_read(server, path):
     assert _rss() - before < 128 << 20  # the server (a thread of this process) kept none of it
 
 
-def test_an_oversized_chunked_body_gets_413_at_the_limit(server):
+@pytest.mark.parametrize("path", ["/v1/completions", "/health", "/metrics", "/admin/scale"])
+def test_an_oversized_chunked_body_gets_413_at_the_limit(server, path):
+    """Every route has the same limit: a probe that reads no body is no way around it."""
     app, port = server
     before = _rss()
-    status, body, sent = _chunked_post(port, "k1", 50 << 20)
+    status, body, sent = _chunked_post(port, "adm" if path.startswith("/admin/") else "k1", 50 << 20, path)
     assert status == 413 and body["error"]["code"] == 413
     assert sent < 50 << 20
     assert app.calls == 0
@@ -125,3 +133,29 @@ def test_a_body_within_the_limit_reaches_the_app_whole(server):
     status, body, sent = _chunked_post(port, "k1", LIMIT)
     assert (status, body, sent) == (200, {"received": LIMIT, "tenant": "a"}, LIMIT)
     assert app.calls == 1
+
+
+def test_a_trickled_body_gets_408_at_the_body_timeout(server):
+    """A client that sends its body a byte a second holds a connection and a task: cut at the deadline."""
+    app, port = server
+    calls = app.calls
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n"
+                 b"Content-Length: 1000\r\n\r\n")
+    started, answer = time.monotonic(), b""
+    sock.settimeout(1.0)
+    while time.monotonic() - started < BODY_TIMEOUT_S + 30:
+        try:
+            sock.sendall(b"{")
+            part = sock.recv(65536)
+        except socket.timeout:
+            continue
+        except OSError:
+            break
+        if not part:
+            break
+        answer += part
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["type"] == "timeout"
+    assert app.calls == calls
