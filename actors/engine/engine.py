@@ -191,6 +191,18 @@ class Engine:
         """(phase, tag) of every request here."""
         return [(record.phase, record.tag) for record in self._requests.records()]
 
+    def grammar_ready(self, params: SamplingParams) -> bool:
+        """The request needs no grammar compile to start: it has no structured output, or it is compiled."""
+        spec = params.structured_output
+        grammars = self.sampler.grammars
+        return spec is None or (grammars is not None and grammars.ready(spec))
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's structured output for a later `add_request`, `reserve` or `adopt` (any
+        thread; GrammarError names what does not compile)."""
+        if params.structured_output is not None:
+            self._make.grammars().compile(params.structured_output)
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix and the KV events not yet taken; False (nothing changes) while a request
         holds blocks. For a worker that changes role: the scheduler knows its cache under its old id only."""

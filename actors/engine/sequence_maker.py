@@ -8,6 +8,7 @@ a sequence starts (a new request, a fork, an adoption, a migration) starts it th
 
 from __future__ import annotations
 
+import threading
 from typing import Hashable, Sequence as Seq
 
 import torch
@@ -25,6 +26,7 @@ class SequenceMaker:
         self._detokenize = detokenize
         self._vocab_size = vocab_size
         self._sampler = sampler  # its grammars are made on the first request that asks for structured output
+        self._grammars_made = threading.Lock()
 
     def new(self, request_id: Hashable, index: int, prompt_ids: list[int], params: SamplingParams,
             cache_salt: str | None) -> Sequence:
@@ -60,8 +62,14 @@ class SequenceMaker:
         """A fresh walk of the request's structured-output grammar (None without one)."""
         if params.structured_output is None:
             return None
-        if self._sampler.grammars is None:
-            if self._tokenizer is None:
-                raise ValueError("structured output needs the model's tokenizer, and this model directory has none")
-            self._sampler.grammars = Grammars(self._tokenizer, self._vocab_size)
-        return self._sampler.grammars.start(params.structured_output)
+        return self.grammars().start(params.structured_output)
+
+    def grammars(self) -> Grammars:
+        """The engine's grammar compiler, made on first use (any thread: a worker compiles off its engine
+        thread)."""
+        with self._grammars_made:
+            if self._sampler.grammars is None:
+                if self._tokenizer is None:
+                    raise ValueError("structured output needs the model's tokenizer, and this model directory has none")
+                self._sampler.grammars = Grammars(self._tokenizer, self._vocab_size)
+            return self._sampler.grammars

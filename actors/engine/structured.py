@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections import OrderedDict
 
@@ -38,18 +39,32 @@ class Grammars:
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
         self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._lock = threading.Lock()
         self.mask_s = 0.0  # time spent filling and applying masks, and in how many steps
         self.mask_steps = 0
 
     def compile(self, spec: StructuredOutput):
-        grammar = self._compiled.get(spec)
-        if grammar is None:
-            grammar = self._compile(spec)
+        """The compiled grammar (cached); GrammarError when it does not compile or is too large to try
+        (`StructuredOutput.size_problem`). Any thread: a worker compiles off its engine thread."""
+        with self._lock:
+            grammar = self._compiled.get(spec)
+            if grammar is not None:
+                self._compiled.move_to_end(spec)
+                return grammar
+        problem = spec.size_problem()
+        if problem is not None:
+            raise GrammarError(problem)
+        grammar = self._compile(spec)  # outside the lock: xgrammar releases the GIL while it compiles
+        with self._lock:
             self._compiled[spec] = grammar
             if len(self._compiled) > _CACHE_SIZE:
                 self._compiled.popitem(last=False)
-        self._compiled.move_to_end(spec)
         return grammar
+
+    def ready(self, spec: StructuredOutput) -> bool:
+        """Compiled already: starting a sequence on it costs no compile."""
+        with self._lock:
+            return spec in self._compiled
 
     def _compile(self, spec: StructuredOutput):
         c = self._compiler

@@ -14,11 +14,12 @@ the worker's context of it (`Running`: what was asked, stage times) as its tag; 
 or handed off there. The handoff table keeps the leases of reserved and handed-off attempts (deadlines,
 writes in flight) and is the only way their blocks are freed. The inbox holds commands not yet taken.
 
-Why one file of ~370 lines: every engine-thread command (submit, adopt, abort, hand-off, expiry,
-failure, report) is a short method on the one thread that may touch the engine; splitting them would
-put that rule in several places. The inbox (commands in, submitted attempts not yet taken) is inbox.py,
-reports are built by meter.py, the data-plane ends by kv_handoff.py, a tensor-parallel group's other
-ranks live in tp_group.py, the chaos hooks are named in faults.py.
+Why the engine thread's commands (submit, adopt, abort, hand-off, expiry, failure, report) stay together:
+each is a short method on the one thread that may touch the engine; splitting them would put that rule
+in several places. What is apart: the inbox (commands in, submitted attempts not yet taken) is inbox.py,
+the handoff steps (sending pages, adopting landed ones, ending leases) handoff_steps.py, grammars compiled
+off this thread grammar_desk.py, reports are built by meter.py, the data-plane ends by kv_handoff.py, a
+tensor-parallel group's other ranks live in tp_group.py, the chaos hooks are named in faults.py.
 """
 
 from __future__ import annotations
@@ -36,18 +37,19 @@ import torch
 from actors.engine.engine import Engine
 from actors.engine.model.parallel import SINGLE
 from actors.engine.model.default_model import ensure_on_this_node
-from actors.protocol.codec import ProtocolError, decode_note, encode
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import (
-    FinishedAttempt, HandedOff, HandoffNote, KvReservation, LivePhase, LiveRequest, StageTimes, TokenDelta, WorkerInfo,
+    FinishedAttempt, HandedOff, KvReservation, LivePhase, LiveRequest, StageTimes, TokenDelta, WorkerInfo,
     WorkerReport, WorkerRequest, WorkerStats,
 )
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.token_stream import TokenPublisher
-from actors.protocol.tp_messages import KvSendPlan, PieceEvent
+from actors.protocol.tp_messages import PieceEvent
 from actors.protocol.worker_commands import AbortAttempt, ReleaseAttempt, ReserveBlocks, SubmitAttempt, WorkerCommand
 from actors.engine.requests import Phase
 from actors.worker.faults import Faults, HeldWrites, check_fault
+from actors.worker.grammar_desk import GrammarDesk
+from actors.worker.handoff_steps import HandoffSteps
 from actors.worker.handoff_table import HandoffTable, LeaseKind
 from actors.worker.inbox import Inbox
 from actors.worker.kv_handoff import HandoffEnds
@@ -85,6 +87,8 @@ class Worker:
         self._inbox = Inbox(spec.worker_id)
         self._publisher = TokenPublisher(keys=spec.curve_keys)
         self._handoffs = HandoffTable(self._engine, spec.lease_s)
+        self._grammars = GrammarDesk(self._engine, self._inbox.put, spec.worker_id,
+                                     lambda: self._faults.take_grammar_delay())
         self._held_writes = HeldWrites(self._handoffs.admit)  # the hold_kv_writes fault, around the table
         self._finished: list[FinishedAttempt] = []  # not yet reported
         self._handed_off: list[HandedOff] = []  # adopted, not yet reported: their prefill copies wait for it
@@ -95,6 +99,9 @@ class Worker:
         self._ends.join()  # with the group's other ranks, which do the same (tp_group.py)
         self._receiver = self._ends.receiver
         self._faults = Faults(self._receiver, self._held_writes)
+        self._steps = HandoffSteps(spec, self._engine, self._handoffs, self._ends, self._meter, self._faults,
+                                   self._engine.runner.lead_task if self._tp else None, self._fail,
+                                   lambda handed: self._handed_off.append(handed))
         # A fresh id per process: the scheduler tells a restarted worker (new incarnation, its requests
         # lost) from one that re-announces itself (same incarnation, its requests still live).
         self._incarnation = uuid.uuid4().hex
@@ -197,7 +204,7 @@ class Worker:
         return self._engine
 
     def _check_empty(self, _) -> None:
-        held = len(self._engine.tags()) + len(self._finished) + len(self._handed_off) + sum(
+        held = len(self._engine.tags()) + len(self._finished) + len(self._handed_off) + self._grammars.waiting + sum(
             self._handoffs.count(kind) for kind in LeaseKind)
         if held or self._inbox.prompt_tokens:
             raise ValueError(f"worker {self.spec.worker_id} still serves {held} requests: drain it first")
@@ -211,6 +218,7 @@ class Worker:
         if self._tp is not None and not self._thread.is_alive():
             self._tp.stop(self._engine.runner)
         self._commands.close()
+        self._grammars.close()
         self._ends.close()
         self._publisher.close()
         if self._link is not None and not self._thread.is_alive():  # (its socket is the engine thread's)
@@ -222,7 +230,7 @@ class Worker:
         last_report = 0.0
         while not self._stop.is_set():
             self._inbox.drain(block_s=None if self._engine.has_work() else self.spec.heartbeat_s)
-            self._expire_leases()
+            self._steps.expire()
             if self._engine.has_work():
                 start = time.perf_counter()
                 time.sleep(self._faults.take_step_delay())  # chaos: a step longer than any timeout
@@ -264,6 +272,9 @@ class Worker:
 
     def _do_submit(self, request: WorkerRequest, received_at: float) -> None:
         req = request.request
+        if self._grammars.hold(request.attempt, req.params, len(req.prompt_token_ids),
+                               lambda: self._do_submit(request, received_at), lambda why: self._refuse(request, why)):
+            return  # back here once its grammar has compiled off this thread (grammar_desk.py)
         self._inbox.taken(len(req.prompt_token_ids))
         try:
             self._engine.add_request(request.attempt, list(req.prompt_token_ids), req.params, req.cache_salt,
@@ -272,44 +283,20 @@ class Worker:
         except Exception as exc:  # whatever went wrong, the request ends with an error, never hangs
             self._fail(request, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
 
+    def _refuse(self, request: WorkerRequest, why: str) -> None:
+        self._inbox.taken(len(request.request.prompt_token_ids))
+        self._fail(request, why)
+
     def _do_reserve(self, request: WorkerRequest) -> KvReservation | None:
+        self._grammars.warm(request.request.params)  # compiled by the time the pages land
         return self._handoffs.reserve(request.attempt, len(request.request.prompt_token_ids),
                                       Running(request, StageTimes()))
 
-    def _do_piece(self, event: PieceEvent, landed_at: float) -> None:
-        """A piece of an attempt's pages was written, failed, or was refused (by any rank of this worker)."""
-        piece = event.piece
-        if event.stage == "refused":  # before a byte was written
-            lease = self._handoffs.refused(piece.lease_id)
-            if lease is not None:
-                self._fail(lease.context.request, f"KV transfer refused: {event.error}")
-            return
-        adopt = not self._faults.ignore_kv_arrivals  # ignored: the sender never gets an ack
-        lease = self._handoffs.landed(piece, ok=event.stage == "landed", note=event.note, adopt=adopt)
-        if lease is None:
-            return
-        run: Running = lease.context
-        request = run.request
-        if event.stage != "landed":
-            self._fail(request, f"KV transfer failed while writing: {event.error}", retryable=True)
-            return
-        blocks = len(self._engine.lease_blocks(request.attempt))
-        try:
-            note = decode_note(lease.note)
-            self._engine.adopt(request.attempt, list(request.request.prompt_token_ids), note.first_token,
-                               request.request.params, request.request.cache_salt, note.num_cached_tokens)
-        except (ProtocolError, ValueError) as exc:
-            self._handoffs.release(request.attempt)
-            self._fail(request, f"KV handoff refused: {exc}", retryable=True)
-            return
-        self._handoffs.adopted(request.attempt)
-        run.times = note.times.merged(StageTimes(landed=landed_at, adopted=time.time()))
-        self._meter.adopted += 1
-        self._meter.landed(note.prefill_worker, blocks * self._engine.model_bytes_per_block,
-                           note.times.sent, landed_at)
-        self._handed_off.append(HandedOff(request.attempt, note.prefill_worker))  # reported at once
-
     def _do_abort(self, attempt: AttemptId) -> None:
+        waited = self._grammars.drop(attempt)
+        if waited is not None:  # its grammar was compiling: it never reached the engine
+            self._inbox.taken(waited)
+            return
         # A leased attempt ends through the handoff table only: a reservation whose pages are being
         # written keeps its blocks until the write is over.
         if self._handoffs.release(attempt) is None:
@@ -332,7 +319,7 @@ class Worker:
             run: Running = out.tag
             by_sink.setdefault(run.request.request.sink, []).append(run.delta(out, self._meter))
             if out.status == RequestStatus.TRANSFERRING:
-                self._hand_off(run, out)
+                self._steps.send(run, out)
             elif out.finished:
                 done[run.attempt] = out.status
         for sink, deltas in by_sink.items():
@@ -340,35 +327,6 @@ class Worker:
         for attempt, status in done.items():
             if not self._engine.is_live(attempt):  # every sample of it ended
                 self._finished.append(FinishedAttempt(attempt, status))
-
-    def _hand_off(self, run: Running, out) -> None:
-        request, dest = run.request, run.request.dest
-        self._handoffs.hold(request.attempt)  # before the send: the lease owns the blocks being read
-        note = HandoffNote(out.new_token_ids[0], out.num_cached_tokens, self.spec.worker_id,
-                           run.times.merged(StageTimes(sent=time.time())))
-        plan = KvSendPlan(dest.reservation.lease_id, tuple(self._engine.lease_blocks(request.attempt)),
-                          dest.reservation.block_ids, dest.endpoints, encode(note), min(self.spec.lease_s, 10.0))
-        try:
-            if not self._faults.drop_kv_sends:
-                self._ends.hand_off(plan, self._engine.runner.lead_task if self._tp else None)
-        except Exception as exc:
-            self._meter.transfers_failed += 1
-            self._handoffs.release(request.attempt)
-            # The decode side is gone or unreachable: the client may continue the request elsewhere.
-            self._fail(request, f"KV transfer to the decode worker failed: {exc}", retryable=True)
-            return
-        self._meter.transfers_sent += 1
-        self._meter.kv_bytes_sent += len(dest.reservation.block_ids) * self._engine.model_bytes_per_block
-
-    def _expire_leases(self) -> None:
-        for lease in self._handoffs.expire(time.monotonic()):
-            if lease.kind is LeaseKind.HELD:
-                log.warning("worker %s: no release for %s within the lease; freed its blocks",
-                            self.spec.worker_id, lease.attempt)
-            else:
-                # The first token may have reached the client already: it can continue the request elsewhere.
-                self._fail(lease.context.request, f"KV for {lease.attempt} did not arrive within the "
-                                          f"{self.spec.lease_s}s lease", retryable=True)
 
     def _fail_everything(self, message: str, retryable: bool = False) -> None:
         for lease in self._handoffs.release_all():
@@ -384,7 +342,7 @@ class Worker:
         self._finished.append(FinishedAttempt(request.attempt, RequestStatus.FAILED))
 
     def _on_piece(self, event: PieceEvent) -> None:  # on a KV receiver's thread, or the piece desk's
-        self._inbox.put(self._do_piece, (event, time.time()))  # stamped here: not behind a step
+        self._inbox.put(self._steps.landed, (event, time.time()))  # stamped here: not behind a step
 
     # ---- reporting ----
 

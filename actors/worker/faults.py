@@ -16,6 +16,7 @@ FAULTS = {
     "kill_kv_receiver": "decode: the receiving thread stops, as if it had crashed: the worker exits and Ray restarts it",
     "drop_next_submit": "the next attempt sent here vanishes unseen",
     "slow_step": "the next engine step takes delay_s longer, as a long prefill on a slow CPU does",
+    "slow_grammar": "the next structured-output grammar compile takes delay_s longer, as a large spec's does",
 }
 
 
@@ -38,6 +39,7 @@ class Faults:
         self.slow_reserve_s = 0.0
         self.drop_next_submit = False
         self.slow_step_s = 0.0  # once: the next step only
+        self.slow_grammar_s = 0.0  # once: the next compile only
 
     def inject(self, fault: str | None, delay_s: float) -> None:
         """Set one fault of FAULTS (None: clear them all)."""
@@ -50,13 +52,17 @@ class Faults:
             self._writes.hold(None)
         elif fault == "hold_kv_writes":
             self._writes.hold(delay_s)
-        elif fault in ("slow_reserve", "slow_step"):
+        elif fault in ("slow_reserve", "slow_step", "slow_grammar"):
             setattr(self, f"{fault}_s", delay_s)
         else:
             setattr(self, fault, True)
 
     def take_step_delay(self) -> float:
         delay, self.slow_step_s = self.slow_step_s, 0.0
+        return delay
+
+    def take_grammar_delay(self) -> float:
+        delay, self.slow_grammar_s = self.slow_grammar_s, 0.0
         return delay
 
     def take_dropped_submit(self) -> bool:

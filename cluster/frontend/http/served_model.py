@@ -7,12 +7,17 @@ spec that does not compile is a 400 naming its field.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 from actors.engine.structured import GrammarError, Grammars
-from actors.protocol.structured_output import StructuredOutput
+from actors.protocol.structured_output import COMPILE_BUDGET_S, StructuredOutput
 from cluster.frontend.http.chat_template import TemplateOptions, render, template_variables
 from cluster.frontend.http.fields import check_fields
 from cluster.frontend.http.protocol import ApiError, RequestCaps
+
+# Grammars compile on threads of their own (xgrammar releases the GIL), two at a time: a flood of slow
+# specs waits here, never in the event loop's default pool that tokenizing and templating use.
+_COMPILES = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check")
 
 
 class ServedModel:
@@ -85,14 +90,24 @@ class ServedModel:
         return await self.check_structured(*asked)
 
     async def check_structured(self, spec: StructuredOutput, param: str) -> StructuredOutput:
-        """Compile `spec` (off the event loop); a 400 naming `param` when it does not."""
+        """Compile `spec` on the compile thread, within the budget; a 400 naming `param` when it is too large,
+        does not compile, or takes longer (that compile goes on, unseen, and is cached when it ends)."""
+        problem = spec.size_problem()
+        if problem is not None:  # before any thread is taken
+            raise ApiError(400, f"{param}: {problem}", param)
+        loop = asyncio.get_running_loop()
         if self._grammars is None:
-            made = await asyncio.to_thread(Grammars, self.tokenizer, self.vocab_size)
+            made = await loop.run_in_executor(_COMPILES, Grammars, self.tokenizer, self.vocab_size)
             self._grammars = self._grammars or made  # another request may have made one meanwhile
+        compiling = loop.run_in_executor(_COMPILES, self._grammars.compile, spec)
+        compiling.add_done_callback(lambda done: done.cancelled() or done.exception())  # seen, if left behind
         try:
-            await asyncio.to_thread(self._grammars.compile, spec)
+            await asyncio.wait_for(asyncio.shield(compiling), COMPILE_BUDGET_S)
         except GrammarError as exc:
             raise ApiError(400, f"{param}: {exc}", param) from None
+        except asyncio.TimeoutError:
+            raise ApiError(400, f"{param}: the {spec.kind} did not compile within {COMPILE_BUDGET_S:g} s; "
+                           "make it smaller", param) from None
         return spec
 
     def check_model(self, model: str | None) -> None:
