@@ -245,6 +245,9 @@ class IngressSection(_Strict):
     max_connections_per_client: int | None = Field(
         1024, gt=0, description="open connections one client address (the TCP peer) may hold; more are answered 503 "
         "and closed. Behind a proxy every client is the proxy: raise it or set null (no cap)")
+    metrics_tenant_labels: bool = Field(
+        False, description="export per-tenant series (tandem:tenant_kv_blocks{tenant=...}) on /metrics, which has "
+        "no authentication; off: tenant names and their load are not shown")
 
     def tenants(self) -> dict[str, TenantSection]:
         """Every API key: the inline ones and those of `api_keys_file`."""

@@ -33,7 +33,8 @@ log = logging.getLogger("tandem.ingress")
 
 class Ingress:
     def __init__(self, client: TandemClient, model: ServedModel, gate: Gate, max_body_bytes: int = 1 << 20,
-                 queue_size: int = 4096, request_timeout_s: float = 600.0, hide_cache_hits: bool = False):
+                 queue_size: int = 4096, request_timeout_s: float = 600.0, hide_cache_hits: bool = False,
+                 tenant_metrics: bool = False):
         self.client = client
         self.model = model  # what is served, and how a request's prompt and fields are checked (served_model.py)
         # Anonymous users of a public ingress share one prefix cache: a reported hit would tell one
@@ -43,7 +44,7 @@ class Ingress:
         self.queue_size = queue_size
         self.request_timeout_s = request_timeout_s
         self.gate = gate
-        self.metrics = IngressMetrics()
+        self.metrics = IngressMetrics(tenant_labels=tenant_metrics)  # ingress.metrics_tenant_labels
         self._users: dict[str, str] = {}  # request id -> the request's `user` (OpenAI's end-user id), for its usage record
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

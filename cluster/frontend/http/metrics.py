@@ -15,8 +15,11 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 
 class IngressMetrics:
-    def __init__(self) -> None:
+    def __init__(self, tenant_labels: bool = False) -> None:
+        """`tenant_labels`: export per-tenant series. /metrics has no authentication, and a tenant's name and
+        its live KV would tell anyone who uses the cluster and how much (ingress.metrics_tenant_labels)."""
         self.registry = CollectorRegistry()
+        self.tenant_labels = tenant_labels
         r = self.registry
         self.ttft = Histogram("tandem:time_to_first_token_seconds", "first emit - arrival", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tandem:inter_token_latency_seconds", "gap between emits", buckets=_LATENCY_BUCKETS, registry=r)
@@ -41,7 +44,7 @@ class IngressMetrics:
         self.leases_expired = Gauge("tandem:kv_leases_expired", "handoff leases that expired", registry=r)
         self._tenants_seen: set[str] = set()
         self.tenant_kv = Gauge("tandem:tenant_kv_blocks", "KV blocks committed to each tenant's requests in flight",
-                               ["tenant"], registry=r)
+                               ["tenant"], registry=r if tenant_labels else None)
         self.link_bandwidth = Gauge("tandem:kv_link_bytes_per_second",
                                     "KV handoff bandwidth per prefill -> decode link, as the scheduler measured it",
                                     ["link"], registry=r)
@@ -119,6 +122,8 @@ class IngressMetrics:
             self.kv_usage.labels(pool).set(1 - sum(v.free_blocks for v in views) / total if total else 0.0)
 
     def update_tenants(self, blocks: dict[str, int]) -> None:
+        if not self.tenant_labels:
+            return
         self._tenants_seen.update(blocks)
         for tenant in self._tenants_seen:
             self.tenant_kv.labels(tenant).set(blocks.get(tenant, 0))  # nothing in flight: holds nothing

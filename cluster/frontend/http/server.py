@@ -59,7 +59,8 @@ def build_ingress(cluster: Cluster, host: str = "127.0.0.1", ingress: IngressSec
     model = ServedModel(served_model_name(cluster), client.tokenizer, max_len, hf["vocab_size"], caps, template,
                         i.tool_call_parser)
     return Ingress(client, model, gate, max_body_bytes=i.max_body_bytes, queue_size=i.stream_queue_tokens,
-                   request_timeout_s=i.request_timeout_s, hide_cache_hits=not tenants and host not in LOOPBACK)
+                   request_timeout_s=i.request_timeout_s, hide_cache_hits=not tenants and host not in LOOPBACK,
+                   tenant_metrics=i.metrics_tenant_labels)
 
 
 def make_server(cluster: Cluster, host: str, port: int, ingress: IngressSection | None = None,

@@ -9,8 +9,10 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import httpx
+import openai
 import pytest
 
+from cluster.control.config import TenantSection
 from cluster.control.launch import Cluster
 from cluster.frontend.http.server import make_server
 from tests.helpers.cluster import load
@@ -116,3 +118,20 @@ def test_admin_scale_refuses_a_huge_body_without_a_key_before_reading_it(cluster
     assert sent < 64 << 20  # what the client got into the sockets' buffers before the answer
     assert grown < 64 << 20  # the server (a thread of this process) kept none of it
     assert sorted(cluster.workers) == ["decode-0", "prefill-0"]
+
+
+def test_metrics_show_no_tenant_unless_configured(cluster):
+    """/metrics has no authentication: by default it names no tenant and none of their load (it showed
+    every tenant's name and live KV blocks); `metrics_tenant_labels: true` exports them."""
+    keys = {"key-a": TenantSection(tenant="tenant-alpha"), "key-b": TenantSection(tenant="tenant-beta")}
+    for labels in (False, True):
+        with ingress(cluster, "127.0.0.1", api_keys=keys, metrics_tenant_labels=labels) as url:
+            a = openai.OpenAI(base_url=url + "/v1", api_key="key-a", max_retries=0)
+            held = a.completions.create(model=MODEL, prompt="hold some KV", max_tokens=400, stream=True,
+                                        extra_body={"ignore_eos": True})
+            next(iter(held))
+            metrics = httpx.get(url + "/metrics", timeout=30)
+            held.close()
+        assert metrics.status_code == 200
+        assert ("tenant-alpha" in metrics.text, "tandem:tenant_kv_blocks" in metrics.text) == (labels, labels)
+        assert "tenant-beta" not in metrics.text or labels

@@ -125,7 +125,7 @@ def test_a_tenant_cannot_hold_more_than_its_share_of_the_kv(server):
     most of its half; its next request is refused (429), the other tenant still gets a request as big."""
     cluster = server[0]
     gate = Gate({"key-a": TenantLimits("tenant-a", kv_share=0.5), "key-b": TenantLimits("tenant-b", kv_share=0.5)})
-    with running(uvicorn.Server(uvicorn.Config(create_app(_ingress(cluster.client(), gate),
+    with running(uvicorn.Server(uvicorn.Config(create_app(_ingress(cluster.client(), gate, tenant_metrics=True),
                                                           cluster.scheduler),
                                                host="127.0.0.1", port=0, log_level="warning"))) as url:
         a = openai.OpenAI(base_url=url + "/v1", api_key="key-a", max_retries=0)
