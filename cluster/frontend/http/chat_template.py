@@ -9,6 +9,7 @@ sets itself (the messages, the tools, the special tokens, the two flags that are
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import jinja2
 import jinja2.meta
@@ -59,9 +60,10 @@ def template_variables(template) -> frozenset[str] | None:
 
 
 def render(tokenizer, template: str | None, messages: list[dict], tools: list[dict] | None,
-           options: TemplateOptions) -> list[int]:
+           options: TemplateOptions, check_chars: Callable[[int], None] | None = None) -> list[int]:
     """The conversation's token ids (call it off the event loop). A `developer` message is a system
-    message under OpenAI's newer name: templates know only the old."""
+    message under OpenAI's newer name: templates know only the old. `check_chars` sees the rendered
+    text's length before it is tokenized (and may refuse it)."""
     messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
@@ -70,4 +72,6 @@ def render(tokenizer, template: str | None, messages: list[dict], tools: list[di
                                              **options.kwargs)
     except Exception as exc:  # a template that rejects the conversation is the client's error
         raise ApiError(400, f"messages: {exc}", "messages") from None
+    if check_chars is not None:
+        check_chars(len(text))
     return tokenizer.encode(text, add_special_tokens=options.add_special_tokens)

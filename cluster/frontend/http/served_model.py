@@ -32,6 +32,7 @@ class ServedModel:
         self.tool_call_parser = tool_call_parser
         self._grammars: Grammars | None = None  # compiles structured outputs to check them (made on first use)
         self.template_variables = template_variables(chat_template or getattr(tokenizer, "chat_template", None))
+        self.max_prompt_chars = _max_chars(tokenizer, max_model_len)
 
     async def encode_prompts(self, prompt, truncate: int | None = None, add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each prompt, each cut to its last `truncate` tokens (vLLM's truncate_prompt_tokens);
@@ -50,6 +51,7 @@ class ServedModel:
         for p in raw:
             if isinstance(p, str):
                 check_text(p, "prompt")
+                self.check_chars(len(p), "prompt")
         prompts = await asyncio.to_thread(lambda: [self.tokenizer.encode(p, add_special_tokens=add_special_tokens)
                                                    if isinstance(p, str) else list(p) for p in raw])
         prompts = [self.truncated(p, truncate) for p in prompts]
@@ -61,7 +63,15 @@ class ServedModel:
                     options: TemplateOptions = TemplateOptions()) -> list[int]:
         """The conversation through the chat template, as token ids (call it off the event loop)."""
         options.check(self.template_variables, messages)
-        return render(self.tokenizer, self.chat_template, messages, tools, options)
+        return render(self.tokenizer, self.chat_template, messages, tools, options,
+                      lambda n: self.check_chars(n, "messages"))
+
+    def check_chars(self, chars: int, param: str) -> None:
+        """Before tokenizing: text longer than any prompt the context holds is a 400 without the tokenizer's
+        time (a 1 MB prompt took ~1.8 s of it, 666k tokens, only to be refused by `check_prompt`)."""
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise ApiError(400, f"{param} has {chars} characters; this model's context ({self.max_model_len} tokens) "
+                                f"holds at most {self.max_prompt_chars}", param)
 
     def truncated(self, ids: list[int], keep: int | None) -> list[int]:
         """The last `keep` tokens of a prompt (-1: as many as the context holds; None: all)."""
@@ -139,6 +149,17 @@ class ServedModel:
                                 f"length ({self.max_model_len}); ask for at most {room}", param)
         return asked
 
+
+
+def _max_chars(tokenizer, max_model_len: int) -> int | None:
+    """Most characters a text of `max_model_len` tokens can have: no token stands for more characters than
+    its own string has (byte-level tokens: one character per byte; a byte-fallback `<0x0A>`: six for one),
+    so a longer text has more tokens than the context, whatever the tokenizer does with it. None: no
+    tokenizer to ask."""
+    if tokenizer is None:
+        return None
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max_model_len * max((len(t) for t in tokens if t), default=1)
 
 
 def check_text(text: str, param: str) -> None:
