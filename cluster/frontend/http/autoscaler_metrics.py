@@ -21,7 +21,11 @@ class AutoscalerCollector(Collector):
                                       labels=["pool", "direction"])
         for (role, direction), n in sorted(a.resizes.items()):
             resizes.add_metric([role, direction], n)
-        families = [replicas, resizes]
+        flips = CounterMetricFamily("tandem:autoscaler_flips", "workers the autoscaler turned from one pool into another",
+                                    labels=["from_pool", "to_pool"])
+        for (source, target), n in sorted(a.flips.items()):
+            flips.add_metric([source, target], n)
+        families = [replicas, resizes, flips]
         last = a.history[-1] if a.history else None
         if last is not None:
             queue = GaugeMetricFamily("tandem:autoscaler_queued_prefill_seconds_per_worker",

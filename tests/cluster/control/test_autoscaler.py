@@ -149,6 +149,9 @@ def test_mode_slo_flips_a_held_prefill_worker_into_the_short_decode_pool(ray_ses
         assert ray.get(cluster.workers["decode-1"].__ray_call__.remote(lambda _: __import__("os").getpid()),
                        timeout=30) == process  # the same process: no cold start
         assert autoscaler.flips == {("prefill", "decode"): 1}
+        with running(make_server(cluster, "127.0.0.1", 0, autoscaler=autoscaler)) as url:
+            metrics = httpx.get(url + "/metrics", timeout=30).text
+        assert 'tandem:autoscaler_flips_total{from_pool="prefill",to_pool="decode"} 1.0' in metrics, metrics
         deadline = time.monotonic() + 60
         while ray.get(cluster.workers["decode-1"].check_integrity.remote(), timeout=30).used_blocks == 0:
             assert time.monotonic() < deadline, "the waiting request never went to the flipped worker"
