@@ -69,8 +69,8 @@ class Grammars:
     def _compile(self, spec: StructuredOutput):
         c = self._compiler
         try:
-            if spec.kind == "json_object":  # any JSON object, laid out as the model likes
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=True, strict_mode=False)
+            if spec.kind == "json_object":  # any JSON object, with a schema's compact separators
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if spec.kind == "json_schema":
                 return c.compile_json_schema(_bounded_strings(spec.spec), any_whitespace=False, strict_mode=True)
             if spec.kind == "regex":

@@ -2,7 +2,7 @@
 rambles inside a string until max_tokens), so it runs on SmolLM2-135M-Instruct: through the official
 `openai` client its greedy output is a JSON object, and the same text as the single-process engine's,
 colocated, 1P+1D and 2P+2D (the first token under the grammar on the prefill worker, the rest on the
-decode worker)."""
+decode worker), with no free whitespace."""
 
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ def expected(smollm2_dir):
                                     pytest.param("disagg-2p2d.yaml", marks=pytest.mark.slow)])
 def test_json_object_is_the_engines_in_every_layout(ray_session, expected, layout):
     assert isinstance(json.loads(expected), dict)
+    # Laid out as a JSON schema's output: no free whitespace, only the ", " and ": " separators.
+    assert json.dumps(json.loads(expected), ensure_ascii=False) == expected
     with serving(_smollm2(layout)) as (_, base):
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
         out = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=60, temperature=0,
