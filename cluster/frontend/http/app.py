@@ -187,7 +187,8 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None, bod
         choices = []
         for r in stream.results:
             raise_if_failed(r, stream.own_deadline)
-            lp = responses.chat_logprobs(ingress.model.tokenizer, r.logprobs) if req.logprobs else None
+            lp = responses.chat_logprobs(ingress.model.tokenizer, r.logprobs, req.return_tokens_as_token_ids) \
+                if req.logprobs else None
             message, finish = responses.chat_message(r.text, r.finish_reason, calls)
             choices.append({"index": r.index, "message": message, "logprobs": lp, "finish_reason": finish})
             if req.prompt_logprobs is not None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Callable
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.frontend.http import tool_calls
@@ -21,7 +20,7 @@ from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest
 class PreparedChat:
     prompt: list[int]
     params: SamplingParams
-    calls: Callable[[str], tuple] | None  # tools were offered: reads an answer into (content, tool calls)
+    calls: tool_calls.CallReader | None  # tools were offered: how an answer is read for calls
 
 
 def _text_content(message: dict) -> dict:
@@ -60,8 +59,6 @@ async def prepare_chat(ingress: Ingress, req: ChatCompletionRequest) -> Prepared
     max_tokens = ingress.model.fit_max_tokens(max_tokens, len(prompt), asked_param)
     params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs,
                                  structured)
-    # With tools offered, an answer is read whole (it may be a call).
-    one = req.parallel_tool_calls is False
-    calls = (lambda text: tool_calls.parse(text, ingress.model.tool_call_parser, forced is not None, one)) if tools \
-        else None
+    calls = tool_calls.CallReader(ingress.model.tool_call_parser, forced is not None, req.parallel_tool_calls is False) \
+        if tools else None
     return PreparedChat(prompt, params, calls)

@@ -26,7 +26,7 @@ log = logging.getLogger("tandem.ingress")
 REFUSED: dict[str, tuple] = {
     # vLLM's sampling extras
     "use_beam_search": (False,), "length_penalty": (1.0,), "early_stopping": (False,), "bad_words": ([],),
-    "logits_processors": ([],), "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+    "logits_processors": ([],), "spaces_between_special_tokens": (True,),
     "prompt_embeds": (), "priority": (0,), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "structural_tag": (), "logprobs_mode": (),
     # vLLM's chat and completions extras

@@ -96,6 +96,7 @@ class _Common(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep the last N prompt tokens (after the "
                                                "chat template); -1: the model's context")
     add_special_tokens: bool | None = None  # the tokenizer's own (BOS); None: completions add them, chat does not
+    return_tokens_as_token_ids: bool = False  # logprobs name their tokens "token_id:N"
     # Structured output: OpenAI's response_format, vLLM's guided_* extras and its newer structured_outputs.
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None

@@ -14,23 +14,30 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def completion_logprobs(tokenizer, entries: list, text_start: int) -> dict:
+def completion_logprobs(tokenizer, entries: list, text_start: int, as_ids: bool = False) -> dict:
     """The legacy completions logprobs object for [token_id, logprob, top] entries. As OpenAI's, each
     position's `top_logprobs` holds the `logprobs` most likely tokens and the sampled one (up to
-    logprobs + 1 entries; `logprobs: 0` gives the sampled token alone)."""
+    logprobs + 1 entries; `logprobs: 0` gives the sampled token alone). `as_ids` (vLLM's
+    `return_tokens_as_token_ids`): tokens are named `token_id:N`; offsets stay those of the text."""
     tokens, offsets, offset = [], [], text_start
     for token_id, *_ in entries:
         piece = tokenizer.decode([token_id])
-        tokens.append(piece)
+        tokens.append(_shown(tokenizer, token_id, as_ids))
         offsets.append(offset)
         offset += len(piece)
     return {
         "tokens": tokens,
         "token_logprobs": [lp for _, lp, *_ in entries],
-        "top_logprobs": [None if top is None else _with_sampled(tokenizer, token_id, lp, top)
+        "top_logprobs": [None if top is None else _with_sampled(tokenizer, token_id, lp, top, as_ids)
                          for token_id, lp, top, *_ in entries],
         "text_offset": offsets,
     }
+
+
+def _shown(tokenizer, token_id: int, as_ids: bool) -> str:
+    """A token as logprobs name it: its text, or `token_id:N` (a client that needs the exact ids, since
+    several tokens can decode to the same text)."""
+    return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id])
 
 
 def completion_choice(tokenizer, req, index: int, echo_text: str, prompt_ids, first, result) -> dict:
@@ -40,8 +47,8 @@ def completion_choice(tokenizer, req, index: int, echo_text: str, prompt_ids, fi
     if req.echo and req.logprobs is not None:
         entries = echoed_prompt_entries(prompt_ids, first.prompt_logprobs) + entries
     choice = {"index": index, "text": echo_text + ("" if req.scores_only else result.text),
-              "logprobs": completion_logprobs(tokenizer, entries, 0 if req.echo else len(echo_text))
-              if req.logprobs is not None else None,
+              "logprobs": completion_logprobs(tokenizer, entries, 0 if req.echo else len(echo_text),
+                                              req.return_tokens_as_token_ids) if req.logprobs is not None else None,
               "finish_reason": "length" if req.scores_only else result.finish_reason}
     if req.prompt_logprobs is not None:
         choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, first.prompt_logprobs)
@@ -76,30 +83,36 @@ def vllm_prompt_logprobs(tokenizer, prompt_logprobs: list | None) -> list | None
     return out
 
 
-def _with_sampled(tokenizer, token_id: int, logprob: float, top: list) -> dict:
-    pieces = {tokenizer.decode([t]): lp for t, lp in top}
-    pieces.setdefault(tokenizer.decode([token_id]), logprob)
+def _with_sampled(tokenizer, token_id: int, logprob: float, top: list, as_ids: bool) -> dict:
+    pieces = {_shown(tokenizer, t, as_ids): lp for t, lp in top}
+    pieces.setdefault(_shown(tokenizer, token_id, as_ids), logprob)
     return pieces
 
 
-def chat_logprobs(tokenizer, entries: list) -> dict:
+def chat_logprobs(tokenizer, entries: list, as_ids: bool = False) -> dict:
+    """`as_ids`: vLLM's `return_tokens_as_token_ids` (tokens named `token_id:N`, their bytes that name's)."""
     def item(token_id: int, logprob: float) -> dict:
-        piece = tokenizer.decode([token_id])
+        piece = _shown(tokenizer, token_id, as_ids)
         return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
     return {"content": [{**item(t, lp), "top_logprobs": [item(i, l) for i, l in top]} for t, lp, top in entries]}
 
 
 def chat_message(text: str, finish_reason: str | None, calls) -> tuple[dict, str | None]:
-    """An assistant message and its finish reason; `calls` (text -> (content, tool calls)) when tools
-    were offered."""
+    """An assistant message and its finish reason; `calls` (a `tool_calls.CallReader`) when tools were
+    offered."""
     if calls is None:
         return {"role": "assistant", "content": text}, finish_reason
-    content, found = calls(text)
+    content, found = calls.parse(text)
     message = {"role": "assistant", "content": content}
     if not found:
         return message, finish_reason
-    return {**message, "tool_calls": found}, "tool_calls"
+    return {**message, "tool_calls": found}, tool_finish(finish_reason)
+
+
+def tool_finish(finish_reason: str | None) -> str | None:
+    """An answer that made calls finishes with "tool_calls", unless it was cut short (its calls too)."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def completion_body(request_id: str, model: str, choices: list[dict], usage_: dict | None) -> dict:

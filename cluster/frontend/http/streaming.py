@@ -79,7 +79,7 @@ async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionR
             lp = None
             if req.logprobs is not None:
                 entries = responses.echoed_prompt_entries(stream.prompt_token_ids, stream.results[0].prompt_logprobs)
-                lp = responses.completion_logprobs(ingress.model.tokenizer, entries, 0)
+                lp = responses.completion_logprobs(ingress.model.tokenizer, entries, 0, req.return_tokens_as_token_ids)
             yield responses.completion_body(rid, model, [{"index": index, "text": echo_texts[i], "logprobs": lp,
                                                           "finish_reason": None}], None)
         if req.scores_only:
@@ -89,8 +89,10 @@ async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionR
             continue
         lp = None
         if req.logprobs is not None and ev.logprobs:
-            lp = responses.completion_logprobs(ingress.model.tokenizer, ev.logprobs, offsets.get(index, len(echo_texts[i])))
-            offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets.get(index, 0)
+            lp = responses.completion_logprobs(ingress.model.tokenizer, ev.logprobs, offsets.get(index, len(echo_texts[i])),
+                                               req.return_tokens_as_token_ids)
+            if lp["tokens"]:
+                offsets[index] = lp["text_offset"][-1] + len(ingress.model.tokenizer.decode([ev.logprobs[-1][0]]))
         yield responses.completion_body(rid, model, [{"index": index, "text": ev.text, "logprobs": lp,
                                                       "finish_reason": ev.finish_reason if ev.finished else None}],
                                         _running_usage(ingress, req, prompt_total, opened))
@@ -103,36 +105,38 @@ async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionR
 
 async def chat_chunks(ingress: Ingress, stream: RequestStream, rid: str, req: ChatCompletionRequest,
                        arrival: float, calls=None) -> AsyncIterator[dict]:
-    """`calls`: tools were offered, so each choice's answer is read whole (it may be a tool call) and goes
-    out in one chunk, with its tool calls in OpenAI's streamed shape."""
+    """`calls` (a `tool_calls.CallReader`): tools were offered, so each choice's text goes through its own
+    call reader: content as it is decoded (held back only while it could start a call), calls as OpenAI's
+    `tool_calls` deltas."""
     model = ingress.model.name
     started: set[int] = set()  # choices whose role went out: with their first token, as vLLM sends it
+    readers: dict = {}
     prompt = len(stream.prompt_token_ids)
     async for ev in ingress.events(stream, arrival):
-        if calls is not None:
-            if ev.finished:
-                yield _tool_chunk(ingress, rid, stream.results[ev.index], calls)
-            continue
-        lp = responses.chat_logprobs(ingress.model.tokenizer, ev.logprobs) if req.logprobs and ev.logprobs else None
-        delta = {"content": ev.text} if ev.text or not ev.finished else {}
+        lp = responses.chat_logprobs(ingress.model.tokenizer, ev.logprobs, req.return_tokens_as_token_ids) \
+            if req.logprobs and ev.logprobs else None
+        finish = ev.finish_reason if ev.finished else None
+        if calls is None:
+            delta = {"content": ev.text} if ev.text or not ev.finished else {}
+            first = {"role": "assistant", "content": ev.text}
+        else:
+            reader = readers.get(ev.index) or readers.setdefault(ev.index, calls.stream())
+            delta = reader.feed(ev.text, last=ev.finished) or {}
+            first = {"role": "assistant", **delta}
+            if reader.calls:
+                finish = responses.tool_finish(finish)
+            if not (delta or lp or ev.finished or ev.index not in started):
+                continue  # all of it held back: it may start a call
         if ev.index not in started:
             started.add(ev.index)
-            delta = {"role": "assistant", "content": ev.text}
+            delta = first
         yield responses.chat_body(rid, model, [{"index": ev.index, "delta": delta, "logprobs": lp,
-                                                "finish_reason": ev.finish_reason if ev.finished else None}],
+                                                "finish_reason": finish}],
                                   _running_usage(ingress, req, prompt, [stream]), chunk=True)
     if _usage_wanted(req):
         completion = sum(len(r.token_ids) for r in stream.results)
         yield responses.chat_body(rid, model, [], ingress.usage(prompt, completion, stream.results[0].num_cached_tokens),
                                   chunk=True)
-
-
-def _tool_chunk(ingress: Ingress, rid: str, result, calls) -> dict:
-    message, finish = responses.chat_message(result.text, result.finish_reason, calls)
-    if "tool_calls" in message:
-        message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-    return responses.chat_body(rid, ingress.model.name, [{"index": result.index, "delta": message, "logprobs": None,
-                                                          "finish_reason": finish}], None, chunk=True)
 
 
 def _usage_wanted(req) -> bool:

@@ -7,24 +7,26 @@ parsed back into OpenAI `tool_calls`.
   names and parameters) makes the answer exactly one call, `{"name": ..., "arguments": {...}}`, which
   always parses.
 - Parsers: `hermes` (Qwen, Hermes, the shipped chatml-tools template): `<tool_call>{json}</tool_call>`
-  blocks, the text around them is the content; `llama3_json`: the whole answer is one JSON object
-  `{"name": ..., "parameters": {...}}`.
+  blocks, the text around them is the content; `llama3_json`: an answer that is a JSON object
+  `{"name": ..., "parameters": {...}}`. Both read an answer as it is decoded (`tool_call_stream.py`), so
+  a streamed answer sends its content and calls as they come, and a whole answer is the same read at once.
 - Messages: an assistant message's `tool_calls` reach the template with their arguments as objects (the
   templates render them as JSON, once), a `tool` message as it is.
 - `parallel_tool_calls: false`: only an answer's first call is made (a forced answer is one call anyway).
+- A call cut short by max_tokens is made with the arguments written so far (as OpenAI's), finish reason
+  "length"; a forced answer cut before its name is text.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
+from dataclasses import dataclass
 
 from actors.protocol.structured_output import StructuredOutput
 from cluster.frontend.http.protocol import ApiError
+from cluster.frontend.http.tool_call_stream import CallStream
 
 PARSERS = ("hermes", "llama3_json")
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def plan(req, parser: str | None) -> tuple[list[dict] | None, StructuredOutput | None]:
@@ -74,44 +76,26 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+@dataclass(frozen=True)
+class CallReader:
+    """How a request's answers are read for calls: the configured parser, or `forced` (the grammar made
+    the answer one JSON call); `one`: parallel_tool_calls false."""
+    parser: str | None
+    forced: bool
+    one: bool = False
+
+    def stream(self) -> CallStream:
+        return CallStream(self.parser, self.forced, self.one)
+
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool_calls) of a whole answer: what its stream sends, accumulated. Content is None
+        beside calls when there is none."""
+        reader = self.stream()
+        content = (reader.feed(text, last=True) or {}).get("content", "")
+        calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                 for c in reader.calls[:1 if self.one else None]]
+        return (content or None) if calls else content, calls
+
+
 def parse(text: str, parser: str | None, forced: bool, one: bool = False) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of an answer. `forced`: the grammar made it one JSON call, unless max_tokens
-    cut it short: then there is no call, and the text is the answer (its finish reason says "length").
-    `one` (parallel_tool_calls: false): only the answer's first call is made."""
-    if forced:
-        call = _json_object(text)
-        if call is None:
-            return text, []
-        return None, [_call(call["name"], call["arguments"])]
-    if parser == "hermes":
-        calls = []
-        for block in _HERMES.findall(text):
-            call = _json_object(block)
-            if call is not None and isinstance(call.get("name"), str):
-                calls.append(_call(call["name"], call.get("arguments", {})))
-        if calls:
-            content = _HERMES.sub("", text).strip()
-            return content or None, calls[:1] if one else calls
-    if parser == "llama3_json":
-        call = _json_object(text.strip())
-        if call is not None and isinstance(call.get("name"), str):
-            return None, [_call(call["name"], call.get("parameters", call.get("arguments", {})))]
-    return text, []
-
-
-def _json_object(text: str) -> dict | None:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def _call(name: str, arguments) -> dict:
-    # A model that copies a history of string arguments writes its own as a string holding JSON: that
-    # string is already the wire form (encoding it again would hand the client a str, not an object).
-    if isinstance(arguments, str) and isinstance(_json_object(arguments), dict):
-        text = arguments
-    else:
-        text = json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
+    return CallReader(parser, forced, one).parse(text)

@@ -105,6 +105,33 @@ def _truncated(api) -> bool:
     return out.usage.prompt_tokens == 3 and text == again.choices[0].text
 
 
+def _token_ids(api) -> bool:
+    """Logprobs name every token, the sampled one and its alternatives, `token_id:N` (streamed too): the
+    ids of the tokens the plain answer names by their text, with the same logprobs and text offsets."""
+    def named(token: str) -> str:
+        assert token.startswith("token_id:"), token
+        return api.tok.decode([int(token.removeprefix("token_id:"))])
+
+    body = {"allowed_token_ids": [300]}
+    if api.is_chat:
+        def seen(content) -> list:
+            return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in content]
+
+        plain = seen(api.call(logprobs=True, top_logprobs=2, **body).choices[0].logprobs.content)
+        by_id = api.call(logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True, **body).choices[0].logprobs
+        streamed = [t.token for c in api.call(stream=True, logprobs=True, return_tokens_as_token_ids=True, **body)
+                    if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+        return {(t.token, bytes(t.bytes)) for t in by_id.content} == {("token_id:300", b"token_id:300")} and \
+            [(named(t), lp, [(named(a), alp) for a, alp in top]) for t, lp, top in seen(by_id.content)] == plain \
+            and streamed == ["token_id:300"] * 8
+    plain = api.call(logprobs=2, **body).choices[0].logprobs
+    by_id = api.call(logprobs=2, return_tokens_as_token_ids=True, **body).choices[0].logprobs
+    streamed = [t for c in api.call(stream=True, logprobs=2, return_tokens_as_token_ids=True, **body)
+                for t in c.choices[0].logprobs.tokens]
+    return by_id.tokens == streamed == ["token_id:300"] * 8 and by_id.text_offset == plain.text_offset and \
+        [{named(t): lp for t, lp in top.items()} for top in by_id.top_logprobs] == plain.top_logprobs
+
+
 def _max_tokens(api, name: str) -> bool:
     return api.call(**{name: 5}).usage.completion_tokens == 5 and api.refused(name, **{name: 2048})
 
@@ -152,6 +179,7 @@ COMMON = {
     "add_special_tokens": lambda api, _: api.call(add_special_tokens=api.is_chat).usage.prompt_tokens
     == len(api.prompt_ids(add_special_tokens=api.is_chat)) == len(api.prompt_ids()) + (1 if api.is_chat else -1),
     "max_tokens": lambda api, _: _max_tokens(api, "max_tokens"),
+    "return_tokens_as_token_ids": lambda api, _: _token_ids(api),
     "prompt_logprobs": lambda api, _: len(api.call(prompt_logprobs=1).choices[0].model_extra["prompt_logprobs"])
     == len(api.prompt_ids()),
 }

@@ -43,8 +43,10 @@ def test_llama3_json_parser_and_forced_calls():
     assert tool_calls.parse("just words", "llama3_json", False) == ("just words", [])
     content, calls = tool_calls.parse('{"name": "f", "arguments": {"a": [1]}}', None, forced=True)
     assert content is None and calls[0]["function"]["name"] == "f"
-    cut = '{"name": "f", "argum'  # a forced call cut short by max_tokens: no call, the text as it is
-    assert tool_calls.parse(cut, None, forced=True) == (cut, [])
+    cut = '{"name": "f", "argum'  # cut short by max_tokens after its name: the call as far as it is written
+    content, calls = tool_calls.parse(cut, None, forced=True)
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", "")]
+    assert tool_calls.parse('{"na', None, forced=True) == ('{"na', [])  # before its name: text
 
 
 def test_template_messages_take_arguments_as_objects():

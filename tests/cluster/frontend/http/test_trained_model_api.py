@@ -2,7 +2,9 @@
 one worker, the shipped chatml-tools template and the hermes parser) through the official `openai`
 client and LangChain: `response_format` json_object gives a JSON object the model fills in itself
 (unconstrained, the same model wraps its JSON in a markdown fence); tool_choice `required` and a named
-function always return a call that parses, streamed too; a tool result continues the conversation."""
+function always return a call that parses, and streamed its arguments arrive in pieces that the SDK's
+and LangChain's accumulators rebuild into the same call; an "auto" answer in text streams chunk by chunk
+with the same content; a tool result continues the conversation."""
 
 from __future__ import annotations
 
@@ -73,10 +75,31 @@ def test_required_and_named_tool_choice_always_parse(client, choice, name):
     streamed = list(client.chat.completions.create(model=SERVED, messages=ASK, tools=[WEATHER, TIME],
                                                    tool_choice=choice, max_tokens=80, temperature=0, stream=True))
     deltas = [d for c in streamed if c.choices for d in (c.choices[0].delta.tool_calls or [])]
-    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
-        [(0, call.function.name, call.function.arguments)]
+    assert (deltas[0].index, deltas[0].id[:5], deltas[0].type, deltas[0].function.name) == \
+        (0, "call_", "function", call.function.name)
+    assert {d.index for d in deltas} == {0} and len(deltas) > 3  # the arguments as the grammar produces them
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
     assert streamed[0].choices[0].delta.role == "assistant"
+    assert not "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "tool_calls"
+    with client.chat.completions.stream(model=SERVED, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                        max_tokens=80, temperature=0) as events:
+        final = events.get_final_completion().choices[0]
+    (rebuilt,) = final.message.tool_calls
+    assert (rebuilt.function.name, rebuilt.function.arguments, final.finish_reason) == \
+        (call.function.name, call.function.arguments, "tool_calls")
+
+
+def test_an_auto_answer_in_text_streams_as_it_is_decoded(client):
+    """SmolLM2 answers this in text with the tools offered ("auto"): its content arrives in many chunks,
+    the same text as the whole answer, not in one chunk at the end."""
+    ask = dict(model=SERVED, messages=[{"role": "user", "content": "Write a short poem about the sea."}],
+               tools=[WEATHER], max_tokens=40, temperature=0)
+    out = client.chat.completions.create(**ask)
+    assert out.choices[0].message.content and not out.choices[0].message.tool_calls
+    pieces = [c.choices[0].delta.content for c in client.chat.completions.create(**ask, stream=True)
+              if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == out.choices[0].message.content and len(pieces) > 10
 
 
 def test_a_tool_result_continues_the_conversation(client):
@@ -101,6 +124,11 @@ def test_langchain_bind_tools(smollm2_server):
 
     llm = ChatOpenAI(model=SERVED, base_url=smollm2_server[1] + "/v1", api_key="unused", temperature=0,
                      max_tokens=80, max_retries=0)
-    reply = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("What is the weather like in Paris?")
+    bound = llm.bind_tools([WEATHER], tool_choice="get_weather")
+    reply = bound.invoke("What is the weather like in Paris?")
     (call,) = reply.tool_calls
     assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    chunks = list(bound.stream("What is the weather like in Paris?"))
+    assert len([c for c in chunks if c.tool_call_chunks]) > 3  # the call arrives in pieces
+    summed = sum(chunks[1:], chunks[0])
+    assert [(c["name"], c["args"]) for c in summed.tool_calls] == [(call["name"], call["args"])]
