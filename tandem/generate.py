@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from tandem.defaults import DEFAULT_CONFIG
 
@@ -78,10 +79,15 @@ def _on_cluster(args: argparse.Namespace, params) -> int:
 
     from actors.engine.text.tokenizer import load_tokenizer
     from cluster.control.config import TandemConfig
-    from cluster.control.launch import NAMESPACE, find_schedulers
+    from cluster.control.launch import NAMESPACE, find_schedulers, private_ray_root
     from cluster.frontend.client import TandemClient
 
     config = TandemConfig.from_file(args.config or DEFAULT_CONFIG)
+    if args.address == "auto" and "RAY_TMPDIR" not in os.environ:
+        # A `tandem serve` that started Ray itself keeps it under this user's private root: look there first.
+        root = private_ray_root()
+        if os.path.exists(os.path.join(root, "ray", "ray_current_cluster")):
+            os.environ["RAY_TMPDIR"] = root
     ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
     schedulers = find_schedulers()
     if not schedulers:

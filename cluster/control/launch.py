@@ -7,6 +7,8 @@ import dataclasses
 import itertools
 import logging
 import os
+import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,6 +83,9 @@ class Cluster:
                 ray.init(address=address, **kwargs)
             else:
                 # Logical CPUs with room to scale the pools up on this machine (`tandem scale`).
+                # Its sessions under a directory of this user's alone (`private_ray_root`); Ray, its workers and a
+                # later `--address auto` find them there through RAY_TMPDIR.
+                os.environ["RAY_TMPDIR"] = private_ray_root()
                 ray.init(num_cpus=max(4 * int(needed), os.cpu_count() or 1), **kwargs)
         engine = config.engine_config(detokenize=False)  # workers stream ids; text is the client's
         keys = CurveKeys.generate() if config.transfer.tokens_encrypted() else None
@@ -236,6 +241,21 @@ class Cluster:
             ray.kill(scheduler, no_restart=True)
         if self._owns_ray:
             ray.shutdown()
+
+
+def private_ray_root() -> str:
+    """Where a Ray that tandem starts for itself keeps its sessions (logs, the raylet's and object store's
+    sockets): `<this>/ray`, inside a directory of this user's alone. Ray's default, /tmp/ray, is writable by
+    every user, and Ray makes its temp directory and each session in it so (for hosts several users share),
+    again whenever a worker starts; the parent keeps them out of other users' reach. (Short, under /tmp:
+    the sockets' paths must stay within the 107 bytes a Unix socket's path may have.)"""
+    path = Path(tempfile.gettempdir()) / f"tandem-ray-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise ValueError(f"{path} is not a directory of this user's: remove it, or start Ray yourself and use --address")
+    path.chmod(0o700)
+    return str(path)
 
 
 def worker_index(worker_id: str) -> int:

@@ -5,7 +5,6 @@ every worker) are a 400 within a second, streams sent beside them finish with th
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
