@@ -66,6 +66,7 @@ def test_abort_during_a_page_write_keeps_the_blocks_until_the_write_is_over(deco
             k.normal_(0, 50.0)
             v.normal_(0, 50.0)
         worker.inject_fault("hold_kv_writes", HOLD_MAX_S)
+        worker.check_integrity()  # the fault is queued for the engine thread: in place once this returns
         sender = HandoffSender(source.kv_caches)
         note = encode(HandoffNote(first_token=7, num_cached_tokens=0, prefill_worker="prefill-t"))
         sender.send(KvSendPlan(reservation.lease_id, tuple(range(6)), reservation.block_ids,
