@@ -42,14 +42,20 @@ class RequestCaps:
     accept_unknown_fields: bool = False
 
 
+# What the OpenAPI document says of the request and parameter objects below: no other field (they keep
+# undeclared ones only so that fields.check_fields can refuse them by name, or log them when
+# `ingress.unknown_fields: accept`).
+CLOSED_SCHEMA = {"additionalProperties": False}
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=CLOSED_SCHEMA)
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, json_schema_extra=CLOSED_SCHEMA)
     name: str = "response"
     description: str | None = None  # OpenAI's hint to the model (LangChain sends a schema's docstring): the grammar is the schema
     schema_: dict = Field(alias="schema")
@@ -57,7 +63,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=CLOSED_SCHEMA)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -65,7 +71,7 @@ class ResponseFormat(BaseModel):
 class _Common(BaseModel):
     # Undeclared fields are kept so that fields.check_fields can refuse them by name (or log them): none is
     # dropped silently. No float may be Infinity or NaN (JSON has neither; Python's parser accepts both).
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, json_schema_extra=CLOSED_SCHEMA)
 
     model: str
     n: int = 1

@@ -18,13 +18,14 @@ from cluster.frontend.http.fields import check_fields
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.lifecycle import raise_if_failed, run_unless_disconnected
 from cluster.frontend.http.openapi import ResponseObject, documented
-from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest
+from cluster.frontend.http.protocol import CLOSED_SCHEMA, ApiError, ChatCompletionRequest
 from cluster.frontend.http.streaming import sse
 from cluster.frontend.http.body_guard import tenant_of
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # undeclared fields: refused or logged (fields.py)
+    # undeclared fields: refused or logged (fields.py)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, json_schema_extra=CLOSED_SCHEMA)
     model: str
     input: str | list[dict] = Field(min_length=1)
     instructions: str | None = None

@@ -18,12 +18,12 @@ from cluster.frontend.http.served_model import check_text
 from cluster.frontend.http.openapi import (
     DetokenizeResponse, TokenizeResponse, TokenizerInfoResponse, VersionResponse, documented,
 )
-from cluster.frontend.http.protocol import ApiError, ChatMessage
+from cluster.frontend.http.protocol import CLOSED_SCHEMA, ApiError, ChatMessage
 from cluster.frontend.http.body_guard import tenant_of
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # undeclared fields are refused or logged (fields.py)
+    model_config = ConfigDict(extra="allow", json_schema_extra=CLOSED_SCHEMA)  # undeclared: refused or logged (fields.py)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None  # through the chat template, as chat completions would
@@ -35,7 +35,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=CLOSED_SCHEMA)
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
 
