@@ -1,16 +1,18 @@
 """`tandem bench tenants`: can one tenant's flood slow down or starve another?
 
-One cluster, two tenants behind the real HTTP ingress. Tenant B sends small requests one after another;
-its latency is measured alone, then while tenant A floods (threads each sending many prompts x n per
-request). Both runs are repeated under two ingress policies on the same cluster: `shares` (the
-defaults: equal KV shares, the default tokens/minute) and `no_shares` (each tenant may take the whole
-pool), so the report shows what the shares change. Reported per policy, from one run: B's p50 and p95
-loaded / unloaded, B's failures, A's answers by status, and the most KV blocks A held against its share.
+One cluster, two tenants behind the real HTTP ingress. Tenant B sends small requests one after another,
+streamed; its first token and whole-request latency are measured alone, then while tenant A floods
+(threads each sending many prompts x n per request). Both runs are repeated under two ingress policies on
+the same cluster: `shares` (the defaults: equal KV shares, the default tokens/minute) and `no_shares`
+(each tenant may take the whole pool), so the report shows what the shares change. Reported per policy,
+from one run: B's p50 and p95 loaded / unloaded (first token and whole request), B's failures, A's
+answers by status, and the most KV blocks A held against its share.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import threading
@@ -59,7 +61,8 @@ def summarize(r: dict) -> str:
         def x(v: float | None) -> str:
             return "n/a (every request failed)" if v is None else f"x{v:.2f}"
 
-        parts.append(f"{name}: B p50 {x(p['b_p50_ratio'])} (p95 {x(p['b_p95_ratio'])}) under A's flood, "
+        parts.append(f"{name}: B's first token p50 {x(p['b_ttft_p50_ratio'])} (p95 {x(p['b_ttft_p95_ratio'])}), "
+                     f"whole request p50 {x(p['b_p50_ratio'])} (p95 {x(p['b_p95_ratio'])}) under A's flood, "
                      f"B failed {p['b_failed']}, A answered {p['a_statuses']}, A held <= {p['a_peak_blocks']} of "
                      f"{p['pool_blocks']} blocks")
     return "; ".join(parts)
@@ -73,19 +76,27 @@ def _policy(name: str) -> IngressSection:
     return IngressSection(api_keys=whole, default_tokens_per_minute=None)
 
 
-def _probe(url: str, model: str, args, count: int) -> tuple[list[float], list[str]]:
-    latencies, failures = [], []
+def _probe(url: str, model: str, args, count: int) -> tuple[list[float], list[float], list[str]]:
+    """B's requests one after another, streamed: (seconds to the first token, seconds to the end, failures)."""
+    ttfts, latencies, failures = [], [], []
     body = {"model": model, "prompt": "tenant b asks a short question", "max_tokens": args.probe_max_tokens,
-            "temperature": 0.0, "ignore_eos": True}
+            "temperature": 0.0, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=300, headers={"Authorization": "Bearer key-b"}) as http:
         for _ in range(count):
-            started = time.perf_counter()
-            answer = http.post(url + "/v1/completions", json=body)
-            if answer.status_code == 200:
-                latencies.append(time.perf_counter() - started)
-            else:
-                failures.append(f"{answer.status_code}: {answer.json()['error']['message']}")
-    return latencies, failures
+            started, first = time.perf_counter(), None
+            with http.stream("POST", url + "/v1/completions", json=body) as answer:
+                if answer.status_code != 200:
+                    failures.append(f"{answer.status_code}: {json.loads(answer.read())['error']['message']}")
+                    continue
+                for line in answer.iter_lines():
+                    if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                        first = time.perf_counter() - started
+            if first is None:
+                failures.append("200 without a token")
+                continue
+            ttfts.append(first)
+            latencies.append(time.perf_counter() - started)
+    return ttfts, latencies, failures
 
 
 class _Flood:
@@ -144,14 +155,14 @@ def _run_policy(cluster: Cluster, name: str, args) -> dict:
     url = f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
     try:
         _probe(url, model, args, 2)  # warm-up
-        alone, alone_failed = _probe(url, model, args, args.probes)
+        alone_ttft, alone, alone_failed = _probe(url, model, args, args.probes)
         peak: dict[str, int] = {}
         stop = threading.Event()
         watcher = threading.Thread(target=_watch_blocks, args=(cluster, stop, peak), daemon=True)
         watcher.start()
         with _Flood(url, model, args) as flood:
             time.sleep(2.0)  # the flood fills the pool first
-            loaded, loaded_failed = _probe(url, model, args, args.probes)
+            loaded_ttft, loaded, loaded_failed = _probe(url, model, args, args.probes)
         stop.set()
         watcher.join(timeout=30)
     finally:
@@ -163,12 +174,14 @@ def _run_policy(cluster: Cluster, name: str, args) -> dict:
     def q(xs: list[float], p: int) -> float | None:
         return statistics.quantiles(xs, n=100, method="inclusive")[p - 1] if len(xs) > 1 else (xs[0] if xs else None)
 
-    def ratio(p: int) -> float | None:
+    def ratio(p: int, alone: list[float] = alone, loaded: list[float] = loaded) -> float | None:
         return None if q(loaded, p) is None or q(alone, p) is None else q(loaded, p) / q(alone, p)
 
     return {
         "b_alone_p50_s": q(alone, 50), "b_loaded_p50_s": q(loaded, 50),
         "b_p50_ratio": ratio(50), "b_p95_ratio": ratio(95),
+        "b_ttft_alone_p50_s": q(alone_ttft, 50), "b_ttft_loaded_p50_s": q(loaded_ttft, 50),
+        "b_ttft_p50_ratio": ratio(50, alone_ttft, loaded_ttft), "b_ttft_p95_ratio": ratio(95, alone_ttft, loaded_ttft),
         "b_failed": len(alone_failed) + len(loaded_failed), "b_failures": alone_failed + loaded_failed,
         "a_statuses": dict(flood.statuses), "a_peak_blocks": peak.get("a", 0), "b_peak_blocks": peak.get("b", 0),
         "pool_blocks": sum(v.num_blocks for v in pool),
