@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 import statistics
 import threading
@@ -100,41 +101,58 @@ def _probe(url: str, model: str, args, count: int) -> tuple[list[float], list[fl
 
 
 class _Flood:
-    """Tenant A: each thread streams one big request after another until stopped, then hangs up (the
+    """Tenant A: threads of a process of its own (as A's clients would be: not sharing the ingress's
+    interpreter lock), each streaming one big request after another until stopped, then hanging up (the
     ingress aborts what it was generating)."""
 
     def __init__(self, url: str, model: str, args):
         self.statuses: Counter[str] = Counter()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
         rng = random.Random(0)
         prompts = [[rng.randrange(10, 1000) for _ in range(args.flood_prompt_len)] for _ in range(args.flood_prompts)]
-        self._body = {"model": model, "prompt": prompts, "n": args.flood_n, "max_tokens": args.flood_max_tokens,
-                      "temperature": 1.0, "ignore_eos": True, "stream": True}
-        self._url = url
-        self._threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(args.flooders)]
+        body = {"model": model, "prompt": prompts, "n": args.flood_n, "max_tokens": args.flood_max_tokens,
+                "temperature": 1.0, "ignore_eos": True, "stream": True}
+        spawn = multiprocessing.get_context("spawn")
+        self._stop, self._answered, self._out = spawn.Event(), spawn.Event(), spawn.Queue()
+        self._process = spawn.Process(target=_flood, args=(url, body, args.flooders, self._stop, self._answered,
+                                                           self._out), daemon=True)
 
     def __enter__(self) -> _Flood:
-        for t in self._threads:
-            t.start()
+        self._process.start()
+        if not self._answered.wait(timeout=300):
+            raise RuntimeError("tenant A's flood got no answer within 300s")
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        for t in self._threads:
-            t.join(timeout=600)
+        self.statuses.update(self._out.get(timeout=600))
+        self._process.join(timeout=60)
 
-    def _loop(self) -> None:
+
+def _flood(url: str, body: dict, threads: int, stop, answered, out) -> None:
+    """The flood process: `threads` clients until `stop` (`answered` is set at the first answer), then their
+    answers by status into `out`."""
+    statuses: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def loop() -> None:
         with httpx.Client(timeout=600, headers={"Authorization": "Bearer key-a"}) as http:
-            while not self._stop.is_set():
-                with http.stream("POST", self._url + "/v1/completions", json=self._body) as answer:
-                    with self._lock:
-                        self.statuses[str(answer.status_code)] += 1
+            while not stop.is_set():
+                with http.stream("POST", url + "/v1/completions", json=body) as answer:
+                    with lock:
+                        statuses[str(answer.status_code)] += 1
+                    answered.set()
                     for _ in answer.iter_lines():
-                        if self._stop.is_set():
+                        if stop.is_set():
                             break
                 if answer.status_code == 429:
-                    self._stop.wait(min(5.0, float(answer.headers.get("retry-after", "1"))))
+                    stop.wait(min(5.0, float(answer.headers.get("retry-after", "1"))))
+
+    clients = [threading.Thread(target=loop, daemon=True) for _ in range(threads)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(timeout=600)
+    out.put(dict(statuses))
 
 
 def _watch_blocks(cluster: Cluster, stop: threading.Event, peak: dict) -> None:
@@ -142,7 +160,7 @@ def _watch_blocks(cluster: Cluster, stop: threading.Event, peak: dict) -> None:
         state = ray.get(cluster.scheduler.state.remote(), timeout=30)
         for tenant, blocks in state.tenant_blocks.items():
             peak[tenant] = max(peak.get(tenant, 0), blocks)
-        time.sleep(0.05)
+        time.sleep(0.25)  # often enough for a peak that lasts seconds; a tighter poll loads the scheduler measured
 
 
 def _run_policy(cluster: Cluster, name: str, args) -> dict:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from actors.engine.config import EngineConfig
 from actors.engine.model.builtin_names import DEFAULT_MODEL, SMOLLM2_MODEL
+from cluster.control.routing import LOCAL_PREFILL_MAX_TOKENS
 
 
 class _Strict(BaseModel):
@@ -142,6 +143,9 @@ class SchedulerSection(_Strict):
     local_prefill_penalty: float = Field(
         1.0, ge=0, description="a local prefill must be predicted (1 + penalty) times faster than the best remote one"
     )
+    local_prefill_max_tokens: int = Field(
+        LOCAL_PREFILL_MAX_TOKENS, ge=0, description="the most uncached prompt tokens a decode worker prefills itself: a longer prefill "
+        "step there would stall every token it decodes meanwhile, and every reservation asked of it")
     prefill_s_per_token: float = Field(2e-4, gt=0, description="initial prefill cost per token, replaced by measurements")
     transfer_bytes_per_s: float = Field(2e9, gt=0, description="initial KV transfer bandwidth, replaced by measurements")
     heartbeat_s: float = Field(0.05, gt=0, description="how often workers report stats and finished requests")

@@ -107,7 +107,8 @@ class Placer:
             local_ok = self.s.local_prefill
             plan = plan_prefill(self.s.routing, prefill_pool, cached, prompt_len, transfer_s,
                                 self.typical_cost("prefill"), next(self._turn),
-                                local=decode if local_ok else None, local_penalty=self.s.local_prefill_penalty)
+                                local=decode if local_ok else None, local_penalty=self.s.local_prefill_penalty,
+                                local_max_tokens=self.s.local_prefill_max_tokens)
         else:
             cost = predicted_ttft(decode, prompt_len, cached[decode.worker_id], self.typical_cost("decode"), 0.0)
             plan = PrefillPlan(decode.worker_id, True, cached[decode.worker_id], cost)
@@ -178,7 +179,8 @@ class Placer:
         if not views:
             views, local = [local], None
         plan = plan_prefill("cache_aware", views, {}, prompt_len, 0.0, self.typical_cost(views[0].role), 0,
-                            local=local, local_penalty=self.s.local_prefill_penalty)
+                            local=local, local_penalty=self.s.local_prefill_penalty,
+                            local_max_tokens=self.s.local_prefill_max_tokens)
         return self._guard.calibrated(plan.worker_id, self._guard.predict(plan, self.step_s(plan.worker_id)))
 
     def hopeless(self, arrived: float, prompt_len: int) -> Rejected | None:

@@ -12,6 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 
+# The most uncached prompt tokens a decode worker prefills itself, by default (scheduler.local_prefill_max_tokens).
+LOCAL_PREFILL_MAX_TOKENS = 512
+
+
 @dataclass
 class WorkerView:
     worker_id: str
@@ -49,9 +53,11 @@ def plan_prefill(
     turn: int,
     local: WorkerView | None = None,
     local_penalty: float = 1.0,
+    local_max_tokens: int | None = None,
 ) -> PrefillPlan:
-    """Pick the prefill worker; `local`, if given, is the chosen decode worker as a candidate too.
-    `transfer_s`: the handoff's cost from each prefill worker (by id), or one for all."""
+    """Pick the prefill worker; `local`, if given, is the chosen decode worker as a candidate too, for a
+    prompt of at most `local_max_tokens` uncached tokens there (None: any). `transfer_s`: the handoff's cost
+    from each prefill worker (by id), or one for all."""
     def handoff_s(view: WorkerView) -> float:
         return transfer_s if isinstance(transfer_s, (int, float)) else transfer_s[view.worker_id]
 
@@ -73,6 +79,8 @@ def plan_prefill(
     if local is None:
         return remote
     local_cached = cached_tokens.get(local.worker_id, 0)
+    if local_max_tokens is not None and prompt_len - local_cached > local_max_tokens:
+        return remote  # a long prefill there would stall the tokens of everything it decodes
     local_ttft = predicted_ttft(local, prompt_len, local_cached, default_cost, 0.0)
     if local_ttft * (1.0 + local_penalty) < remote.predicted_ttft_s:
         return PrefillPlan(local.worker_id, True, local_cached, local_ttft)

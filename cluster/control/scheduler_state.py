@@ -32,6 +32,7 @@ class SchedulerSettings:
     transfer_bytes_per_s: float
     heartbeat_timeout_s: float = _DEFAULTS.heartbeat_timeout_s
     progress_timeout_s: float = _DEFAULTS.progress_timeout_s
+    local_prefill_max_tokens: int | None = _DEFAULTS.local_prefill_max_tokens  # None: any prompt
     max_predicted_ttft_s: float | None = None  # shed requests predicted to miss this (None: no shedding)
     curve_keys: CurveKeys | None = None  # the data plane's keys: clients that join later fetch them here
     host: str = "127.0.0.1"  # the address the clients' socket binds (`transfer.host`)

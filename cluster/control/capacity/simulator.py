@@ -32,7 +32,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from cluster.control.routing import WorkerView, pick_decode, plan_prefill
+from cluster.control.routing import LOCAL_PREFILL_MAX_TOKENS, WorkerView, pick_decode, plan_prefill
 from cluster.control.capacity.profile import EngineProfile
 from cluster.control.capacity.sim_worker import SimSeq, SimWorker
 from cluster.control.capacity.workload import SimRequest
@@ -99,6 +99,7 @@ class SimOptions:
     routing: str = "cache_aware"  # cache_aware | least_loaded | round_robin (cluster/control/routing.py)
     local_prefill: bool = True
     local_prefill_penalty: float = 1.0
+    local_prefill_max_tokens: int | None = LOCAL_PREFILL_MAX_TOKENS  # on a decode worker's own prefill
     default_prefill_s_per_token: float = 2e-4  # the scheduler's guess until a worker has measured itself
     lease_s: float | None = None  # a decode reservation's lifetime; None never expires
 
@@ -106,7 +107,8 @@ class SimOptions:
     def from_config(cls, config) -> "SimOptions":
         """The routing policy of a `TandemConfig`'s scheduler section."""
         s = config.scheduler
-        return cls(s.routing, s.local_prefill, s.local_prefill_penalty, s.prefill_s_per_token, s.lease_s)
+        return cls(s.routing, s.local_prefill, s.local_prefill_penalty, s.local_prefill_max_tokens,
+                   s.prefill_s_per_token, s.lease_s)
 
 
 @dataclass
@@ -204,7 +206,7 @@ class _Cluster:
         transfer_s = self.sender.transfer_s(prompt_len)
         plan = plan_prefill(o.routing, prefill_views, {}, prompt_len, transfer_s, self._typical_cost(prefill_views),
                             next(self.turn), local=decode if o.local_prefill else None,
-                            local_penalty=o.local_prefill_penalty)
+                            local_penalty=o.local_prefill_penalty, local_max_tokens=o.local_prefill_max_tokens)
         if seq.request.output_len == 1 and not plan.local:
             needed = 0  # a one-token request finishes on the prefill worker: nothing to reserve
         self._submit(seq, self.workers[plan.worker_id], self.workers[decode.worker_id], needed, now)

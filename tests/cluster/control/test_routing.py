@@ -49,6 +49,20 @@ def test_local_prefill_when_the_decode_worker_is_much_faster():
     assert not idle.local  # equal predictions: the penalty keeps the prefill remote
 
 
+def test_a_long_uncached_prompt_is_never_prefilled_on_the_decode_worker():
+    """However deep the prefill queues, a decode worker does not take a prefill longer than the bound: its
+    step would stall every token it decodes meanwhile (and every reservation asked of it)."""
+    decode = WorkerView("decode-0", "decode", 1000, 1000)
+    remote_busy = views(queue_a=50_000, queue_b=50_000)
+    long = plan_prefill("cache_aware", remote_busy, {}, 2000, 0.01, COST, 0, local=decode, local_max_tokens=512)
+    assert not long.local
+    cached = plan_prefill("cache_aware", remote_busy, {"decode-0": 1600}, 2000, 0.01, COST, 0, local=decode,
+                          local_max_tokens=512)
+    assert cached.local  # 400 uncached tokens there
+    short = plan_prefill("cache_aware", remote_busy, {}, 512, 0.01, COST, 0, local=decode, local_max_tokens=512)
+    assert short.local
+
+
 def test_round_robin_and_least_loaded():
     assert [plan_prefill("round_robin", views(), {}, 10, 0, COST, t).worker_id for t in range(3)] == [
         "prefill-a", "prefill-b", "prefill-a"]
