@@ -107,14 +107,13 @@ class _Flood:
 
     def __init__(self, url: str, model: str, args):
         self.statuses: Counter[str] = Counter()
-        rng = random.Random(0)
-        prompts = [[rng.randrange(10, 1000) for _ in range(args.flood_prompt_len)] for _ in range(args.flood_prompts)]
-        body = {"model": model, "prompt": prompts, "n": args.flood_n, "max_tokens": args.flood_max_tokens,
-                "temperature": 1.0, "ignore_eos": True, "stream": True}
+        body = {"model": model, "n": args.flood_n, "max_tokens": args.flood_max_tokens, "temperature": 1.0,
+                "ignore_eos": True, "stream": True}
+        shape = (args.flood_prompts, args.flood_prompt_len)
         spawn = multiprocessing.get_context("spawn")
         self._stop, self._answered, self._out = spawn.Event(), spawn.Event(), spawn.Queue()
-        self._process = spawn.Process(target=_flood, args=(url, body, args.flooders, self._stop, self._answered,
-                                                           self._out), daemon=True)
+        self._process = spawn.Process(target=_flood, args=(url, body, shape, args.flooders, self._stop,
+                                                           self._answered, self._out), daemon=True)
 
     def __enter__(self) -> _Flood:
         self._process.start()
@@ -128,16 +127,19 @@ class _Flood:
         self._process.join(timeout=60)
 
 
-def _flood(url: str, body: dict, threads: int, stop, answered, out) -> None:
+def _flood(url: str, body: dict, shape: tuple[int, int], threads: int, stop, answered, out) -> None:
     """The flood process: `threads` clients until `stop` (`answered` is set at the first answer), then their
-    answers by status into `out`."""
+    answers by status into `out`. Every request has fresh prompts (`shape`: prompts x tokens): a prompt
+    repeated would be a prefix-cache hit, no prefill work at all."""
     statuses: Counter[str] = Counter()
     lock = threading.Lock()
 
-    def loop() -> None:
+    def loop(seed: int) -> None:
+        rng = random.Random(seed)
         with httpx.Client(timeout=600, headers={"Authorization": "Bearer key-a"}) as http:
             while not stop.is_set():
-                with http.stream("POST", url + "/v1/completions", json=body) as answer:
+                prompts = [[rng.randrange(10, 1000) for _ in range(shape[1])] for _ in range(shape[0])]
+                with http.stream("POST", url + "/v1/completions", json={**body, "prompt": prompts}) as answer:
                     with lock:
                         statuses[str(answer.status_code)] += 1
                     answered.set()
@@ -147,7 +149,7 @@ def _flood(url: str, body: dict, threads: int, stop, answered, out) -> None:
                 if answer.status_code == 429:
                     stop.wait(min(5.0, float(answer.headers.get("retry-after", "1"))))
 
-    clients = [threading.Thread(target=loop, daemon=True) for _ in range(threads)]
+    clients = [threading.Thread(target=loop, args=(seed,), daemon=True) for seed in range(threads)]
     for t in clients:
         t.start()
     for t in clients:

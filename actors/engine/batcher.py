@@ -76,8 +76,14 @@ class Batcher:
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens not yet computed: waiting sequences and unfinished prefill chunks."""
-        waiting = sum(s.num_uncomputed_tokens for s in self.waiting)
-        return waiting + sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1)
+        return sum(self.queued_prefill_by_tenant().values())
+
+    def queued_prefill_by_tenant(self) -> dict[str | None, int]:
+        """The same, by tenant (a sequence's cache salt)."""
+        queued: dict[str | None, int] = {}
+        for seq in (*self.waiting, *(s for s in self.running if s.num_uncomputed_tokens > 1)):
+            queued[seq.cache_salt] = queued.get(seq.cache_salt, 0) + seq.num_uncomputed_tokens
+        return queued
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens

@@ -297,8 +297,9 @@ class Engine:
     def load(self) -> EngineLoad:
         running, waiting = self.batcher.load()
         pool = self.kv.pool
+        by_tenant = self.batcher.queued_prefill_by_tenant()
         return EngineLoad(pool.num_free_blocks, pool.num_blocks, pool.num_used_blocks, running, waiting,
-                          self.batcher.queued_prefill_tokens(), self.batcher.num_preemptions)
+                          sum(by_tenant.values()), self.batcher.num_preemptions, by_tenant)
 
     def prompts_pending(self) -> bool:
         """Some request still has prompt tokens to compute (waiting, or mid-prefill)."""

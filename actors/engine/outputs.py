@@ -19,6 +19,7 @@ class EngineLoad:
     waiting: int
     queued_prefill_tokens: int
     preemptions: int
+    queued_prefill_by_tenant: dict[str | None, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -180,6 +180,8 @@ class WorkerStats:
     prefill_s_per_token: float | None = None
     # (socket, reason, count) of messages its receiving loops threw away: "kv_receiver", "command_port"
     dropped_messages: tuple[tuple[str, str, int], ...] = ()
+    # queued_prefill_tokens by tenant (the requests' cache salt): a tenant-fair batcher serves each in turn
+    queued_prefill_by_tenant: tuple[tuple[str | None, int], ...] = ()
 
     def as_dict(self) -> dict:
         """For people and metrics (introspection), never for control decisions."""

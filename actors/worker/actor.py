@@ -154,7 +154,7 @@ class Worker:
                     return  # chaos: this attempt never arrives, as if its delivery were lost
                 # Prompts waiting in the inbox behind a long step are queued prefill work too: without them
                 # the scheduler's TTFT prediction misses exactly the backlog that overload builds.
-                self._inbox.arrived(request.attempt, len(request.request.prompt_token_ids))
+                self._inbox.arrived(request.attempt, len(request.request.prompt_token_ids), request.request.cache_salt)
                 self._inbox.put(self._do_submit, (request, time.time()))
             case ReleaseAttempt(attempt=attempt):
                 self._inbox.put(self._handoffs.release, attempt)
@@ -272,10 +272,10 @@ class Worker:
 
     def _do_submit(self, request: WorkerRequest, received_at: float) -> None:
         req = request.request
-        if self._grammars.hold(request.attempt, req.params, len(req.prompt_token_ids),
-                               lambda: self._do_submit(request, received_at), lambda why: self._refuse(request, why)):
+        if self._grammars.hold(request.attempt, req.params, lambda: self._do_submit(request, received_at),
+                               lambda why: self._refuse(request, why)):
             return  # back here once its grammar has compiled off this thread (grammar_desk.py)
-        self._inbox.taken(len(req.prompt_token_ids))
+        self._inbox.taken(request.attempt)
         try:
             self._engine.add_request(request.attempt, list(req.prompt_token_ids), req.params, req.cache_salt,
                                      hand_off=request.dest is not None, output_prefix=req.output_prefix,
@@ -284,7 +284,7 @@ class Worker:
             self._fail(request, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
 
     def _refuse(self, request: WorkerRequest, why: str) -> None:
-        self._inbox.taken(len(request.request.prompt_token_ids))
+        self._inbox.taken(request.attempt)
         self._fail(request, why)
 
     def _do_reserve(self, request: WorkerRequest) -> KvReservation | None:
@@ -293,9 +293,8 @@ class Worker:
                                       Running(request, StageTimes()))
 
     def _do_abort(self, attempt: AttemptId) -> None:
-        waited = self._grammars.drop(attempt)
-        if waited is not None:  # its grammar was compiling: it never reached the engine
-            self._inbox.taken(waited)
+        if self._grammars.drop(attempt):  # its grammar was compiling: it never reached the engine
+            self._inbox.taken(attempt)
             return
         # A leased attempt ends through the handoff table only: a reservation whose pages are being
         # written keeps its blocks until the write is over.
@@ -349,7 +348,7 @@ class Worker:
     def _stats(self) -> WorkerStats:
         running = sum(phase is Phase.RUNNING for phase, _ in self._engine.tags())
         return self._meter.stats(self.spec, self._engine.load(), self._handoffs, running,
-                                 self._inbox.prompt_tokens, self._publisher.dropped, self._receiver,
+                                 self._inbox.prompt_tokens_by_tenant(), self._publisher.dropped, self._receiver,
                                  self._commands.drops.snapshot())
 
     def _report(self) -> None:

@@ -28,15 +28,15 @@ class GrammarDesk:
         seconds for the next compile (faults.py)."""
         self._engine, self._put, self._worker_id, self._delay = engine, put, worker_id, delay
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"grammar-{worker_id}")
-        self._waiting: dict[AttemptId, int] = {}  # attempt -> its prompt tokens (engine thread only)
+        self._waiting: set[AttemptId] = set()  # engine thread only
 
-    def hold(self, attempt: AttemptId, params: SamplingParams, prompt_tokens: int, then: Callable[[], None],
+    def hold(self, attempt: AttemptId, params: SamplingParams, then: Callable[[], None],
              failed: Callable[[str], None]) -> bool:
         """Engine thread: False when the request needs no compile (go on now). Else True: its grammar compiles
         on this desk's thread, then `then()` runs on the engine thread (or `failed(why)`), unless dropped."""
         if self._engine.grammar_ready(params):
             return False
-        self._waiting[attempt] = prompt_tokens
+        self._waiting.add(attempt)
         future = self._pool.submit(self._compile, params, self._delay())
         future.add_done_callback(lambda done: self._put(self._compiled, (attempt, done, then, failed)))
         return True
@@ -46,9 +46,12 @@ class GrammarDesk:
         if not self._engine.grammar_ready(params):
             self._pool.submit(self._engine.compile_grammar, params)
 
-    def drop(self, attempt: AttemptId) -> int | None:
-        """Engine thread: forget a waiting request (aborted); its prompt tokens, or None if not waiting."""
-        return self._waiting.pop(attempt, None)
+    def drop(self, attempt: AttemptId) -> bool:
+        """Engine thread: forget a waiting request (aborted); False if it was not waiting."""
+        if attempt not in self._waiting:
+            return False
+        self._waiting.discard(attempt)
+        return True
 
     @property
     def waiting(self) -> int:
@@ -63,7 +66,7 @@ class GrammarDesk:
 
     def _compiled(self, attempt: AttemptId, done: Future, then: Callable[[], None],
                   failed: Callable[[str], None]) -> None:
-        if self._waiting.pop(attempt, None) is None:
+        if not self.drop(attempt):
             return  # aborted while it compiled
         exc = done.exception() if not done.cancelled() else RuntimeError("the worker is stopping")
         if exc is None:

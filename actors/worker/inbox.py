@@ -25,6 +25,7 @@ class Inbox:
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._prompt_tokens = 0  # of submitted attempts the engine thread has not taken yet
+        self._waiting: dict[AttemptId, tuple[str | None, int]] = {}  # those attempts: (tenant, prompt tokens)
         self._received: list[AttemptId] = []  # submitted since the last report
 
     # ---- any thread ----
@@ -39,22 +40,32 @@ class Inbox:
     def call(self, handler, arg, timeout_s: float):
         return self.ask(handler, arg).result(timeout=timeout_s)
 
-    def arrived(self, attempt: AttemptId, prompt_tokens: int) -> None:
+    def arrived(self, attempt: AttemptId, prompt_tokens: int, tenant: str | None) -> None:
         """A submitted attempt, before its command is put: confirmed by the next report, its prompt counted
-        as waiting until the engine thread takes it (`taken`)."""
+        as waiting (for its tenant, the request's cache salt) until the engine thread takes it (`taken`)."""
         with self._lock:
             self._received.append(attempt)
-            self._prompt_tokens += prompt_tokens
+            if attempt not in self._waiting:  # (a duplicate submit is dropped by the engine: counted once)
+                self._waiting[attempt] = (tenant, prompt_tokens)
+                self._prompt_tokens += prompt_tokens
 
     # ---- the engine thread ----
 
-    def taken(self, prompt_tokens: int) -> None:
+    def taken(self, attempt: AttemptId) -> None:
         with self._lock:
-            self._prompt_tokens -= prompt_tokens
+            _, tokens = self._waiting.pop(attempt, (None, 0))
+            self._prompt_tokens -= tokens
 
     @property
     def prompt_tokens(self) -> int:
         return self._prompt_tokens
+
+    def prompt_tokens_by_tenant(self) -> dict[str | None, int]:
+        by_tenant: dict[str | None, int] = {}
+        with self._lock:
+            for tenant, tokens in self._waiting.values():
+                by_tenant[tenant] = by_tenant.get(tenant, 0) + tokens
+        return by_tenant
 
     def take_received(self) -> tuple[AttemptId, ...]:
         with self._lock:

@@ -45,15 +45,20 @@ class WorkerMeter:
         samples, self.transfers = self.transfers, []
         return tuple(samples)
 
-    def stats(self, spec: WorkerSpec, load, table: HandoffTable, live_requests: int, inbox_prompt_tokens: int,
-              tokens_dropped: int, receiver, command_drops: dict[str, int]) -> WorkerStats:
-        """What the worker reports: its engine's `load`, its handoff table's leases, and these counters."""
+    def stats(self, spec: WorkerSpec, load, table: HandoffTable, live_requests: int,
+              inbox_prompts: dict[str | None, int], tokens_dropped: int, receiver,
+              command_drops: dict[str, int]) -> WorkerStats:
+        """What the worker reports: its engine's `load`, its handoff table's leases, and these counters
+        (`inbox_prompts`: prompt tokens by tenant still in the worker's inbox)."""
+        queued = dict(load.queued_prefill_by_tenant)
+        for tenant, tokens in inbox_prompts.items():
+            queued[tenant] = queued.get(tenant, 0) + tokens
         receiver_dropped = receiver.dropped() if receiver is not None else {}
         dropped = [("kv_receiver", reason, n) for reason, n in receiver_dropped.items()]
         dropped += [("command_port", reason, n) for reason, n in command_drops.items()]
         return WorkerStats(
             spec.worker_id, spec.role, load.free_blocks, load.num_blocks, load.used_blocks,
-            load.running, load.waiting, load.queued_prefill_tokens + inbox_prompt_tokens, load.preemptions,
+            load.running, load.waiting, sum(queued.values()), load.preemptions,
             reserved=table.count(LeaseKind.RESERVED), held=table.count(LeaseKind.HELD), writing=table.writing(),
             live_requests=live_requests, tokens_dropped=tokens_dropped,
             leases_expired=table.expired, lease_overrun_s=table.overrun_s,
@@ -61,6 +66,7 @@ class WorkerMeter:
             late_pages_dropped=table.late_pages_dropped, adopted=self.adopted, kv_bytes_sent=self.kv_bytes_sent,
             rss_bytes=rss_bytes(), step_s=self.step_s, prefill_s_per_token=self.prefill_s_per_token,
             dropped_messages=tuple(sorted(dropped)),
+            queued_prefill_by_tenant=tuple((tenant, n) for tenant, n in queued.items() if n > 0),
         )
 
 

@@ -96,6 +96,7 @@ class Cluster:
             max_predicted_ttft_s=config.scheduler.max_predicted_ttft_s,
             local_prefill=config.scheduler.local_prefill, local_prefill_penalty=config.scheduler.local_prefill_penalty,
             local_prefill_max_tokens=config.scheduler.local_prefill_max_tokens,
+            tenant_turns=engine.tenant_slowdown is not None and engine.enable_chunked_prefill,
             prefill_s_per_token=config.scheduler.prefill_s_per_token,
             transfer_bytes_per_s=config.scheduler.transfer_bytes_per_s,
             heartbeat_timeout_s=config.scheduler.heartbeat_timeout_s,

@@ -25,7 +25,7 @@ from cluster.control.link_costs import LinkCosts
 from cluster.control.prefix_index import PrefixIndex
 from cluster.control.registry import WorkerRegistry
 from cluster.control.request_table import RequestTable
-from cluster.control.routing import PrefillPlan, WorkerView, pick_decode, plan_prefill, predicted_ttft
+from cluster.control.routing import ANY_TENANT, PrefillPlan, WorkerView, pick_decode, plan_prefill, predicted_ttft
 from cluster.control.scheduler_state import SchedulerSettings
 from cluster.control.ttft_guard import TtftGuard
 from cluster.control.worker_order import WorkerOrder
@@ -85,12 +85,14 @@ class Placer:
               arrived: float) -> Placement | Rejected | None:
         """A placement, a rejection (shed), or None: no worker has room now (try again later)."""
         prompt_len = len(request.prompt_token_ids)
+        # Where the batchers take tenants in turn, another tenant's queue counts only in part (routing.py).
+        tenant = request.cache_salt if self.s.tenant_turns else ANY_TENANT
         if self.s.mode == "colocated":
             fits = [v for v in self._with_room("colocated", hashes) if v.free_blocks >= blocks_needed]
             if not fits:
                 return None
             plan = plan_prefill(self.s.routing, fits, self._cached(fits, hashes), prompt_len, 0.0,
-                                self.typical_cost("colocated"), next(self._turn))
+                                self.typical_cost("colocated"), next(self._turn), tenant=tenant)
             return self._shed(plan, arrived) or self._placement(plan.worker_id, plan, local=True)
 
         decode = pick_decode(self._with_room("decode", ()), blocks_needed)
@@ -108,9 +110,10 @@ class Placer:
             plan = plan_prefill(self.s.routing, prefill_pool, cached, prompt_len, transfer_s,
                                 self.typical_cost("prefill"), next(self._turn),
                                 local=decode if local_ok else None, local_penalty=self.s.local_prefill_penalty,
-                                local_max_tokens=self.s.local_prefill_max_tokens)
+                                local_max_tokens=self.s.local_prefill_max_tokens, tenant=tenant)
         else:
-            cost = predicted_ttft(decode, prompt_len, cached[decode.worker_id], self.typical_cost("decode"), 0.0)
+            cost = predicted_ttft(decode, prompt_len, cached[decode.worker_id], self.typical_cost("decode"), 0.0,
+                                  tenant)
             plan = PrefillPlan(decode.worker_id, True, cached[decode.worker_id], cost)
         shed = self._shed(plan, arrived)
         if shed is not None:
@@ -142,7 +145,8 @@ class Placer:
             views = [v for wid in dict.fromkeys(ids) if (v := self._registry.view(role, wid)) is not None]
         committed = self._table.committed
         return [WorkerView(v.worker_id, v.role, v.num_blocks - committed(v.worker_id), v.num_blocks,
-                           v.queued_prefill_tokens, v.running, v.waiting, v.prefill_s_per_token) for v in views]
+                           v.queued_prefill_tokens, v.running, v.waiting, v.prefill_s_per_token, v.queued_by_tenant)
+                for v in views]
 
     def _prefill_candidates(self, hashes: list[int]) -> list[WorkerView]:
         if self._registry.pool_size("prefill") <= CANDIDATES:

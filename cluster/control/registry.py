@@ -84,27 +84,29 @@ class WorkerRegistry:
         return sums
 
     @contextmanager
-    def queued_meanwhile(self, worker_id: str, tokens: int) -> Iterator[None]:
+    def queued_meanwhile(self, worker_id: str, tokens: int, tenant: str | None) -> Iterator[None]:
         """Prompt tokens placed on the worker whose admission awaits the decode worker's reservation: queued
         there from the decision on, so placements decided during that await see them (and shed on them),
         whatever the worker reports meanwhile; the hold ends with the block, sent or not."""
         entry = self._workers.get(worker_id)
         if entry is not None:
-            entry.held_tokens += tokens
-            self.add_queued(worker_id, tokens)
+            _hold(entry.held_by_tenant, tenant, tokens)
+            self.add_queued(worker_id, tokens, tenant)
         try:
             yield
         finally:
             if entry is not None:
-                entry.held_tokens -= tokens
+                _hold(entry.held_by_tenant, tenant, -tokens)
                 if self._workers.get(worker_id) is entry:  # not replaced meanwhile
-                    self.add_queued(worker_id, -tokens)
+                    self.add_queued(worker_id, -tokens, tenant)
 
-    def add_queued(self, worker_id: str, tokens: int) -> None:
-        """Prompt tokens just sent to the worker: queued there until its next report says otherwise."""
+    def add_queued(self, worker_id: str, tokens: int, tenant: str | None) -> None:
+        """Prompt tokens of the tenant just sent to the worker: queued there until its next report says
+        otherwise."""
         entry = self._workers.get(worker_id)
         if entry is not None:
             entry.view.queued_prefill_tokens += tokens
+            _add(entry.view.queued_by_tenant, tenant, tokens)
             self.on_change(worker_id)
 
     def is_current(self, worker_id: str, incarnation: str) -> bool:
@@ -141,7 +143,10 @@ class WorkerRegistry:
             self._sums.pop(v.role, None)
         v.free_blocks, v.num_blocks = stats.free_blocks, stats.num_blocks
         v.running, v.waiting = stats.running, stats.waiting
-        v.queued_prefill_tokens = stats.queued_prefill_tokens + entry.held_tokens
+        v.queued_by_tenant = dict(stats.queued_prefill_by_tenant)
+        for tenant, tokens in entry.held_by_tenant.items():
+            _add(v.queued_by_tenant, tenant, tokens)
+        v.queued_prefill_tokens = stats.queued_prefill_tokens + sum(entry.held_by_tenant.values())
         v.prefill_s_per_token = stats.prefill_s_per_token
         self.on_change(stats.worker_id)
         return True
@@ -195,7 +200,8 @@ class WorkerRegistry:
         taking = {(e.view.role, wid) for wid, e in self._workers.items() if wid not in self._draining}
         if pools != taking:
             raise RuntimeError(f"registry: pools {sorted(pools ^ taking)} differ from the workers that take work")
-        held = {wid: e.held_tokens for wid, e in self._workers.items() if e.held_tokens < 0}
+        held = {wid: e.held_by_tenant for wid, e in self._workers.items()
+                if any(n < 0 for n in e.held_by_tenant.values())}
         if held:
             raise RuntimeError(f"registry: negative prompt tokens held for placements: {held}")
 
@@ -243,3 +249,19 @@ class WorkerRegistry:
         self.workers_lost += 1
         self._on_lost(wid, why)  # while the entry still exists: its requests name it
         self.remove(wid)
+
+
+def _add(counts: dict[str | None, int], tenant: str | None, tokens: int) -> None:
+    """Tokens added to (or, negative, taken from) a tenant's count; a count that reaches 0 goes."""
+    left = counts.get(tenant, 0) + tokens
+    if left > 0:
+        counts[tenant] = left
+    else:
+        counts.pop(tenant, None)
+
+
+def _hold(held: dict[str | None, int], tenant: str | None, tokens: int) -> None:
+    """Like `_add`, but a negative count stays, for check_integrity to find."""
+    held[tenant] = held.get(tenant, 0) + tokens
+    if held[tenant] == 0:
+        del held[tenant]

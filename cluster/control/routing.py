@@ -9,8 +9,10 @@ cluster/control/link_costs.py).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+
+ANY_TENANT = object()  # predicted_ttft: count the whole queue (a batcher that does not take tenants in turn)
 
 # The most uncached prompt tokens a decode worker prefills itself, by default (scheduler.local_prefill_max_tokens).
 LOCAL_PREFILL_MAX_TOKENS = 512
@@ -26,6 +28,7 @@ class WorkerView:
     running: int = 0
     waiting: int = 0
     prefill_s_per_token: float | None = None  # measured; None until the worker has prefilled
+    queued_by_tenant: dict[str | None, int] = field(default_factory=dict)  # the same tokens by tenant (cache salt)
 
 
 @dataclass(frozen=True)
@@ -37,10 +40,20 @@ class PrefillPlan:
 
 
 def predicted_ttft(view: WorkerView, prompt_len: int, cached_tokens: int, default_cost: float,
-                   transfer_s: float) -> float:
+                   transfer_s: float, tenant: object = ANY_TENANT) -> float:
+    """Prefill work ahead of the prompt on the worker, and its own, x the per-token cost, + the handoff.
+
+    For a `tenant` (a request's cache salt), on a worker whose batcher takes the tenants in turn: each other
+    tenant's queue counts only up to the tenant's own work (its queued prompts and this one), as if the
+    worker shared its steps equally; a flood of one tenant then does not count in full against another's
+    prompt. Without one (`ANY_TENANT`), the queue counts whole, first come first served."""
     cost = view.prefill_s_per_token or default_cost
     uncached = max(prompt_len - cached_tokens, 1)
-    return (view.queued_prefill_tokens + uncached) * cost + transfer_s
+    if tenant is ANY_TENANT or not view.queued_by_tenant:
+        return (view.queued_prefill_tokens + uncached) * cost + transfer_s
+    own = view.queued_by_tenant.get(tenant, 0) + uncached
+    others = sum(min(tokens, own) for t, tokens in view.queued_by_tenant.items() if t != tenant)
+    return min(view.queued_prefill_tokens + uncached, own + others) * cost + transfer_s
 
 
 def plan_prefill(
@@ -54,10 +67,12 @@ def plan_prefill(
     local: WorkerView | None = None,
     local_penalty: float = 1.0,
     local_max_tokens: int | None = None,
+    tenant: object = ANY_TENANT,
 ) -> PrefillPlan:
     """Pick the prefill worker; `local`, if given, is the chosen decode worker as a candidate too, for a
     prompt of at most `local_max_tokens` uncached tokens there (None: any). `transfer_s`: the handoff's cost
-    from each prefill worker (by id), or one for all."""
+    from each prefill worker (by id), or one for all. `tenant`: whose prompt it is, where the workers take
+    tenants in turn (`predicted_ttft`)."""
     def handoff_s(view: WorkerView) -> float:
         return transfer_s if isinstance(transfer_s, (int, float)) else transfer_s[view.worker_id]
 
@@ -70,18 +85,18 @@ def plan_prefill(
         chosen = min(ordered, key=lambda v: (v.queued_prefill_tokens, v.running + v.waiting))
     elif policy == "cache_aware":
         chosen = min(ordered, key=lambda v: predicted_ttft(v, prompt_len, cached_tokens.get(v.worker_id, 0),
-                                                           default_cost, handoff_s(v)))
+                                                           default_cost, handoff_s(v), tenant))
     else:
         raise ValueError(f"unknown routing policy {policy!r}")
     cached = cached_tokens.get(chosen.worker_id, 0)
     remote = PrefillPlan(chosen.worker_id, False, cached,
-                         predicted_ttft(chosen, prompt_len, cached, default_cost, handoff_s(chosen)))
+                         predicted_ttft(chosen, prompt_len, cached, default_cost, handoff_s(chosen), tenant))
     if local is None:
         return remote
     local_cached = cached_tokens.get(local.worker_id, 0)
     if local_max_tokens is not None and prompt_len - local_cached > local_max_tokens:
         return remote  # a long prefill there would stall the tokens of everything it decodes
-    local_ttft = predicted_ttft(local, prompt_len, local_cached, default_cost, 0.0)
+    local_ttft = predicted_ttft(local, prompt_len, local_cached, default_cost, 0.0, tenant)
     if local_ttft * (1.0 + local_penalty) < remote.predicted_ttft_s:
         return PrefillPlan(local.worker_id, True, local_cached, local_ttft)
     return remote

@@ -33,6 +33,7 @@ class SchedulerSettings:
     heartbeat_timeout_s: float = _DEFAULTS.heartbeat_timeout_s
     progress_timeout_s: float = _DEFAULTS.progress_timeout_s
     local_prefill_max_tokens: int | None = _DEFAULTS.local_prefill_max_tokens  # None: any prompt
+    tenant_turns: bool = False  # the workers' batchers take tenants in turn (engine.tenant_slowdown set)
     max_predicted_ttft_s: float | None = None  # shed requests predicted to miss this (None: no shedding)
     curve_keys: CurveKeys | None = None  # the data plane's keys: clients that join later fetch them here
     host: str = "127.0.0.1"  # the address the clients' socket binds (`transfer.host`)
@@ -46,7 +47,8 @@ class WorkerEntry:
     last_seen: float = field(default_factory=time.monotonic)  # its last report or pulse: the process lives
     last_report: float = field(default_factory=time.monotonic)  # its engine thread's last report
     stats: WorkerStats | None = None  # the worker's latest report; None until its first
-    held_tokens: int = 0  # prompt tokens of placements on it still awaiting their decode reservation
+    # prompt tokens of placements on it still awaiting their decode reservation, by tenant
+    held_by_tenant: dict[str | None, int] = field(default_factory=dict)
 
 
 class Phase(enum.Enum):

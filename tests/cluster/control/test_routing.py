@@ -9,7 +9,7 @@ import torch
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.launch import Cluster
-from cluster.control.routing import WorkerView, pick_decode, plan_prefill
+from cluster.control.routing import WorkerView, pick_decode, plan_prefill, predicted_ttft
 from tests.helpers.cluster import load, wait_until_idle
 
 COST = 1e-3
@@ -47,6 +47,20 @@ def test_local_prefill_when_the_decode_worker_is_much_faster():
     assert plan.local and plan.worker_id == "decode-0"
     idle = plan_prefill("cache_aware", views(), {}, 100, 0.0, COST, 0, local=decode, local_penalty=1.0)
     assert not idle.local  # equal predictions: the penalty keeps the prefill remote
+
+
+def test_another_tenants_flood_counts_only_as_far_as_the_worker_would_serve_it_first():
+    """Batchers take tenants in turn: behind tenant a's 10,000 queued tokens, b's 100-token prompt waits for
+    about as much of a's work as its own (100), not all of it; a's own prompt waits for everything."""
+    flooded = WorkerView("prefill-a", "prefill", 100, 100, queued_prefill_tokens=10_000, queued_by_tenant={"a": 10_000})
+    assert predicted_ttft(flooded, 100, 0, COST, 0.0) == pytest.approx(10_100 * COST)  # first come, first served
+    assert predicted_ttft(flooded, 100, 0, COST, 0.0, "b") == pytest.approx(200 * COST)
+    assert predicted_ttft(flooded, 100, 0, COST, 0.0, "a") == pytest.approx(10_100 * COST)
+    busy_with_b = WorkerView("prefill-b", "prefill", 100, 100, queued_prefill_tokens=3_000, queued_by_tenant={"b": 3_000})
+    fifo = plan_prefill("cache_aware", [flooded, busy_with_b], {}, 100, 0.0, COST, 0)
+    fair = plan_prefill("cache_aware", [flooded, busy_with_b], {}, 100, 0.0, COST, 0, tenant="b")
+    assert (fifo.worker_id, fair.worker_id) == ("prefill-b", "prefill-a")
+    assert fair.predicted_ttft_s == pytest.approx(200 * COST)
 
 
 def test_a_long_uncached_prompt_is_never_prefilled_on_the_decode_worker():

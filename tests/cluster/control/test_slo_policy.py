@@ -169,4 +169,13 @@ def test_resizes_start_cold_drain_before_release_and_flip_roles():
                                end_s=60.0)
     assert [c.flips for c in flipped.changes] == [0, 2]  # the two drained prefill machines became decode workers
     assert all(s.finish_s is not None for s in flipped.result.seqs)
-    assert flipped.machine_s < cold.machine_s  # no new machines for the second change
+
+    def first_on_a_new_decode_worker(run) -> float:
+        return min(s.submitted_s for s in run.result.seqs if s.decode_worker not in (None, "decode-0"))
+
+    # The drained prefill machines serve as decode workers a flip (1 s) after the change, not a cold start
+    # (15 s); the machine-seconds are the same (a drained machine is released at once, a new one counts
+    # from its start).
+    assert first_on_a_new_decode_worker(flipped) == pytest.approx(30.0 + 1.0)
+    assert first_on_a_new_decode_worker(cold) >= 30.0 + 15.0
+    assert flipped.machine_s <= cold.machine_s

@@ -90,7 +90,7 @@ def test_placements_awaiting_their_reservation_count_as_queued_whatever_the_work
     placements decided meanwhile must see the prompts already placed, or they all land on one queue."""
     async def scenario():
         registry, placer = _cluster(SETTINGS, 0)
-        with registry.queued_meanwhile("prefill-0", 40_000):  # ~40 s of prompts placed, reservations pending
+        with registry.queued_meanwhile("prefill-0", 40_000, None):  # ~40 s of prompts placed, reservations pending
             assert isinstance(placer.place(_request(), [], 40, time.monotonic()), Rejected)
             registry.observe(_stats("prefill-0", "prefill", 0))  # its report cannot know of them yet
             assert isinstance(placer.place(_request(), [], 40, time.monotonic()), Rejected)
