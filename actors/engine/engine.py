@@ -239,6 +239,11 @@ class Engine:
         """Tokens computed by the latest step (for cost measurements)."""
         return self._stepper.last_step_tokens
 
+    @property
+    def last_step_shape(self):
+        """What the latest step computed (a `StepShape`: prefill tokens, pairs, samples; decodes, context)."""
+        return self._stepper.last_step_shape
+
     # ---- offline ----
 
     def generate(
@@ -300,6 +305,12 @@ class Engine:
         by_tenant = self.batcher.queued_prefill_by_tenant()
         return EngineLoad(pool.num_free_blocks, pool.num_blocks, pool.num_used_blocks, running, waiting,
                           sum(by_tenant.values()), self.batcher.num_preemptions, by_tenant)
+
+    def longest_remaining_tokens(self) -> int:
+        """The most tokens any sequence here may still generate (its max_tokens less what it has): how
+        many steps a drain may take at worst (an answer can end sooner, at a stop)."""
+        return max((max(seq.params.max_tokens - len(seq.output_token_ids), 0) for seq in self._requests.sequences()),
+                   default=0)
 
     def prompts_pending(self) -> bool:
         """Some request still has prompt tokens to compute (waiting, or mid-prefill)."""

@@ -26,6 +26,7 @@ from actors.engine.requests import RequestMap
 from actors.engine.sampling import Sampler, SampleResult, SamplingRow
 from actors.engine.sequence import Sequence
 from actors.engine.sequence_maker import SequenceMaker
+from actors.engine.step_shape import StepShape, shape_of
 from actors.protocol.request_status import RequestStatus
 
 
@@ -43,6 +44,7 @@ class Stepper:
         self.attention_span: int | None = None if None in windows else max(windows)
         self.overlap = overlap
         self.last_step_tokens = 0  # tokens computed by the latest step (for cost measurements)
+        self.last_step_shape = StepShape()  # what it computed, as the capacity model sees a step
         self._in_flight: LaunchedStep | None = None  # the step launched and not yet brought back (overlap)
 
     @property
@@ -63,6 +65,7 @@ class Stepper:
         prev, self._in_flight = self._in_flight, None
         batch = self.batcher.schedule()
         self.last_step_tokens = batch.total_tokens
+        self.last_step_shape = shape_of(batch.seqs, batch.num_new_tokens)
         if not batch.seqs and prev is None:
             return []
         started = time.perf_counter()

@@ -60,6 +60,7 @@ from actors.worker.pulse import Pulse
 from actors.worker.running import Running
 from actors.worker.scheduler_link import SchedulerLink
 from actors.worker.spec import WorkerSpec
+from actors.worker.step_log import StepLog
 from actors.worker.tp_group import TPGroup
 
 log = logging.getLogger("tandem.worker")
@@ -93,6 +94,7 @@ class Worker:
         self._finished: list[FinishedAttempt] = []  # not yet reported
         self._handed_off: list[HandedOff] = []  # adopted, not yet reported: their prefill copies wait for it
         self._meter = WorkerMeter()
+        self._step_log = StepLog()
         comm = self._tp.comm if self._tp else SINGLE
         self._ends = HandoffEnds(spec, self._engine.kv_caches, self._engine.kv_heads, comm, self._held_writes,
                                  self._on_piece)
@@ -130,6 +132,10 @@ class Worker:
     def tensor_parallel_ranks(self) -> list:
         """The actors of ranks 1.. of this worker's tensor-parallel group ([] for a one-rank worker)."""
         return list(self._tp.ranks) if self._tp else []
+
+    def step_log(self) -> tuple[int, list[tuple]]:
+        """Its recent steps, each as step_log.FIELDS: (steps ever logged, the kept ones oldest first)."""
+        return self._step_log.records()
 
     def kv_bytes(self) -> tuple[int, int]:
         """KV page bytes rank 0 has sent and received: its own share of the handoffs."""
@@ -177,6 +183,11 @@ class Worker:
 
     def check_integrity(self) -> WorkerStats:
         return self._inbox.call(self._do_integrity, None, _CALL_TIMEOUT_S)
+
+    def drain_estimate_s(self) -> float:
+        """How long a drain could take now: its longest possible answer at the measured step time, after
+        the prompts queued here (a role flip waits for it; a cold start may be quicker)."""
+        return self._inbox.call(self._do_drain_estimate, None, _CALL_TIMEOUT_S)
 
     def watch(self, worker_id: str | None = None) -> None:
         """Returns only at shutdown. The scheduler keeps one call pending, in a thread group of its
@@ -229,10 +240,13 @@ class Worker:
     def _run(self) -> None:
         last_report = 0.0
         while not self._stop.is_set():
+            if not self._engine.has_work():
+                self._step_log.idle(time.perf_counter())
             self._inbox.drain(block_s=None if self._engine.has_work() else self.spec.heartbeat_s)
             self._steps.expire()
             if self._engine.has_work():
                 start = time.perf_counter()
+                self._step_log.started(start)
                 time.sleep(self._faults.take_step_delay())  # chaos: a step longer than any timeout
                 try:
                     outputs = self._engine.step()
@@ -242,7 +256,9 @@ class Worker:
                         self._exit("a step of the tensor-parallel group failed", _EXIT_GROUP_LOST, retryable=True)
                     self._fail_everything("internal error in the engine step")
                     continue
-                self._meter.step(time.perf_counter() - start, self._engine.last_step_tokens)
+                engine_s = time.perf_counter() - start
+                self._meter.step(engine_s, self._engine.last_step_tokens)
+                self._step_log.ran(self._engine.last_step_shape, start, engine_s)
                 self._publish(outputs)
             now = time.monotonic()
             if self._finished or self._handed_off or now - last_report >= self.spec.heartbeat_s:
@@ -303,6 +319,11 @@ class Worker:
 
     def _do_fault(self, fault: str | None, delay_s: float) -> None:
         self._faults.inject(fault, delay_s)
+
+    def _do_drain_estimate(self, _) -> float:
+        step_s, per_token_s = self._meter.step_s or 0.0, self._meter.prefill_s_per_token or 0.0
+        return (self._engine.longest_remaining_tokens() * step_s
+                + self._engine.load().queued_prefill_tokens * per_token_s)
 
     def _do_integrity(self, _) -> WorkerStats:
         self._engine.check_integrity()

@@ -45,6 +45,12 @@ class WorkerActor:
     def tensor_parallel_ranks(self) -> list:
         return self._worker.tensor_parallel_ranks()
 
+    def drain_estimate_s(self) -> float:
+        return self._worker.drain_estimate_s()
+
+    def step_log(self) -> tuple[int, list[tuple]]:
+        return self._worker.step_log()
+
     def kv_bytes(self) -> tuple[int, int]:
         return self._worker.kv_bytes()
 

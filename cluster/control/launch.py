@@ -58,6 +58,9 @@ class Cluster:
         self.scheduler = self.schedulers[0]
         self._shard_of: dict[str, int] = {}  # worker id -> the shard it registers with
         self.workers = workers  # worker id -> actor handle
+        # The last measured start of new workers (spawn to registered): what a cold start costs here, which a
+        # role flip must beat (scaling.py). None until measured.
+        self.worker_start_s: float | None = None
         self.groups: dict[str, PlacementGroup] = {}  # tensor-parallel worker id -> its ranks' placement group
         self._owns_ray = owns_ray
         self.model_dir = model_dir
@@ -121,6 +124,7 @@ class Cluster:
             rendezvous, collective_init = host_rendezvous(config.transfer.host)
         rank = itertools.count()
         cluster = cls(config, schedulers, workers, owns_ray, engine.model, keys)
+        spawned = time.monotonic()
         for role, pool in config.pools().items():
             for _ in range(pool.replicas):
                 cluster.spawn_worker(role, collective_init=collective_init, rank=next(rank), world_size=world_size)
@@ -130,6 +134,7 @@ class Cluster:
             # rendezvous store closes its port now rather than listening for the cluster's lifetime.
             del rendezvous
             cluster.wait_registered(set(workers), timeout_s=max(30.0, ready_by - time.monotonic()))
+            cluster.worker_start_s = time.monotonic() - spawned
         except BaseException:
             cluster.shutdown()
             raise

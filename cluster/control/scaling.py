@@ -57,11 +57,13 @@ def _scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float, d
         raise ValueError("live scaling needs transfer.backend zmq: the collective group's size is fixed at start")
     moves = _flips(cluster, replicas) if flips else []
     added = []
+    spawned = time.monotonic()
     for role, n in replicas.items():
         arriving = sum(1 for _, to in moves if to == role)
         added += [cluster.spawn_worker(role) for _ in range(n - _count(cluster, role) - arriving)]
     if added:
         _wait_ready(cluster, added, ready_timeout_s)
+        cluster.worker_start_s = time.monotonic() - spawned
     flipping = {wid for wid, _ in moves}
     removed = []
     for role, n in replicas.items():
@@ -83,16 +85,34 @@ def _scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float, d
 
 def _flips(cluster: Cluster, replicas: dict[str, int]) -> list[tuple[str, str]]:
     """(worker, new role) pairs: the workers a shrinking pool gives up (its highest ids, as a removal picks)
-    that a growing pool can take by a flip."""
+    that a growing pool can take by a flip, each only if its drain may end before a cold start would
+    (a decode worker holding long answers is slower to free than a new worker is to start)."""
     leaving = {role: sorted(_ids(cluster, role), key=worker_index)[n:] for role, n in replicas.items()}
     short = {role: n - _count(cluster, role) for role, n in replicas.items() if n > _count(cluster, role)}
     moves = []
     for to_role, need in short.items():
         for from_role, victims in leaving.items():
             while need and victims and flip_refusal(cluster.config, from_role, to_role) is None:
-                moves.append((victims.pop(), to_role))
-                need -= 1
+                wid = victims.pop()
+                if _drains_before_a_cold_start(cluster, wid):
+                    moves.append((wid, to_role))
+                    need -= 1
     return moves
+
+
+def _drains_before_a_cold_start(cluster: Cluster, worker_id: str) -> bool:
+    if cluster.worker_start_s is None:
+        return True
+    try:
+        drain_s = ray.get(cluster.workers[worker_id].drain_estimate_s.remote(), timeout=30)
+    except ray.exceptions.RayError as exc:
+        log.warning("worker %s: no drain estimate (%s): it stops instead of flipping", worker_id, exc)
+        return False
+    if drain_s < cluster.worker_start_s:
+        return True
+    log.info("worker %s may take %.1fs to drain, a cold start %.1fs: it stops, and a new worker starts",
+             worker_id, drain_s, cluster.worker_start_s)
+    return False
 
 
 def _wait_ready(cluster: Cluster, worker_ids: list[str], timeout_s: float) -> None:

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sim.add_argument("--profile", default=None, help="engine profile JSON: predict each run with the simulator")
     sim.add_argument("--measure-profile", action="store_true",
                      help="profile the engine here first (`tandem plan profile`), saved next to the result")
+    sim.add_argument("--calibrate-s", type=float, default=None,
+                     help="with a profile: send each layout this many seconds of the same workload (other seeds) "
+                          "first, and also predict its run with the profile refitted on its workers' steps")
     sim.add_argument("--profile-repeats", type=int, default=5, help="timings per profiled step shape (median)")
     o = p.add_argument_group("output")
     add_out_argument(o, "compare", "PNGs and the layouts' configs and server logs go beside it")
@@ -92,7 +95,8 @@ def plan_from_args(args: argparse.Namespace, out: Path) -> ComparePlan:
     return ComparePlan(bench=bench, layouts=layouts, base_config=base, model_path=model,
                        resources=WorkerResources(args.cpus_per_worker, args.threads_per_worker),
                        local_prefill=args.local_prefill, rates=rates, sweep_kwargs=sweep_kwargs,
-                       profile=_profile(args, base, model, out), cooldown_s=args.cooldown,
+                       profile=_profile(args, base, model, out), calibrate_s=args.calibrate_s,
+                       cooldown_s=args.cooldown,
                        start_timeout_s=args.start_timeout, workdir=out.parent)
 
 

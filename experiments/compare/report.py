@@ -20,7 +20,8 @@ def headline(data: dict) -> list[dict]:
                          "goodput_rps": slo["goodput_rps"], "attainment": slo["attainment"],
                          "throughput_rps": run["throughput"]["requests_per_s"],
                          "ttft_p90_ms": lat["ttft"]["p90"], "tpot_p90_ms": lat["tpot"]["p90"],
-                         "itl_p99_ms": lat["itl"]["p99"], "validation": run.get("validation")})
+                         "itl_p99_ms": lat["itl"]["p99"], "validation": run.get("validation"),
+                         "validation_calibrated": run.get("validation_calibrated")})
     return rows
 
 
@@ -71,6 +72,12 @@ def format_compare(data: dict) -> str:
                      f"{_f(r['itl_p99_ms'], '.0f'):>9}   {_err(r['validation'], 'goodput_rps'):<19}"
                      f"{_err(r['validation'], 'ttft_p90_ms'):<19}")
     lines.append("(goodput and rate in req/s, latencies in ms; sim = the planner's prediction on the same trace)")
+    for r in rows:
+        if r["validation_calibrated"]:
+            v = r["validation_calibrated"]
+            lines.append(f"{r['layout']}: with the profile refitted on its workers' calibration steps: sim goodput "
+                         f"{_err(v, 'goodput_rps')}, sim p90 TTFT {_err(v, 'ttft_p90_ms')}, "
+                         f"sim attainment {_err(v, 'attainment')}")
     for q in ratios(rows):
         lines.append(f"{q['layout']} vs {q['baseline']} at {_f(q['rate_rps'])} req/s: goodput x{_f(q['goodput_ratio'])}, "
                      f"p99 ITL {_f(q['itl_p99_improvement'])}x lower, attainment {100 * q['attainment_delta']:+.1f} points")

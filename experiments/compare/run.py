@@ -18,8 +18,10 @@ from experiments.compare.machine import load_average, machine_info
 from experiments.compare.predict import predict, validation
 from experiments.compare.server import ServeProcess, free_port
 from experiments.loadgen.runner import run_benchmark
+from experiments.planner.from_server import fetch_steps
 from experiments.loadgen.spec import BenchSpec
 from experiments.loadgen.sweep import sweep
+from cluster.control.capacity.fit import refit
 from cluster.control.capacity.profile import EngineProfile
 from cluster.control.capacity.simulator import Layout
 
@@ -35,6 +37,9 @@ class ComparePlan:
     rates: list[float] | None = None  # a sweep over these rates (same at every layout)
     sweep_kwargs: dict | None = None  # an adaptive sweep from bench.arrival.rate (rates may differ per layout)
     profile: EngineProfile | None = None
+    # Seconds of calibration traffic (the same workload, other seeds) sent to each layout before its run:
+    # the profile refitted on the workers' own steps (GET /admin/steps) predicts the run beside the profile.
+    calibrate_s: float | None = None
     host: str = "127.0.0.1"
     cooldown_s: float = 5.0  # idle time between layouts, so one's tail does not land in the next one's load
     start_timeout_s: float = 300.0
@@ -68,6 +73,10 @@ def _run_layout(plan: ComparePlan, bench: BenchSpec, layout: Layout, log) -> dic
     try:
         server.start(plan.start_timeout_s)
         entry["startup_s"] = time.monotonic() - started
+        calibrated = None
+        if plan.calibrate_s and plan.profile is not None:
+            log(f"{name}: ready after {entry['startup_s']:.0f} s; {plan.calibrate_s:g} s of calibration traffic")
+            calibrated, entry["calibration"] = _calibrate(plan, bench, server.url, name)
         log(f"{name}: ready after {entry['startup_s']:.0f} s; sending the workload")
         spec = bench.model_copy(update={"base_url": server.url})
         if plan.rates or plan.sweep_kwargs is not None:
@@ -84,7 +93,24 @@ def _run_layout(plan: ComparePlan, bench: BenchSpec, layout: Layout, log) -> dic
         for run in _runs(entry["result"]):
             run["prediction"] = predict(plan.profile, config, run)
             run["validation"] = validation(run["prediction"], run)
+            if calibrated is not None:
+                run["prediction_calibrated"] = predict(calibrated, config, run)
+                run["validation_calibrated"] = validation(run["prediction_calibrated"], run)
     return entry
+
+
+def _calibrate(plan: ComparePlan, bench: BenchSpec, url: str, name: str) -> tuple[EngineProfile, dict]:
+    """Send the layout other requests of the same workload (other seeds and prompts), then refit the profile
+    on its workers' steps; the measured run that follows is predicted with it."""
+    salt = (bench.workload.prompt_salt or 0) + 1
+    spec = bench.model_copy(update={
+        "base_url": url, "duration_s": plan.calibrate_s, "num_requests": None, "warmup": 0, "progress": False,
+        "workload": bench.workload.model_copy(update={"seed": bench.workload.seed + 1000, "prompt_salt": salt}),
+        "arrival": bench.arrival.model_copy(update={"seed": bench.arrival.seed + 1000})})
+    result = run_benchmark(spec).to_dict()
+    profile = refit(plan.profile, fetch_steps(url), f"{name} after {plan.calibrate_s:g} s of calibration traffic")
+    return profile, {"duration_s": plan.calibrate_s, "requests": len(result["requests"]),
+                     "fitted_on": profile.samples[0]["fitted_on"], "cost": profile.cost.to_json()}
 
 
 def _runs(result: dict) -> list[dict]:

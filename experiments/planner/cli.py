@@ -60,11 +60,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prof.add_argument("--transfer-gbps", type=float, default=None,
                       help="KV transfer GB/s to record instead of measuring zmq ipc here")
     prof.add_argument("--repeats", type=int, default=5, help="timings per step shape (the median is kept)")
+    prof.add_argument("--from-server", default=None, metavar="URL",
+                      help="fit the step cost on a running server's workers (GET /admin/steps, timed end to end) "
+                           "instead of timing an engine here; model, limits and transfer come from --base")
+    prof.add_argument("--base", default=None, help="with --from-server: the profile JSON to refit")
+    prof.add_argument("--role", default=None, choices=["prefill", "decode", "colocated"],
+                      help="with --from-server: fit on this pool's workers only")
+    prof.add_argument("--admin-key", default=None, help="with --from-server: ingress.admin_key, if set")
     prof.add_argument("--out", required=True, help="profile JSON to write")
     prof.set_defaults(func=_profile, smoke={"model": "builtin:tiny-llama", "repeats": 1})
 
 
 def _profile(args: argparse.Namespace) -> int:
+    if args.from_server or args.base:
+        return _profile_from_server(args)
     from actors.engine.model.default_model import resolve_model
     from experiments.bench_engine import ensure_bench_model
     from experiments.planner.measure import profile_engine
@@ -79,6 +88,17 @@ def _profile(args: argparse.Namespace) -> int:
                              transfer_bytes_per_s=(args.transfer_gbps or 2.0) * 1e9)
     profile.save(args.out)
     print(f"profile written to {args.out}")
+    return 0
+
+
+def _profile_from_server(args: argparse.Namespace) -> int:
+    if not (args.from_server and args.base):
+        raise ValueError("--from-server URL and --base PROFILE go together")
+    from experiments.planner.from_server import profile_from_server
+
+    profile = profile_from_server(args.from_server, EngineProfile.load(args.base), args.admin_key, args.role)
+    profile.save(args.out)
+    print(f"{profile.hardware}\n{profile.samples[0]['fitted_on']}\nprofile written to {args.out}")
     return 0
 
 

@@ -15,7 +15,6 @@ Each sample is the median of a few repeats. The fits are non-negative least squa
 
 from __future__ import annotations
 
-import itertools
 import platform
 import statistics
 import time
@@ -27,27 +26,12 @@ from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.capacity.profile import BatchShape, EngineLimits, EngineProfile, LinearCost, ModelShape, chunk_pairs
+from cluster.control.capacity.fit import fit_nonnegative
 from experiments.planner.transfer_probe import measure_transfer
 
 PREFILL_GRID = [(1, 16), (1, 64), (1, 256), (1, 512), (1, 1024), (4, 32), (4, 128), (8, 64), (2, 512)]
 DECODE_GRID = [(b, c) for c in (32, 512) for b in (1, 4, 16, 64)]
 CHUNKED_PROMPTS = (4.0, 2.5)  # prompt lengths, in token budgets, timed chunk by chunk
-
-
-def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """min sum((x @ coef - y) / y)^2 with coef >= 0: the best unconstrained fit over column subsets."""
-    w = x / y[:, None]
-    best, best_err = np.zeros(x.shape[1]), np.inf
-    for r in range(1, x.shape[1] + 1):
-        for cols in itertools.combinations(range(x.shape[1]), r):
-            coef, *_ = np.linalg.lstsq(w[:, cols], np.ones(len(y)), rcond=None)
-            if (coef < 0).any():
-                continue
-            err = float(((w[:, cols] @ coef - 1) ** 2).sum())
-            if err < best_err:
-                best_err, best = err, np.zeros(x.shape[1])
-                best[list(cols)] = coef
-    return best
 
 
 def _prompts(g: torch.Generator, vocab: int, k: int, n: int) -> list[list[int]]:

@@ -11,7 +11,9 @@ follows the real scaling path (cluster/control/scaling.py):
 - a removed worker drains: it takes nothing new, finishes what it holds, then its machine is released
   (the newest workers go first, a starting one at once);
 - with `flip_s` set, a pool that grows while another shrinks at the same decision takes the draining
-  machines first: each serves in its new role `flip_s` after it has drained, without a cold start.
+  machines first: each serves in its new role `flip_s` after it has drained, without a cold start; but
+  only a machine whose drain may end (its longest answer at its current step cost) `flip_s` before a cold
+  start would serve, as scaling.py decides: the others drain and go, and new machines start cold.
 
 Cost is machine-seconds up to `end_s`: from a machine's start to its release (or `end_s`), the starting,
 draining and flipping time included, as a cloud bills it; a static layout of N workers costs N x `end_s`.
@@ -141,7 +143,8 @@ class _Elastic(_Cluster):
         flips = 0
         for role, n in wanted.items():
             for _ in range(n - counts.get(role, 0)):
-                mine = [w for w in spare if w in self.draining and self.flip_s is not None]
+                mine = [w for w in spare if w in self.draining and self.flip_s is not None
+                        and self.workers[w].drain_eta_s() + self.flip_s < self.start_s]
                 if mine:
                     spare.remove(mine[0])
                     self.flip_to[mine[0]] = role

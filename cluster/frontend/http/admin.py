@@ -1,4 +1,6 @@
-"""Operator endpoints on the ingress port, kept out of the OpenAPI schema: `POST /admin/scale`.
+"""Operator endpoints on the ingress port, kept out of the OpenAPI schema: `POST /admin/scale`, and
+`GET /admin/steps` (every worker's recent engine steps, timed end to end, for `tandem plan profile
+--from-server` to fit the cost model on).
 
 Who may call them is checked by the body guard (body_guard.py) with `AdminAccess.check`, from the headers
 and the peer before any byte of the body is read; the body then has the same size limit as any other.
@@ -18,12 +20,14 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.control.launch import Cluster
+from actors.worker.step_log import FIELDS as STEP_FIELDS
+from cluster.control.launch import Cluster, role_of
 from cluster.control.scaling import ResizeInProgress, scale
 from cluster.frontend.http.body_guard import admitted_admin
 from cluster.frontend.http.protocol import ApiError
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+STEPS_TIMEOUT_S = 30.0
 
 
 class ScaleRequest(BaseModel):
@@ -67,3 +71,20 @@ def add_admin_routes(app: FastAPI, cluster: Cluster) -> None:
             raise ApiError(409, str(exc), None, "conflict") from None
         except ValueError as exc:
             raise ApiError(400, str(exc), None) from None
+
+    @app.get("/admin/steps", include_in_schema=False)
+    async def admin_steps(request: Request):
+        admitted_admin(request)
+        workers = dict(cluster.workers)  # a resize may change it while we wait
+        answers = await asyncio.gather(*(_steps_of(handle) for handle in workers.values()))
+        return {"fields": list(STEP_FIELDS),
+                "workers": [{"worker_id": wid, "role": role_of(wid), **answer}
+                            for wid, answer in zip(workers, answers)]}
+
+
+async def _steps_of(handle) -> dict:
+    try:
+        total, steps = await asyncio.wait_for(handle.step_log.remote(), STEPS_TIMEOUT_S)
+    except Exception as exc:  # a worker gone or stuck is reported, the others still answer
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"steps_total": total, "steps": [list(step) for step in steps]}

@@ -122,3 +122,29 @@ def test_flips_the_pools_cannot_allow_are_refused(cluster):
     # A flip that would leave a pool below its minimum goes through `scale`, which refuses it.
     with pytest.raises(ValueError, match="decode replicas must be at least 1"):
         scale(cluster, {"decode": 0, "prefill": 3}, flips=True)
+
+
+def test_a_worker_slower_to_drain_than_a_cold_start_stops_and_a_new_one_starts(cluster):
+    """A flip waits for the worker's drain; a decode worker holding long answers frees later than a new
+    worker starts, so the resize starts one cold instead (and the answers still finish where they are)."""
+    quick = scale(cluster, {"prefill": 1, "decode": 2}, flips=True)  # an idle prefill worker drains at once
+    assert len(quick["flipped"]) == 1 and quick["added"] == quick["removed"] == []
+    victim = max((wid for wid in cluster.workers if wid.startswith("decode-")), key=lambda w: int(w.split("-")[1]))
+    long = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
+    engine = Engine(load("local.yaml").engine_config())
+    expected_long = [r.outputs[0].token_ids for r in engine.generate(PROMPTS, long)]
+    traffic = ClosedLoop(cluster, PROMPTS, long, expected_long)
+    try:
+        deadline = time.monotonic() + 60
+        while ray.get(cluster.scheduler.state.remote(), timeout=10).as_dict()["worker_stats"].get(
+                victim, {}).get("live_requests", 0) == 0:
+            assert time.monotonic() < deadline, f"{victim} never took a long answer"
+            time.sleep(0.05)
+        cluster.worker_start_s = 1e-6  # any answer still to finish drains slower than this
+        result = scale(cluster, {"prefill": 2, "decode": 1}, flips=True)
+    finally:
+        traffic.stop()
+    assert result["flipped"] == [] and result["removed"] == [victim] and len(result["added"]) == 1
+    assert result["added"][0].startswith("prefill-") and cluster.worker_start_s > 1e-6  # measured again
+    assert traffic.bad == [], traffic.bad[:3]
+    assert_clean(cluster)

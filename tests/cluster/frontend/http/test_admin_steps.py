@@ -1,0 +1,67 @@
+"""`GET /admin/steps`: every worker's recent engine steps, timed end to end, through the ingress (the
+admin check of any `/admin/*` route), and the cost model fitted on them (`tandem plan profile
+--from-server`): the prefill worker's steps are prompts, the decode worker's one token per sequence, and
+every step's period covers its engine time."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from cluster.control.capacity.fit import fit_worker_steps
+from experiments.planner.from_server import fetch_steps
+from tests.helpers.cluster import load
+from tests.helpers.http_server import MODEL, serving
+
+PROMPTS = [f"step log prompt {i} " * (20 + 10 * i) for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def served(ray_session):
+    config = load("local.yaml")
+    config = config.model_copy(update={"scheduler": config.scheduler.model_copy(update={"local_prefill": False})})
+    with serving(config) as (cluster, url):
+        yield cluster, url
+
+
+def test_the_workers_steps_come_back_by_role_and_fit(served):
+    cluster, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    for prompt in PROMPTS:
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.0,
+                                        extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 12
+    body = httpx.get(url + "/admin/steps", timeout=60).json()
+    roles = {w["worker_id"]: w["role"] for w in body["workers"]}
+    assert sorted(roles.values()) == ["decode", "prefill"], body
+    prefill, decode = fetch_steps(url, role="prefill"), fetch_steps(url, role="decode")
+    assert prefill and all(s["prefill_tokens"] and not s["decode_seqs"] for s in prefill)
+    assert sum(s["prefill_samples"] for s in prefill) == len(PROMPTS)
+    # The decode worker adopts each prompt's KV with its first token and computes the other 11.
+    assert all(s["decode_seqs"] and not s["prefill_tokens"] for s in decode)
+    assert sum(s["decode_seqs"] for s in decode) == 11 * len(PROMPTS)
+    assert all(s["period_s"] >= s["engine_s"] > 0 for s in prefill + decode)
+    cost, used = fit_worker_steps(prefill + decode)
+    assert used["prefill_steps"] == len(prefill) and used["decode_steps"] == len(decode)
+    assert cost.decode_base_s + cost.decode_per_seq_s > 0 and cost.prefill_per_token_s + cost.prefill_base_s > 0
+    cluster.check_integrity()
+
+
+def test_steps_are_an_admin_route(served):
+    cluster, url = served
+    local = httpx.get(url + "/admin/steps", headers={"X-Forwarded-For": "203.0.113.9"}, timeout=30)
+    assert local.status_code == 200  # no key: loopback peers only, and with no trusted proxy the header does not count
+    original = cluster.config
+    try:
+        cluster.config = original.model_copy(update={"ingress": original.ingress.model_copy(update={"admin_key": "k3y"})})
+        from cluster.frontend.http.server import make_server
+        from tests.helpers.http_server import running
+
+        with running(make_server(cluster, "127.0.0.1", 0)) as keyed:
+            assert httpx.get(keyed + "/admin/steps", timeout=30).status_code == 401
+            ok = httpx.get(keyed + "/admin/steps", headers={"Authorization": "Bearer k3y"}, timeout=30)
+            assert ok.status_code == 200 and len(ok.json()["workers"]) == 2
+    finally:
+        cluster.config = original
+    cluster.check_integrity()
