@@ -186,7 +186,9 @@ class Worker:
 
     def drain_estimate_s(self) -> float:
         """How long a drain could take now: its longest possible answer at the measured step time, after
-        the prompts queued here (a role flip waits for it; a cold start may be quicker)."""
+        the prompts queued here, plus how long its oldest reservation has waited for KV (a placed request
+        still to come: the wait so far stands for the wait to come, long when the prefill pool is behind).
+        A role flip waits for the drain; a cold start may be quicker."""
         return self._inbox.call(self._do_drain_estimate, None, _CALL_TIMEOUT_S)
 
     def watch(self, worker_id: str | None = None) -> None:
@@ -323,7 +325,8 @@ class Worker:
     def _do_drain_estimate(self, _) -> float:
         step_s, per_token_s = self._meter.step_s or 0.0, self._meter.prefill_s_per_token or 0.0
         return (self._engine.longest_remaining_tokens() * step_s
-                + self._engine.load().queued_prefill_tokens * per_token_s)
+                + self._engine.load().queued_prefill_tokens * per_token_s
+                + self._handoffs.oldest_reservation_s(time.monotonic()))
 
     def _do_integrity(self, _) -> WorkerStats:
         self._engine.check_integrity()

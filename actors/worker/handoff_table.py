@@ -217,6 +217,13 @@ class HandoffTable:
 
     # ---- introspection ----
 
+    def oldest_reservation_s(self, now: float) -> float:
+        """How long the oldest reservation still waiting for its pages has waited (0 if none)."""
+        with self._lock:
+            starts = [lease.deadline - self._lease_s for lease in self._leases.values()
+                      if lease.kind is LeaseKind.RESERVED and not lease.landed]
+        return max((now - start for start in starts), default=0.0)
+
     def get(self, attempt: AttemptId) -> Lease | None:
         return self._leases.get(attempt)
 

@@ -12,8 +12,9 @@ follows the real scaling path (cluster/control/scaling.py):
   (the newest workers go first, a starting one at once);
 - with `flip_s` set, a pool that grows while another shrinks at the same decision takes the draining
   machines first: each serves in its new role `flip_s` after it has drained, without a cold start; but
-  only a machine whose drain may end (its longest answer at its current step cost) `flip_s` before a cold
-  start would serve, as scaling.py decides: the others drain and go, and new machines start cold.
+  only a machine whose drain may end (its longest answer at its current step cost, after the age of its
+  oldest reservation still waiting for KV) `flip_s` before a cold start would serve, as scaling.py
+  decides: the others drain and go, and new machines start cold.
 
 Cost is machine-seconds up to `end_s`: from a machine's start to its release (or `end_s`), the starting,
 draining and flipping time included, as a cloud bills it; a static layout of N workers costs N x `end_s`.
@@ -144,7 +145,7 @@ class _Elastic(_Cluster):
         for role, n in wanted.items():
             for _ in range(n - counts.get(role, 0)):
                 mine = [w for w in spare if w in self.draining and self.flip_s is not None
-                        and self.workers[w].drain_eta_s() + self.flip_s < self.start_s]
+                        and self._drain_eta_s(w, now) + self.flip_s < self.start_s]
                 if mine:
                     spare.remove(mine[0])
                     self.flip_to[mine[0]] = role
@@ -161,6 +162,11 @@ class _Elastic(_Cluster):
         self.machine_start[wid], self.ready_at[wid] = machine_start, ready_s
         self._push(ready_s, "ready", wid)
         return wid
+
+    def _drain_eta_s(self, wid: str, now: float) -> float:
+        waiting = [now - s.submitted_s for s in self.seqs if s.decode_worker == wid and s.submitted_s is not None
+                   and not s.adopted and s.first_token_s is None and s.rejected is None and s.prefill_worker != wid]
+        return self.workers[wid].drain_eta_s(max(waiting, default=0.0))
 
     def _drain(self, now: float, wid: str) -> None:
         self.draining.add(wid)

@@ -69,10 +69,12 @@ class SimWorker:
     def queued_prefill_tokens(self) -> int:
         return sum(s.uncomputed for s in self.waiting) + sum(s.uncomputed for s in self.prefilling)
 
-    def drain_eta_s(self) -> float:
+    def drain_eta_s(self, oldest_reservation_s: float = 0.0) -> float:
         """How long it may take to finish what it holds, at the cost of its current batch: its longest
-        answer's remaining steps, after its queued prompts (as the real worker's `drain_estimate_s`)."""
+        answer's remaining steps, after its queued prompts, plus the age of its oldest reservation still
+        waiting for KV (`oldest_reservation_s`, as the real worker's `drain_estimate_s`)."""
         eta = self.profile.prefill_s(self.queued_prefill_tokens()) if self.queued_prefill_tokens() else 0.0
+        eta += oldest_reservation_s
         if self.decode_count:
             steps = max(step for step, _, _ in self._finishes) - len(self.step_ends) + 1
             eta += max(steps, 0) * self.profile.step_s(

@@ -179,3 +179,22 @@ def test_resizes_start_cold_drain_before_release_and_flip_roles():
     assert first_on_a_new_decode_worker(flipped) == pytest.approx(30.0 + 1.0)
     assert first_on_a_new_decode_worker(cold) >= 30.0 + 15.0
     assert flipped.machine_s <= cold.machine_s
+
+
+def test_a_machine_slower_to_drain_than_a_cold_start_is_not_flipped():
+    """Decode workers holding 2,000-token answers (about 20 s to finish) give way to prefill: with a 60 s cold
+    start they flip, with a 5 s one they drain and go while new prefill machines start cold."""
+    reqs = requests(5.0, 20.0, 200, 2000)
+
+    def controller(window, sizes):
+        return {10.0: {"prefill": 3, "decode": 1}}.get(window.end_s)
+
+    slow_start = simulate_elastic(PROFILE, Layout.disaggregated(1, 3), reqs, controller, 10.0, start_s=60.0,
+                                  flip_s=1.0, end_s=60.0)
+    fast_start = simulate_elastic(PROFILE, Layout.disaggregated(1, 3), reqs, controller, 10.0, start_s=5.0,
+                                  flip_s=1.0, end_s=60.0)
+    assert [c.flips for c in slow_start.changes] == [2]
+    assert [c.flips for c in fast_start.changes] == [0]
+    for run in (slow_start, fast_start):
+        assert all(s.finish_s is not None and s.rejected is None for s in run.result.seqs)
+        assert run.timeline[-1][1] == {"prefill": 3, "decode": 1}
