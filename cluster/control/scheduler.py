@@ -295,9 +295,8 @@ class Scheduler:
         if not placement.local:
             decode = self._registry.get(placement.decode_id)
             # Queued on the prefill worker from now: placements decided during the await must see it.
-            with self._registry.queued_meanwhile(placement.prefill_id,
-                                                 len(request.prompt_token_ids) - placement.prefill.cached_tokens,
-                                                 request.cache_salt):
+            uncached = len(request.prompt_token_ids) - placement.prefill.cached_tokens
+            with self._registry.queued_meanwhile(placement.prefill_id, uncached, request.cache_salt):
                 reservation = await self._out.reserve(decode.info.command_endpoint, WorkerRequest(attempt, request),
                                                       placement.decode_id)
             # Anything may have happened during the await: a worker forgotten, replaced or draining, or
@@ -320,10 +319,9 @@ class Scheduler:
             self._guard.expect(attempt, placement.prefill, self._placer.step_s(prefill_id))
         target = self._registry.get(prefill_id)
         self._out.mail.send(target.info.command_endpoint, SubmitAttempt(prefill_id, WorkerRequest(attempt, request, dest)))
-        self._registry.add_queued(prefill_id, len(request.prompt_token_ids) - (
-            placement.prefill.cached_tokens if placement.prefill is not None and not placement.local else 0),
-            request.cache_salt)
         cached = placement.prefill.cached_tokens if placement.prefill is not None else 0
+        self._registry.add_queued(prefill_id, len(request.prompt_token_ids) - (0 if placement.local else cached),
+                                  request.cache_salt)
         return Admitted(prefill_id, placement.decode_id, cached, placement.local, self._incarnation.epoch)
 
     async def abort(self, request_id: str) -> bool:
