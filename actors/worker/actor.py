@@ -133,9 +133,9 @@ class Worker:
         """The actors of ranks 1.. of this worker's tensor-parallel group ([] for a one-rank worker)."""
         return list(self._tp.ranks) if self._tp else []
 
-    def step_log(self) -> tuple[int, list[tuple]]:
-        """Its recent steps, each as step_log.FIELDS: (steps ever logged, the kept ones oldest first)."""
-        return self._step_log.records()
+    def step_log(self, since: int = 0) -> tuple[int, list[tuple]]:
+        """Its recent steps, each as step_log.FIELDS: (steps ever logged, the kept ones after the first `since`)."""
+        return self._step_log.records(since)
 
     def kv_bytes(self) -> tuple[int, int]:
         """KV page bytes rank 0 has sent and received: its own share of the handoffs."""

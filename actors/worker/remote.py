@@ -48,8 +48,8 @@ class WorkerActor:
     def drain_estimate_s(self) -> float:
         return self._worker.drain_estimate_s()
 
-    def step_log(self) -> tuple[int, list[tuple]]:
-        return self._worker.step_log()
+    def step_log(self, since: int = 0) -> tuple[int, list[tuple]]:
+        return self._worker.step_log(since)
 
     def kv_bytes(self) -> tuple[int, int]:
         return self._worker.kv_bytes()

@@ -44,7 +44,8 @@ class StepLog:
     def ran(self, shape: StepShape, began: float, engine_s: float) -> None:
         self._open = (shape, began, engine_s)
 
-    def records(self) -> tuple[int, list[tuple]]:
-        """(steps ever closed, the kept ones oldest first, each as FIELDS)."""
+    def records(self, since: int = 0) -> tuple[int, list[tuple]]:
+        """(steps ever closed, the kept ones closed after the first `since`, oldest first, each as FIELDS)."""
         with self._lock:
-            return self.total, list(self._done)
+            fresh = min(max(self.total - since, 0), len(self._done))
+            return self.total, list(self._done)[len(self._done) - fresh:]

@@ -102,6 +102,8 @@ class SloSection(_Strict):
     shrink_window_s: float = Field(60.0, ge=0, description="a pool shrinks only to the most it needed within this "
                                    "window (growth is at once)")
     headroom: float = Field(0.0, ge=0, description="size for this fraction more than the forecast rate")
+    refit: bool = Field(True, description="keep the profile's step cost current: refit it every interval on the "
+                        "workers' own steps, timed end to end, once both prefill-only and decode-only steps are logged")
 
 
 class AutoscalerSection(_Strict):

@@ -1,7 +1,8 @@
 """The autoscaler loop: every `autoscaler.interval_s` it reads each pool's load from the scheduler (all
 shards), decides (mode load: load_policy.py; mode slo: slo_policy.py over the demand each shard saw,
 demand.py), and resizes through `scaling.scale`, the drain-safe path `tandem scale` and /admin/scale
-take, so a shrink never fails a request.
+take, so a shrink never fails a request. In mode slo the model's step cost is refitted every interval on
+the workers' own steps (online_fit.py, `autoscaler.slo.refit`).
 
 It runs as a thread of the process that owns the cluster (`tandem serve`), beside the config watcher:
 that process holds the workers' handles and spawns and stops them. A resize blocks the loop until the
@@ -23,6 +24,7 @@ import ray
 
 from cluster.control.autoscale.demand import observed
 from cluster.control.autoscale.load_policy import Bounds, Decision, decide
+from cluster.control.autoscale.online_fit import OnlineFit
 from cluster.control.autoscale.pool_load import PoolLoad, merged
 from cluster.control.autoscale.slo_policy import Demand, Forecast, Observed, PoolModel, SloPolicy, SloTargets
 from cluster.control.capacity.profile import EngineProfile
@@ -56,6 +58,7 @@ class Autoscaler:
         self.flips: Counter[tuple[str, str]] = Counter()  # (from pool, to pool) -> workers flipped
         self._last_resize = float("-inf")  # monotonic end of the last resize
         self._slo = _slo_policy(section) if section.mode == "slo" else None
+        self.fit = OnlineFit(self._slo.model.profile) if self._slo is not None and section.slo.refit else None
         self._last_demand: Demand | None = None
         self._loop = Periodic("tandem-autoscaler", section.interval_s, self.tick, lambda exc: log.error(
             "autoscaler: this interval failed; trying again at the next", exc_info=exc))
@@ -78,6 +81,9 @@ class Autoscaler:
         seen = None
         if self._slo is not None:
             seen = self.observe()
+            fitted = self.fit.update(dict(self.cluster.workers)) if self.fit is not None else None
+            if fitted is not None:
+                self._slo.model.profile = fitted
             decision = self._slo.decide(seen, current, bounds, self.section.max_workers)
         else:
             decision = decide(loads, current, bounds, self.section.load, self.section.max_workers)

@@ -1,7 +1,7 @@
 """`GET /admin/steps`: every worker's recent engine steps, timed end to end, through the ingress (the
 admin check of any `/admin/*` route), and the cost model fitted on them (`tandem plan profile
 --from-server`): the prefill worker's steps are prompts, the decode worker's one token per sequence, and
-every step's period covers its engine time."""
+every step's period covers its engine time. And mode slo's online fit of the same logs."""
 
 from __future__ import annotations
 
@@ -64,4 +64,32 @@ def test_steps_are_an_admin_route(served):
             assert ok.status_code == 200 and len(ok.json()["workers"]) == 2
     finally:
         cluster.config = original
+    cluster.check_integrity()
+
+
+def test_the_autoscaler_model_follows_the_workers_steps(served):
+    """Mode slo's online fit (autoscaler.slo.refit): each update takes only the steps logged since the last,
+    and the profile it returns keeps the seed's model and limits with the cost fitted on those steps."""
+    from cluster.control.autoscale.online_fit import OnlineFit
+    from cluster.control.capacity.profile import EngineLimits, EngineProfile, LinearCost, ModelShape
+
+    cluster, url = served
+    seed = EngineProfile("measured", "seed", ModelShape("tiny-llama", 2, 64, 4, 2, 16, 128, 512),
+                         LinearCost(1.0, 0.0, 0.0, 1.0, 0.0, 0.0), EngineLimits(16, 4096, 64, 2048))
+    fit = OnlineFit(seed)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    for prompt in PROMPTS:
+        client.completions.create(model=MODEL, prompt=prompt + "again", max_tokens=6, temperature=0.0,
+                                  extra_body={"ignore_eos": True})
+    first = fit.update(dict(cluster.workers))
+    assert first is not None and first.source == "worker steps" and first.engine == seed.engine
+    assert first.model == seed.model and first.cost.decode_base_s < 1.0  # seconds per step, not the seed's 1 s
+    taken = fit.fitted_on["steps"]
+    again = fit.update(dict(cluster.workers))  # nothing new was logged: the window is the same
+    assert again is not None and fit.fitted_on["steps"] == taken
+    client.completions.create(model=MODEL, prompt="one more prompt " * 30, max_tokens=6, temperature=0.0,
+                              extra_body={"ignore_eos": True})
+    fit.update(dict(cluster.workers))
+    assert fit.fitted_on["steps"] > taken
+    assert fit.update({}) is not None and fit._seen == {}  # forgotten workers are forgotten here too
     cluster.check_integrity()
