@@ -168,6 +168,13 @@ class RequestTable:
             self.finished += 1
         return tracked
 
+    def ended(self, attempt: AttemptId) -> None:
+        """A worker reports the attempt ended there. After a scheduler restart that report may come before the
+        worker's registration, which lists the attempt live (its list was taken before the end): adopted
+        then, it would be tracked forever. Remembered, the announcement is refused (`adopt_live`)."""
+        if self.current(attempt) is None:
+            self._ended.put(attempt, True)
+
     def remember_abort(self, request_id: str) -> None:
         """An abort for a request not tracked here: after a scheduler restart it may come before the
         worker that still runs the request registers it again, which must then stop it, not adopt it."""

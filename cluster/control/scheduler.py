@@ -145,11 +145,14 @@ class Scheduler:
         self._registry.pulse(pulse)
 
     def _take_reports(self, batch: tuple[WorkerReport, ...]) -> tuple[str, ...]:
-        """Workers' reports (client_port.py): a real worker's one, or those of every worker a process hosts.
-        Answers with the workers this scheduler does not know: they register again."""
+        """Workers' reports (client_port.py); answers with the workers it does not know: they register again."""
         return tuple(report.worker_id for report in batch if not self._take_report(report))
 
     def _take_report(self, report: WorkerReport) -> bool:
+        # Let go of by the worker, registered or not yet (after a restart a report can beat its registration).
+        for done in report.finished:
+            if not self._reclaim(done.attempt, failed=done.status == RequestStatus.FAILED, skip=report.worker_id):
+                self._table.ended(done.attempt)
         if not self._registry.observe(report.stats):
             return False
         self._index.apply(report.worker_id, report.kv_events)
@@ -158,15 +161,12 @@ class Scheduler:
         self._links.observe(report.worker_id, report.transfers)
         for attempt in report.received:
             self._table.confirm(attempt)
-        for done in report.finished:  # the reporting worker has let go of the attempt already
-            self._reclaim(done.attempt, failed=done.status == RequestStatus.FAILED, skip=report.worker_id)
         for adopted in report.handed_off:
             self._handed_off(adopted.attempt, adopted.prefill_worker)
         return True
 
     def _handed_off(self, attempt: AttemptId, prefill_worker: str) -> None:
-        """The decode worker adopted the pages: the prefill worker frees its copy (also when the attempt is
-        not tracked: this scheduler restarted since, or it ended; the prefill worker still holds them)."""
+        """The decode worker adopted the pages: the prefill worker frees its copy (tracked or not: it holds them)."""
         self._table.handed_off(attempt)
         self._out.release_on(prefill_worker, attempt, role="prefill")
 
