@@ -60,7 +60,7 @@ from actors.worker.pulse import Pulse
 from actors.worker.running import Running
 from actors.worker.scheduler_link import SchedulerLink
 from actors.worker.spec import WorkerSpec
-from actors.worker.step_log import StepLog
+from actors.worker.step_log import StepLog, StepRecord
 from actors.worker.tp_group import TPGroup
 
 log = logging.getLogger("tandem.worker")
@@ -133,8 +133,8 @@ class Worker:
         """The actors of ranks 1.. of this worker's tensor-parallel group ([] for a one-rank worker)."""
         return list(self._tp.ranks) if self._tp else []
 
-    def step_log(self, since: int = 0) -> tuple[int, list[tuple]]:
-        """Its recent steps, each as step_log.FIELDS: (steps ever logged, the kept ones after the first `since`)."""
+    def step_log(self, since: int = 0) -> tuple[int, list[StepRecord]]:
+        """Its recent steps, as `StepRecord`s: (steps ever logged, the kept ones after the first `since`)."""
         return self._step_log.records(since)
 
     def kv_bytes(self) -> tuple[int, int]:
@@ -242,9 +242,10 @@ class Worker:
     def _run(self) -> None:
         last_report = 0.0
         while not self._stop.is_set():
-            if not self._engine.has_work():
+            waiting = not self._engine.has_work()
+            if waiting:
                 self._step_log.idle(time.perf_counter())
-            self._inbox.drain(block_s=None if self._engine.has_work() else self.spec.heartbeat_s)
+            self._inbox.drain(block_s=self.spec.heartbeat_s if waiting else None)
             self._steps.expire()
             if self._engine.has_work():
                 start = time.perf_counter()

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from actors.protocol.messages import KvReservation, WorkerInfo, WorkerStats
     from actors.protocol.worker_commands import ReserveBlocks, WorkerCommand
     from actors.worker.spec import WorkerSpec
+    from actors.worker.step_log import StepRecord
 
 
 class WorkerActor:
@@ -48,7 +49,7 @@ class WorkerActor:
     def drain_estimate_s(self) -> float:
         return self._worker.drain_estimate_s()
 
-    def step_log(self, since: int = 0) -> tuple[int, list[tuple]]:
+    def step_log(self, since: int = 0) -> tuple[int, list[StepRecord]]:
         return self._worker.step_log(since)
 
     def kv_bytes(self) -> tuple[int, int]:

@@ -38,9 +38,7 @@ def _calibrated(base: EngineProfile, entry: dict) -> EngineProfile | None:
     cal = entry.get("calibration")
     if not cal:
         return None
-    p, d = cal["cost"]["prefill"], cal["cost"]["decode"]
-    return replace(base, cost=LinearCost(p["base_s"], p["per_token_s"], p["per_pair_s"],
-                                         d["base_s"], d["per_seq_s"], d["per_context_token_s"]))
+    return replace(base, cost=LinearCost.from_json(cal["cost"]))
 
 
 def main(path: str, profile_path: str | None = None) -> None:

@@ -11,24 +11,27 @@ from __future__ import annotations
 
 import httpx
 
+from actors.worker.step_log import FIELDS, StepRecord
 from cluster.control.capacity.fit import refit
 from cluster.control.capacity.profile import EngineProfile
 
 
 def fetch_steps(url: str, admin_key: str | None = None, role: str | None = None,
-                timeout_s: float = 60.0) -> list[dict]:
-    """Every worker's logged steps (of `role` only, if given), as dicts of the log's fields."""
+                timeout_s: float = 60.0) -> list[StepRecord]:
+    """Every worker's logged steps (of `role` only, if given)."""
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     r = httpx.get(url.rstrip("/") + "/admin/steps", headers=headers, timeout=timeout_s)
     if r.status_code != 200:
         raise RuntimeError(f"{url}/admin/steps answered {r.status_code}: {r.text[:300]}")
     body = r.json()
-    fields, steps = body["fields"], []
+    if body["fields"] != list(FIELDS):
+        raise RuntimeError(f"{url}/admin/steps sends fields {body['fields']}, this tandem reads {list(FIELDS)}")
+    steps = []
     for worker in body["workers"]:
         if "error" in worker:
             raise RuntimeError(f"worker {worker['worker_id']} did not give its steps: {worker['error']}")
         if role is None or worker["role"] == role:
-            steps += [dict(zip(fields, step)) for step in worker["steps"]]
+            steps += [StepRecord(*step) for step in worker["steps"]]
     return steps
 
 

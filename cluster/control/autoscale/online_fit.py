@@ -15,7 +15,7 @@ from collections import deque
 
 import ray
 
-from actors.worker.step_log import FIELDS
+from actors.worker.step_log import StepRecord
 from cluster.control.capacity.fit import refit
 from cluster.control.capacity.profile import EngineProfile
 
@@ -28,21 +28,26 @@ class OnlineFit:
     def __init__(self, base: EngineProfile, window: int = WINDOW):
         self.base = base
         self._seen: dict[str, int] = {}  # worker id -> steps it had logged when last asked
-        self._steps: deque[dict] = deque(maxlen=window)
+        self._steps: deque[StepRecord] = deque(maxlen=window)
         self.fitted_on: dict | None = None  # what the last fit used (None: the file's cost still stands)
 
     def update(self, workers: dict) -> EngineProfile | None:
         """Take in the steps each of `workers` (id -> actor handle) logged since the last call; the profile
         refitted on the window, or None while it cannot be fitted."""
         asked = {wid: handle.step_log.remote(self._seen.get(wid, 0)) for wid, handle in workers.items()}
+        answered, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=_READ_TIMEOUT_S)  # one deadline
+        answered = set(answered)
         for wid, ref in asked.items():
+            if ref not in answered:
+                log.debug("autoscaler: no step log from %s within %.0fs this interval", wid, _READ_TIMEOUT_S)
+                continue
             try:
                 total, steps = ray.get(ref, timeout=_READ_TIMEOUT_S)
-            except (ray.exceptions.RayError, TimeoutError) as exc:
+            except ray.exceptions.RayError as exc:
                 log.debug("autoscaler: no step log from %s this interval: %s", wid, exc)
                 continue
             self._seen[wid] = total  # (a restarted worker counts from 0 again: asked from there next time)
-            self._steps.extend(dict(zip(FIELDS, step)) for step in steps)
+            self._steps.extend(steps)
         self._seen = {wid: n for wid, n in self._seen.items() if wid in workers}
         try:
             profile = refit(self.base, list(self._steps), "the workers' step logs")

@@ -17,7 +17,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from cluster.control.capacity.profile import BatchShape, EngineProfile, LinearCost
+from actors.worker.step_log import StepRecord
+from cluster.control.capacity.profile import EngineProfile, LinearCost
 
 MIN_STEPS = 3  # steps of a kind below which its half of the model cannot be fitted from a log
 
@@ -38,22 +39,17 @@ def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-def shape_of(step: dict) -> BatchShape:
-    return BatchShape(step["prefill_tokens"], step["prefill_pairs"], step["prefill_samples"],
-                      step["decode_seqs"], step["decode_context"])
-
-
-def fit_worker_steps(steps: list[dict], seconds: str = "period_s") -> tuple[LinearCost, dict]:
-    """A linear cost fitted on worker steps (dicts of step_log.FIELDS), by their `seconds` (the period,
-    or `engine_s` for the engine alone); with what it was fitted on. Raises if either kind is too rare."""
-    prefill = [s for s in steps if s["prefill_tokens"] and not s["decode_seqs"]]
-    decode = [s for s in steps if s["decode_seqs"] and not s["prefill_tokens"]]
+def fit_worker_steps(steps: list[StepRecord], seconds: str = "period_s") -> tuple[LinearCost, dict]:
+    """A linear cost fitted on worker steps, by their `seconds` (`period_s`, or `engine_s` for the engine
+    alone); with what it was fitted on. Raises if either kind of step is too rare."""
+    prefill = [s for s in steps if s.prefill_tokens and not s.decode_seqs]
+    decode = [s for s in steps if s.decode_seqs and not s.prefill_tokens]
     for kind, picked in (("prefill-only", prefill), ("decode-only", decode)):
         if len(picked) < MIN_STEPS:
             raise ValueError(f"{len(picked)} {kind} steps in the log, need {MIN_STEPS}: send it traffic of that kind")
-    p_groups = _medians(prefill, lambda s: (_bin(s["prefill_tokens"], 32), _bin(s["prefill_pairs"] // s["prefill_tokens"], 128)),
+    p_groups = _medians(prefill, lambda s: (s.prefill_tokens // 32, s.prefill_pairs // s.prefill_tokens // 128),
                         ("prefill_tokens", "prefill_pairs"), seconds)
-    d_groups = _medians(decode, lambda s: (s["decode_seqs"], _bin(s["decode_context"] // s["decode_seqs"], 128)),
+    d_groups = _medians(decode, lambda s: (s.decode_seqs, s.decode_context // s.decode_seqs // 128),
                         ("decode_seqs", "decode_context"), seconds)
     p = fit_nonnegative(np.array([[1, g["prefill_tokens"], g["prefill_pairs"]] for g in p_groups], float),
                         np.array([g["s"] for g in p_groups]))
@@ -65,20 +61,20 @@ def fit_worker_steps(steps: list[dict], seconds: str = "period_s") -> tuple[Line
     return LinearCost(*p, *d), used
 
 
-def _bin(value: int, width: int) -> int:
-    return value // width
-
-
-def _medians(steps: list[dict], key, features: tuple[str, ...], seconds: str) -> list[dict]:
+def _medians(steps: list[StepRecord], key, features: tuple[str, ...], seconds: str) -> list[dict]:
+    """Per group of similar steps: the median of each feature and of the seconds (groups of 0 s dropped)."""
     groups: dict = {}
     for s in steps:
         groups.setdefault(key(s), []).append(s)
-    return [{**{f: statistics.median(s[f] for s in members) for f in features},
-             "s": statistics.median(s[seconds] for s in members), "n": len(members)}
-            for members in groups.values() if statistics.median(s[seconds] for s in members) > 0]
+    out = []
+    for members in groups.values():
+        s = statistics.median(getattr(m, seconds) for m in members)
+        if s > 0:
+            out.append({**{f: statistics.median(getattr(m, f) for m in members) for f in features}, "s": s})
+    return out
 
 
-def refit(base: EngineProfile, steps: list[dict], where: str, seconds: str = "period_s") -> EngineProfile:
+def refit(base: EngineProfile, steps: list[StepRecord], where: str, seconds: str = "period_s") -> EngineProfile:
     """`base` (its model, limits and transfer) with the step cost fitted on a worker log's `steps`."""
     cost, used = fit_worker_steps(steps, seconds)
     return replace(base, source="worker steps", cost=cost, samples=[{"fitted_on": used, "where": where}],

@@ -154,6 +154,11 @@ class LinearCost:
         bases = ([self.prefill_base_s] if s.prefill_tokens else []) + ([self.decode_base_s] if s.decode_seqs else [])
         return t + max(bases, default=0.0)
 
+    @classmethod
+    def from_json(cls, cost: dict) -> "LinearCost":
+        p, d = cost["prefill"], cost["decode"]
+        return cls(p["base_s"], p["per_token_s"], p["per_pair_s"], d["base_s"], d["per_seq_s"], d["per_context_token_s"])
+
     def to_json(self) -> dict:
         return {"kind": "linear",
                 "prefill": {"base_s": self.prefill_base_s, "per_token_s": self.prefill_per_token_s,
@@ -249,9 +254,7 @@ class EngineProfile:
         try:
             cost = data["cost"]
             if cost["kind"] == "linear":
-                p, d = cost["prefill"], cost["decode"]
-                model_cost = LinearCost(p["base_s"], p["per_token_s"], p["per_pair_s"],
-                                        d["base_s"], d["per_seq_s"], d["per_context_token_s"])
+                model_cost = LinearCost.from_json(cost)
             elif cost["kind"] == "roofline":
                 model_cost = RooflineCost(**{k: v for k, v in cost.items() if k != "kind"})
             else:

@@ -11,31 +11,35 @@ import pytest
 from actors.engine.step_shape import StepShape, shape_of
 from actors.engine.sequence import Sequence
 from actors.protocol.sampling_params import SamplingParams
-from actors.worker.step_log import FIELDS, StepLog
-from cluster.control.capacity.fit import fit_worker_steps, shape_of as fit_shape
-from cluster.control.capacity.profile import LinearCost
+from actors.worker.step_log import StepLog, StepRecord
+from cluster.control.capacity.fit import fit_worker_steps
+from cluster.control.capacity.profile import BatchShape, LinearCost
 
 TRUE = LinearCost(prefill_base_s=0.010, prefill_per_token_s=0.002, prefill_per_pair_s=1e-7,
                   decode_base_s=0.040, decode_per_seq_s=0.003, decode_per_context_token_s=2e-6)
 
 
-def _step(shape: StepShape, period: float) -> dict:
-    return dict(zip(FIELDS, (*shape, period * 0.6, period)))
+def _step(shape: StepShape, period: float) -> StepRecord:
+    return StepRecord(*shape, period * 0.6, period)
+
+
+def _true_s(shape: StepShape) -> float:
+    return TRUE.step_s(BatchShape(*shape), None)
 
 
 def _log(rng: random.Random) -> list[dict]:
     steps = []
     for _ in range(3000):  # one common shape, many times
         shape = StepShape(decode_seqs=1, decode_context=300)
-        steps.append(_step(shape, TRUE.step_s(fit_shape(_step(shape, 0)), None)))
+        steps.append(_step(shape, _true_s(shape)))
     for b in (2, 4, 8, 16, 32):
         for c in (100, 600, 1500):
             shape = StepShape(decode_seqs=b, decode_context=b * c)
-            steps.append(_step(shape, TRUE.step_s(fit_shape(_step(shape, 0)), None) * rng.uniform(0.98, 1.02)))
+            steps.append(_step(shape, _true_s(shape) * rng.uniform(0.98, 1.02)))
     for n in (16, 64, 256, 512):
         for done in (0, 512, 1024):
             shape = StepShape(n, n * done + n * (n + 1) // 2, 1)
-            steps.append(_step(shape, TRUE.step_s(fit_shape(_step(shape, 0)), None) * rng.uniform(0.98, 1.02)))
+            steps.append(_step(shape, _true_s(shape) * rng.uniform(0.98, 1.02)))
     steps.append(_step(StepShape(decode_seqs=4, decode_context=1200), 5.0))  # a step the machine stalled
     steps.append(_step(StepShape(512, 200_000, 1, 8, 4000), 0.001))  # mixed: not fitted
     return steps
@@ -47,12 +51,11 @@ def test_a_log_from_a_known_cost_gives_it_back():
     for name in ("prefill_base_s", "prefill_per_token_s", "decode_base_s", "decode_per_seq_s"):
         assert getattr(cost, name) == pytest.approx(getattr(TRUE, name), rel=0.15), name
     for shape in (StepShape(decode_seqs=8, decode_context=8 * 800), StepShape(300, 300 * 700 + 300 * 301 // 2, 1)):
-        s = fit_shape(_step(shape, 0))
-        assert cost.step_s(s, None) == pytest.approx(TRUE.step_s(s, None), rel=0.03)
+        assert cost.step_s(BatchShape(*shape), None) == pytest.approx(_true_s(shape), rel=0.03)
 
 
 def test_a_log_without_prefill_steps_is_refused_by_name():
-    only_decodes = [s for s in _log(random.Random(1)) if not s["prefill_tokens"]]
+    only_decodes = [s for s in _log(random.Random(1)) if not s.prefill_tokens]
     with pytest.raises(ValueError, match="prefill-only steps"):
         fit_worker_steps(only_decodes)
 

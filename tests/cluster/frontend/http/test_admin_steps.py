@@ -36,12 +36,12 @@ def test_the_workers_steps_come_back_by_role_and_fit(served):
     roles = {w["worker_id"]: w["role"] for w in body["workers"]}
     assert sorted(roles.values()) == ["decode", "prefill"], body
     prefill, decode = fetch_steps(url, role="prefill"), fetch_steps(url, role="decode")
-    assert prefill and all(s["prefill_tokens"] and not s["decode_seqs"] for s in prefill)
-    assert sum(s["prefill_samples"] for s in prefill) == len(PROMPTS)
+    assert prefill and all(s.prefill_tokens and not s.decode_seqs for s in prefill)
+    assert sum(s.prefill_samples for s in prefill) == len(PROMPTS)
     # The decode worker adopts each prompt's KV with its first token and computes the other 11.
-    assert all(s["decode_seqs"] and not s["prefill_tokens"] for s in decode)
-    assert sum(s["decode_seqs"] for s in decode) == 11 * len(PROMPTS)
-    assert all(s["period_s"] >= s["engine_s"] > 0 for s in prefill + decode)
+    assert all(s.decode_seqs and not s.prefill_tokens for s in decode)
+    assert sum(s.decode_seqs for s in decode) == 11 * len(PROMPTS)
+    assert all(s.period_s >= s.engine_s > 0 for s in prefill + decode)
     cost, used = fit_worker_steps(prefill + decode)
     assert used["prefill_steps"] == len(prefill) and used["decode_steps"] == len(decode)
     assert cost.decode_base_s + cost.decode_per_seq_s > 0 and cost.prefill_per_token_s + cost.prefill_base_s > 0
