@@ -60,6 +60,10 @@ class Batcher:
         self.tenant_slowdown = tenant_slowdown
         self.cost = StepCost()  # the engine reports every step's tokens and seconds
         self.capped_steps = 0  # steps cut below the token budget because several tenants shared them
+        # The most prompt tokens one step computes (chunked prefill only); None: the token budget alone. A
+        # decode worker's cap (Worker sets it): a prompt of any length prefilled there then slows its
+        # decodes by one such chunk a step at most.
+        self.max_prefill_tokens: int | None = None
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         (self.waiting.appendleft if front else self.waiting.append)(seq)
@@ -88,25 +92,34 @@ class Batcher:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [], [])
+        prompt_left = self._prompt_cap()
         # Only with chunked prefill: a prompt bigger than the cut could never be scheduled otherwise.
         if self.tenant_slowdown is not None and self.enable_chunked_prefill and self._tenants() > 1:
-            return self._schedule_shared(batch)
+            return self._schedule_shared(batch, prompt_left)
         for seq in list(self.running):
             if budget <= 0:
                 break
-            n = self._run(seq, budget, batch)
+            allowed = self._allowed(seq, budget, prompt_left)
+            if allowed == 0:
+                continue  # a prompt chunk over this step's prompt cap: it goes on next step
+            n = self._run(seq, allowed, batch)
             if n is None:
                 break  # seq itself was preempted; everything after it already was
             budget -= n
+            prompt_left = self._spent(seq, n, prompt_left)
         # Admit new work only when nothing had to be preempted this step: room is tight.
         for seq in list(self.waiting):
-            n = self._admit(seq, budget, batch) if budget > 0 else None
+            allowed = self._allowed(seq, budget, prompt_left)
+            if allowed == 0 and budget > 0:
+                continue  # its prompt waits for a step with prompt room; an adopted one behind it need not
+            n = self._admit(seq, allowed, batch) if allowed > 0 else None
             if n is None:
                 break
             budget -= n
+            prompt_left = self._spent(seq, n, prompt_left)
         return batch
 
-    def _schedule_shared(self, batch: ScheduledBatch) -> ScheduledBatch:
+    def _schedule_shared(self, batch: ScheduledBatch, prompt_left: int | None) -> ScheduledBatch:
         """A step several tenants share: cut to what the measured step cost allows, one sequence of each
         tenant in turn, running or waiting alike (a tenant whose sequences all wait is not shut out by
         another's running ones); the ones that ran go to the back of the line."""
@@ -117,15 +130,38 @@ class Batcher:
         for seq in self._in_turn(self.running + list(self.waiting)):
             if budget <= 0:
                 break
+            allowed = self._allowed(seq, budget, prompt_left)
+            if allowed == 0:
+                continue
             if seq.seq_id in running:
-                n = self._run(seq, budget, batch)
+                n = self._run(seq, allowed, batch)
             else:
-                n = self._admit(seq, budget, batch) if admitting else None
+                n = self._admit(seq, allowed, batch) if admitting else None
                 admitting = n is not None
             budget -= n or 0
+            prompt_left = self._spent(seq, n or 0, prompt_left)
         ran = {s.seq_id for s in batch.seqs}
         self.running.sort(key=lambda s: s.seq_id in ran)
         return batch
+
+    def _prompt_cap(self) -> int | None:
+        return self.max_prefill_tokens if self.enable_chunked_prefill else None
+
+    @staticmethod
+    def _is_prompt_work(seq: Sequence) -> bool:
+        """Part of its prompt left, or more than one token to compute (a recompute after preemption or a
+        migration): not a decode (as `step_shape.shape_of` counts it)."""
+        return seq.num_computed_tokens < len(seq.prompt_token_ids) or seq.num_uncomputed_tokens > 1
+
+    def _allowed(self, seq: Sequence, budget: int, prompt_left: int | None) -> int:
+        if prompt_left is None or not self._is_prompt_work(seq):
+            return budget
+        return min(budget, prompt_left)
+
+    def _spent(self, seq: Sequence, n: int, prompt_left: int | None) -> int | None:
+        """What is left of the step's prompt cap after `seq` was scheduled for `n` tokens (its count not
+        yet advanced: the step has not run)."""
+        return prompt_left if prompt_left is None or not self._is_prompt_work(seq) else prompt_left - n
 
     def _run(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int | None:
         """Schedule a running sequence's next tokens; None if it had to be preempted for lack of KV."""

@@ -85,6 +85,8 @@ class Worker:
             self._tp = TPGroup(spec) if spec.tensor_parallel_size > 1 else None
             self._engine = Engine(dataclasses.replace(spec.engine, model=model_dir),
                                   self._tp.comm if self._tp else SINGLE)
+        # Set per role: a flip to prefill lifts it, one to decode sets it (`become` builds a new Worker).
+        self._engine.batcher.max_prefill_tokens = spec.decode_prefill_tokens if spec.role == "decode" else None
         self._inbox = Inbox(spec.worker_id)
         self._publisher = TokenPublisher(keys=spec.curve_keys)
         self._handoffs = HandoffTable(self._engine, spec.lease_s)

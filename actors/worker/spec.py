@@ -23,6 +23,10 @@ class WorkerSpec:
     lease_s: float
     heartbeat_s: float
     torch_threads: int = 1
+    # As a decode worker: the most prompt tokens one step computes (scheduler.local_prefill_max_tokens),
+    # so a prompt of any length prefilled here (an overflow from a short prefill pool) slows the decodes
+    # it shares steps with by one such chunk a step at most. None: the engine's token budget alone.
+    decode_prefill_tokens: int | None = None
     zmq_transport: str = "ipc"
     host: str = "127.0.0.1"
     transfer_backend: str = "zmq"  # or "collective": torch.distributed over every worker of the cluster

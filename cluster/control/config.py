@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from actors.engine.config import EngineConfig
 from actors.engine.model.builtin_names import DEFAULT_MODEL, SMOLLM2_MODEL
-from cluster.control.routing import LOCAL_PREFILL_MAX_TOKENS
+from cluster.control.routing import LOCAL_PREFILL_MAX_TOKENS, LOCAL_PREFILL_OVERFLOW_S
 
 
 class _Strict(BaseModel):
@@ -146,8 +146,14 @@ class SchedulerSection(_Strict):
         1.0, ge=0, description="a local prefill must be predicted (1 + penalty) times faster than the best remote one"
     )
     local_prefill_max_tokens: int = Field(
-        LOCAL_PREFILL_MAX_TOKENS, ge=0, description="the most uncached prompt tokens a decode worker prefills itself: a longer prefill "
+        LOCAL_PREFILL_MAX_TOKENS, ge=0, description="the most uncached prompt tokens a decode worker prefills itself "
+        "(but see local_prefill_overflow_s), and the most prompt tokens it computes in one step: a longer prefill "
         "step there would stall every token it decodes meanwhile, and every reservation asked of it")
+    local_prefill_overflow_s: float | None = Field(
+        LOCAL_PREFILL_OVERFLOW_S, gt=0, description="when even the best prefill worker is predicted to take longer than this to a "
+        "prompt's first token (a burst, a prefill pool still growing), a decode worker takes a prompt of any "
+        "length whenever it is predicted faster: it computes at most local_prefill_max_tokens of it a step, so "
+        "its decodes slow no more than a short local prompt slows them; null: never")
     prefill_s_per_token: float = Field(2e-4, gt=0, description="initial prefill cost per token, replaced by measurements")
     transfer_bytes_per_s: float = Field(2e9, gt=0, description="initial KV transfer bandwidth, replaced by measurements")
     heartbeat_s: float = Field(0.05, gt=0, description="how often workers report stats and finished requests")

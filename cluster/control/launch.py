@@ -99,6 +99,7 @@ class Cluster:
             max_predicted_ttft_s=config.scheduler.max_predicted_ttft_s,
             local_prefill=config.scheduler.local_prefill, local_prefill_penalty=config.scheduler.local_prefill_penalty,
             local_prefill_max_tokens=config.scheduler.local_prefill_max_tokens,
+            local_prefill_overflow_s=config.scheduler.local_prefill_overflow_s,
             tenant_turns=engine.tenant_slowdown is not None and engine.enable_chunked_prefill,
             prefill_s_per_token=config.scheduler.prefill_s_per_token,
             transfer_bytes_per_s=config.scheduler.transfer_bytes_per_s,
@@ -156,6 +157,7 @@ class Cluster:
             host=self.config.transfer.host, transfer_backend=self.config.transfer.backend,
             collective_init=collective_init, rank=rank, world_size=world_size,
             curve_keys=self.keys, kv_encrypted=self.config.transfer.kv_encrypted(), kv_shm=self.config.transfer.shm,
+            decode_prefill_tokens=self.config.scheduler.local_prefill_max_tokens or None,
         )
         placement = {}
         if pool.tensor_parallel_size > 1:

@@ -110,7 +110,8 @@ class Placer:
             plan = plan_prefill(self.s.routing, prefill_pool, cached, prompt_len, transfer_s,
                                 self.typical_cost("prefill"), next(self._turn),
                                 local=decode if local_ok else None, local_penalty=self.s.local_prefill_penalty,
-                                local_max_tokens=self.s.local_prefill_max_tokens, tenant=tenant)
+                                local_max_tokens=self.s.local_prefill_max_tokens, tenant=tenant,
+                                local_overflow_s=self.s.local_prefill_overflow_s)
         else:
             cost = predicted_ttft(decode, prompt_len, cached[decode.worker_id], self.typical_cost("decode"), 0.0,
                                   tenant)
@@ -184,7 +185,8 @@ class Placer:
             views, local = [local], None
         plan = plan_prefill("cache_aware", views, {}, prompt_len, 0.0, self.typical_cost(views[0].role), 0,
                             local=local, local_penalty=self.s.local_prefill_penalty,
-                            local_max_tokens=self.s.local_prefill_max_tokens)
+                            local_max_tokens=self.s.local_prefill_max_tokens,
+                            local_overflow_s=self.s.local_prefill_overflow_s)
         return self._guard.calibrated(plan.worker_id, self._guard.predict(plan, self.step_s(plan.worker_id)))
 
     def hopeless(self, arrived: float, prompt_len: int) -> Rejected | None:

@@ -16,6 +16,9 @@ ANY_TENANT = object()  # predicted_ttft: count the whole queue (a batcher that d
 
 # The most uncached prompt tokens a decode worker prefills itself, by default (scheduler.local_prefill_max_tokens).
 LOCAL_PREFILL_MAX_TOKENS = 512
+# The predicted time to first token on the best prefill worker past which a decode worker takes a prompt of
+# any length, by default (scheduler.local_prefill_overflow_s).
+LOCAL_PREFILL_OVERFLOW_S = 0.5
 
 
 @dataclass
@@ -68,11 +71,18 @@ def plan_prefill(
     local_penalty: float = 1.0,
     local_max_tokens: int | None = None,
     tenant: object = ANY_TENANT,
+    local_overflow_s: float | None = None,
 ) -> PrefillPlan:
     """Pick the prefill worker; `local`, if given, is the chosen decode worker as a candidate too, for a
-    prompt of at most `local_max_tokens` uncached tokens there (None: any). `transfer_s`: the handoff's cost
-    from each prefill worker (by id), or one for all. `tenant`: whose prompt it is, where the workers take
-    tenants in turn (`predicted_ttft`)."""
+    prompt of at most `local_max_tokens` uncached tokens there (None: any), taken when predicted (1 +
+    `local_penalty`) times faster. `transfer_s`: the handoff's cost from each prefill worker (by id), or one
+    for all. `tenant`: whose prompt it is, where the workers take tenants in turn (`predicted_ttft`).
+
+    Overflow: where even the best prefill worker is predicted to take longer than `local_overflow_s` to the
+    first token (the prefill pool is short: a burst, or a pool still growing), the decode worker takes a
+    prompt of any length whenever it is predicted faster at all. It computes at most `local_max_tokens` of
+    it a step (the decode worker's prompt cap, `Batcher.max_prefill_tokens`), so its decodes slow no more
+    than a short local prompt slows them."""
     def handoff_s(view: WorkerView) -> float:
         return transfer_s if isinstance(transfer_s, (int, float)) else transfer_s[view.worker_id]
 
@@ -94,10 +104,11 @@ def plan_prefill(
     if local is None:
         return remote
     local_cached = cached_tokens.get(local.worker_id, 0)
-    if local_max_tokens is not None and prompt_len - local_cached > local_max_tokens:
-        return remote  # a long prefill there would stall the tokens of everything it decodes
+    overflow = local_overflow_s is not None and remote.predicted_ttft_s > local_overflow_s and local_max_tokens != 0
+    if not overflow and local_max_tokens is not None and prompt_len - local_cached > local_max_tokens:
+        return remote  # in one step there, a long prefill would stall the tokens of everything it decodes
     local_ttft = predicted_ttft(local, prompt_len, local_cached, default_cost, 0.0, tenant)
-    if local_ttft * (1.0 + local_penalty) < remote.predicted_ttft_s:
+    if local_ttft * (1.0 + (0.0 if overflow else local_penalty)) < remote.predicted_ttft_s:
         return PrefillPlan(local.worker_id, True, local_cached, local_ttft)
     return remote
 

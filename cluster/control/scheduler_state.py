@@ -33,6 +33,7 @@ class SchedulerSettings:
     heartbeat_timeout_s: float = _DEFAULTS.heartbeat_timeout_s
     progress_timeout_s: float = _DEFAULTS.progress_timeout_s
     local_prefill_max_tokens: int | None = _DEFAULTS.local_prefill_max_tokens  # None: any prompt
+    local_prefill_overflow_s: float | None = _DEFAULTS.local_prefill_overflow_s  # None: no overflow
     tenant_turns: bool = False  # the workers' batchers take tenants in turn (engine.tenant_slowdown set)
     max_predicted_ttft_s: float | None = None  # shed requests predicted to miss this (None: no shedding)
     curve_keys: CurveKeys | None = None  # the data plane's keys: clients that join later fetch them here

@@ -21,6 +21,7 @@ from cluster.control.capacity.metrics import SLO
 from cluster.control.capacity.profile import EngineProfile
 from cluster.control.capacity.roofline import GPUS, MODEL_PRESETS, roofline_profile
 from cluster.control.capacity.simulator import Layout, SimOptions
+from cluster.control.routing import LOCAL_PREFILL_OVERFLOW_S
 from experiments.autoscale.runs import Outcome, SloController, autoscaled, best_static
 from experiments.autoscale.trace import draw, four_phases, phase_bounds
 
@@ -48,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="autoscaler.slo.headroom: size for this fraction more than the forecast (shipped: 0)")
     p.add_argument("--no-local-prefill", action="store_true",
                    help="decode workers never prefill (scheduler.local_prefill: false); on by default, as shipped")
+    p.add_argument("--local-prefill-overflow-s", type=float, default=LOCAL_PREFILL_OVERFLOW_S, metavar="S",
+                   help="scheduler.local_prefill_overflow_s: decode workers take prompts of any length once the best "
+                   "prefill worker is predicted to take longer than this to a first token; 0: never "
+                   f"(shipped: {LOCAL_PREFILL_OVERFLOW_S:g})")
     p.add_argument("--start", default="static", choices=["static", "small"],
                    help="the autoscaler's first layout: the best static one, or 1P:1D")
     p.add_argument("--out", default=None, help="the report's JSON; the PNG timeline goes beside it")
@@ -68,7 +73,8 @@ def main(args: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
     splits = None if args.static is None else [_split(one, args.budget) for one in args.static.split(",")]
-    options = SimOptions(local_prefill=not args.no_local_prefill)
+    options = SimOptions(local_prefill=not args.no_local_prefill,
+                         local_prefill_overflow_s=args.local_prefill_overflow_s or None)
     static, tried = best_static(profile, requests, slo, args.budget, duration, splits, options)
     print(f"static layout of {args.budget}: {static.layout} (best of {len(tried)} splits simulated, "
           f"{time.monotonic() - t0:.0f} s)")

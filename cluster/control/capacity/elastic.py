@@ -158,7 +158,7 @@ class _Elastic(_Cluster):
 
     def _start(self, now: float, role: str, ready_s: float, machine_start: float) -> str:
         wid = f"{role}-{next(self.ids[role])}"
-        self.workers[wid] = SimWorker(wid, role, self.profile_of)
+        self.workers[wid] = self._new_worker(wid, role, self.profile_of)
         self.machine_start[wid], self.ready_at[wid] = machine_start, ready_s
         self._push(ready_s, "ready", wid)
         return wid

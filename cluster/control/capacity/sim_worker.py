@@ -45,8 +45,11 @@ class SimSeq:
 
 
 class SimWorker:
-    def __init__(self, worker_id: str, role: str, profile: EngineProfile):
+    def __init__(self, worker_id: str, role: str, profile: EngineProfile, decode_prompt_cap: int | None = None):
+        """`decode_prompt_cap`: in the decode role, the most prompt tokens a step computes (the engine's
+        `Batcher.max_prefill_tokens`)."""
         self.worker_id = worker_id
+        self.decode_prompt_cap = decode_prompt_cap
         self.role = role  # prefill | decode | colocated
         self.profile = profile
         self.limits = profile.engine
@@ -90,14 +93,16 @@ class SimWorker:
     def start_step(self) -> BatchShape | None:
         """Choose the next batch; None if there is nothing to compute now."""
         budget = self.limits.max_num_batched_tokens - self.decode_count
+        capped = self.role == "decode" and self.decode_prompt_cap is not None
+        prompt_left = self.decode_prompt_cap if capped else budget  # adoptions do not count against it
         step = len(self.step_ends)
         batch: list[tuple[SimSeq, int]] = []
         for seq in self.prefilling:
-            if budget <= 0:
+            if min(budget, prompt_left) <= 0:
                 break
-            n = min(seq.uncomputed, budget)
+            n = min(seq.uncomputed, budget, prompt_left)
             batch.append((seq, n))
-            budget -= n
+            budget, prompt_left = budget - n, prompt_left - n
         while self.waiting and budget > 0 and self.running < self.limits.max_num_seqs:
             seq = self.waiting[0]
             if seq.adopted:
@@ -105,7 +110,9 @@ class SimWorker:
                 self._begin_decoding(seq, step)
                 budget -= 1
                 continue
-            n = min(seq.uncomputed, budget)
+            if prompt_left <= 0:
+                break  # FIFO here (the engine lets an adopted one pass; in the simulator they rarely queue)
+            n = min(seq.uncomputed, budget, prompt_left)
             if self.role == "prefill":
                 blocks = -(-seq.request.prompt_len // self.limits.block_size)
                 if blocks > self.free_blocks:
@@ -115,7 +122,7 @@ class SimWorker:
             self.waiting.popleft()
             self.prefilling.append(seq)
             batch.append((seq, n))
-            budget -= n
+            budget, prompt_left = budget - n, prompt_left - n
         prefill_tokens = sum(n for _, n in batch)
         shape = BatchShape(
             prefill_tokens=prefill_tokens,

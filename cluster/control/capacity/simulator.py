@@ -32,7 +32,9 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from cluster.control.routing import LOCAL_PREFILL_MAX_TOKENS, WorkerView, pick_decode, plan_prefill
+from cluster.control.routing import (
+    LOCAL_PREFILL_MAX_TOKENS, LOCAL_PREFILL_OVERFLOW_S, WorkerView, pick_decode, plan_prefill,
+)
 from cluster.control.capacity.profile import EngineProfile
 from cluster.control.capacity.sim_worker import SimSeq, SimWorker
 from cluster.control.capacity.workload import SimRequest
@@ -100,6 +102,7 @@ class SimOptions:
     local_prefill: bool = True
     local_prefill_penalty: float = 1.0
     local_prefill_max_tokens: int | None = LOCAL_PREFILL_MAX_TOKENS  # on a decode worker's own prefill
+    local_prefill_overflow_s: float | None = LOCAL_PREFILL_OVERFLOW_S  # ... past which it takes any prompt
     default_prefill_s_per_token: float = 2e-4  # the scheduler's guess until a worker has measured itself
     lease_s: float | None = None  # a decode reservation's lifetime; None never expires
 
@@ -108,7 +111,7 @@ class SimOptions:
         """The routing policy of a `TandemConfig`'s scheduler section."""
         s = config.scheduler
         return cls(s.routing, s.local_prefill, s.local_prefill_penalty, s.local_prefill_max_tokens,
-                   s.prefill_s_per_token, s.lease_s)
+                   s.local_prefill_overflow_s, s.prefill_s_per_token, s.lease_s)
 
 
 @dataclass
@@ -132,7 +135,7 @@ class _Cluster:
     def __init__(self, profiles: dict[str, EngineProfile], layout: Layout, options: SimOptions):
         self.layout, self.options = layout, options
         roles = [("prefill", layout.prefill), ("decode", layout.decode), ("colocated", layout.colocated)]
-        self.workers = {f"{role}-{i}": SimWorker(f"{role}-{i}", role, profiles[role]) for role, n in roles
+        self.workers = {f"{role}-{i}": self._new_worker(f"{role}-{i}", role, profiles[role]) for role, n in roles
                         for i in range(n)}
         self.pool = "colocated" if layout.mode == "colocated" else "decode"
         self.profile = profiles[self.pool]  # the pool that holds a request's KV while it decodes
@@ -180,6 +183,11 @@ class _Cluster:
                 return  # FIFO: later requests wait behind the head until KV frees up
             self.admission.popleft()
 
+    def _new_worker(self, worker_id: str, role: str, profile: EngineProfile) -> SimWorker:
+        """As the cluster starts one: a decode worker computes at most local_prefill_max_tokens of a prompt
+        a step (the launcher sets that cap on every worker; the engine applies it in the decode role)."""
+        return SimWorker(worker_id, role, profile, decode_prompt_cap=self.options.local_prefill_max_tokens or None)
+
     def _views(self, role: str) -> list[WorkerView]:
         return [WorkerView(w.worker_id, role, w.limits.num_kv_blocks - w.committed_blocks, w.limits.num_kv_blocks,
                            w.queued_prefill_tokens(), w.running, len(w.waiting), w.prefill_s_per_token)
@@ -206,7 +214,8 @@ class _Cluster:
         transfer_s = self.sender.transfer_s(prompt_len)
         plan = plan_prefill(o.routing, prefill_views, {}, prompt_len, transfer_s, self._typical_cost(prefill_views),
                             next(self.turn), local=decode if o.local_prefill else None,
-                            local_penalty=o.local_prefill_penalty, local_max_tokens=o.local_prefill_max_tokens)
+                            local_penalty=o.local_prefill_penalty, local_max_tokens=o.local_prefill_max_tokens,
+                            local_overflow_s=o.local_prefill_overflow_s)
         if seq.request.output_len == 1 and not plan.local:
             needed = 0  # a one-token request finishes on the prefill worker: nothing to reserve
         self._submit(seq, self.workers[plan.worker_id], self.workers[decode.worker_id], needed, now)

@@ -83,6 +83,27 @@ def test_preemption_does_not_change_outputs(hf_models, alone):
     assert engine.batcher.num_preemptions > 0
 
 
+def test_a_prompt_cap_bounds_every_step_and_changes_no_output(hf_models, alone):
+    """A decode worker's cap (`Batcher.max_prefill_tokens`): no step computes more prompt tokens than it,
+    decodes and adoptions do not count against it, and the greedy outputs are those of each request alone."""
+    prompts, params = _requests()
+    engine = _engine(hf_models["llama"])
+    engine.batcher.max_prefill_tokens = 10
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(i, prompt, p)
+    outputs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    shapes = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        shapes.append(engine.last_step_shape)
+    assert [outputs[i] for i in range(len(prompts))] == alone
+    assert max(s.prefill_tokens for s in shapes) == 10  # it was reached, never passed
+    assert any(s.prefill_tokens == 10 and s.decode_seqs for s in shapes), "decodes ran beside capped chunks"
+    engine.check_integrity()
+    assert engine.num_used_blocks == 0
+
+
 def test_chunked_prefill_interleaves_with_decode(hf_models):
     """A long prompt is split into chunks while a running request keeps decoding every step."""
     engine = _engine(hf_models["llama"], max_num_batched_tokens=16)

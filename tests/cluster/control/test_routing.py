@@ -77,6 +77,25 @@ def test_a_long_uncached_prompt_is_never_prefilled_on_the_decode_worker():
     assert short.local
 
 
+def test_past_the_overflow_time_a_decode_worker_takes_a_long_prompt():
+    """Overflow: when even the best prefill worker is predicted past `local_overflow_s`, the bound on a
+    local prompt's length is lifted and the local plan wins whenever it is predicted faster at all (the
+    decode worker computes it a capped chunk a step). Below it, or with local prefill bounded to 0, nothing
+    changes."""
+    decode = WorkerView("decode-0", "decode", 1000, 1000, queued_prefill_tokens=1500)
+    kwargs = dict(local=decode, local_max_tokens=512, local_penalty=1.0)
+    busy = views(queue_a=2000, queue_b=2000)  # 4.01 s to a first token there, 3.5 s locally
+    overflow = plan_prefill("cache_aware", busy, {}, 2000, 0.01, COST, 0, local_overflow_s=1.0, **kwargs)
+    assert overflow.local and overflow.predicted_ttft_s == pytest.approx(3500 * COST)
+    assert not plan_prefill("cache_aware", busy, {}, 2000, 0.01, COST, 0, local_overflow_s=5.0, **kwargs).local
+    assert not plan_prefill("cache_aware", busy, {}, 2000, 0.01, COST, 0, local_overflow_s=None, **kwargs).local
+    never = dict(kwargs, local_max_tokens=0)
+    assert not plan_prefill("cache_aware", busy, {}, 2000, 0.01, COST, 0, local_overflow_s=1.0, **never).local
+    slower = WorkerView("decode-0", "decode", 1000, 1000, queued_prefill_tokens=3000)
+    assert not plan_prefill("cache_aware", busy, {}, 2000, 0.01, COST, 0, local=slower, local_max_tokens=512,
+                            local_overflow_s=1.0).local
+
+
 def test_round_robin_and_least_loaded():
     assert [plan_prefill("round_robin", views(), {}, 10, 0, COST, t).worker_id for t in range(3)] == [
         "prefill-a", "prefill-b", "prefill-a"]
