@@ -82,7 +82,9 @@ def plan_prefill(
     first token (the prefill pool is short: a burst, or a pool still growing), the decode worker takes a
     prompt of any length whenever it is predicted faster at all. It computes at most `local_max_tokens` of
     it a step (the decode worker's prompt cap, `Batcher.max_prefill_tokens`), so its decodes slow no more
-    than a short local prompt slows them."""
+    than a short local prompt slows them. Not a tenant's whose own prompts are more than an equal share of
+    that worker's queue: its flood is what makes the pool short, and it would go on in the steps every
+    tenant's tokens share on the decode worker."""
     def handoff_s(view: WorkerView) -> float:
         return transfer_s if isinstance(transfer_s, (int, float)) else transfer_s[view.worker_id]
 
@@ -104,13 +106,22 @@ def plan_prefill(
     if local is None:
         return remote
     local_cached = cached_tokens.get(local.worker_id, 0)
-    overflow = local_overflow_s is not None and remote.predicted_ttft_s > local_overflow_s and local_max_tokens != 0
+    overflow = (local_overflow_s is not None and remote.predicted_ttft_s > local_overflow_s and local_max_tokens != 0
+                and not _floods(chosen, tenant))
     if not overflow and local_max_tokens is not None and prompt_len - local_cached > local_max_tokens:
         return remote  # in one step there, a long prefill would stall the tokens of everything it decodes
     local_ttft = predicted_ttft(local, prompt_len, local_cached, default_cost, 0.0, tenant)
     if local_ttft * (1.0 + (0.0 if overflow else local_penalty)) < remote.predicted_ttft_s:
         return PrefillPlan(local.worker_id, True, local_cached, local_ttft)
     return remote
+
+
+def _floods(view: WorkerView, tenant: object) -> bool:
+    """The tenant's queued prompt tokens on the worker are more than an equal share of its queue."""
+    if tenant is ANY_TENANT or not view.queued_by_tenant:
+        return False
+    tenants = set(view.queued_by_tenant) | {tenant}
+    return view.queued_by_tenant.get(tenant, 0) * len(tenants) > sum(view.queued_by_tenant.values())
 
 
 def pick_decode(decode_workers: list[WorkerView], blocks_needed: int) -> WorkerView | None:

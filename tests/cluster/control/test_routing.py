@@ -91,6 +91,12 @@ def test_past_the_overflow_time_a_decode_worker_takes_a_long_prompt():
     assert not plan_prefill("cache_aware", busy, {}, 2000, 0.01, COST, 0, local_overflow_s=None, **kwargs).local
     never = dict(kwargs, local_max_tokens=0)
     assert not plan_prefill("cache_aware", busy, {}, 2000, 0.01, COST, 0, local_overflow_s=1.0, **never).local
+    flooded = [WorkerView("prefill-a", "prefill", 100, 100, queued_prefill_tokens=4000,
+                          queued_by_tenant={"a": 3000, "b": 1000})]
+    by = dict(local=decode, local_max_tokens=512, local_overflow_s=1.0)
+    assert not plan_prefill("cache_aware", flooded, {}, 2000, 0.01, COST, 0, tenant="a", **by).local, \
+        "the tenant flooding the prefill worker keeps its prompts there"
+    assert plan_prefill("cache_aware", flooded, {}, 2000, 0.01, COST, 0, tenant="c", **by).local
     slower = WorkerView("decode-0", "decode", 1000, 1000, queued_prefill_tokens=3000)
     assert not plan_prefill("cache_aware", busy, {}, 2000, 0.01, COST, 0, local=slower, local_max_tokens=512,
                             local_overflow_s=1.0).local
