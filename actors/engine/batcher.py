@@ -16,6 +16,9 @@ a one-token step (`StepCost`), and filled taking one sequence of each tenant in 
 the fewest running first; the ones that ran go to the back of the line, so every sequence of a big
 tenant still gets its turns. One tenant's flood then slows another's tokens by at most that factor,
 wherever batching makes steps slower at all (on a CPU; rarely on a GPU).
+
+A prompt cap (`max_prefill_tokens`, a decode worker's): with chunked prefill, no step computes more
+prompt tokens than it, whatever the token budget; decodes and adopted requests do not count against it.
 """
 
 from __future__ import annotations
