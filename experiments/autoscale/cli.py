@@ -150,11 +150,12 @@ def _report(args, profile, phases, requests, duration, runs: list[Outcome], trie
 
 def _recovery(bounds, intervals, per_interval) -> dict[str, int | None]:
     """Per phase change: intervals from the change until attainment (of requests arriving in an interval)
-    is >= 90% again; 0 if the first interval already is, None if never within the phase."""
+    is >= 90% and stays so to the end of the phase (a later dip counts: the phase had not recovered); 0 if
+    every interval of the phase is, None if its last one is not."""
     out = {}
     for name, lo, hi in bounds[1:]:
         inside = [a for (s, _), a in zip(intervals, per_interval) if lo <= s < hi]
-        out[name] = next((i for i, a in enumerate(inside) if a is not None and a >= 0.9), None)
+        out[name] = next((i for i in range(len(inside)) if all(a is None or a >= 0.9 for a in inside[i:])), None)
     return out
 
 
