@@ -153,7 +153,9 @@ class SchedulerSection(_Strict):
         LOCAL_PREFILL_OVERFLOW_S, gt=0, description="when even the best prefill worker is predicted to take longer than this to a "
         "prompt's first token (a burst, a prefill pool still growing), a decode worker takes a prompt of any "
         "length whenever it is predicted faster: it computes at most local_prefill_max_tokens of it a step, so "
-        "its decodes slow no more than a short local prompt slows them; null: never")
+        "its decodes slow no more than a short local prompt slows them; only while the requests of the last 60 s "
+        "came from one tenant (with several, one tenant's long prompts would run in the steps all of them share on a "
+        "decode worker); null: never")
     prefill_s_per_token: float = Field(2e-4, gt=0, description="initial prefill cost per token, replaced by measurements")
     transfer_bytes_per_s: float = Field(2e9, gt=0, description="initial KV transfer bandwidth, replaced by measurements")
     heartbeat_s: float = Field(0.05, gt=0, description="how often workers report stats and finished requests")

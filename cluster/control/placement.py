@@ -25,7 +25,9 @@ from cluster.control.link_costs import LinkCosts
 from cluster.control.prefix_index import PrefixIndex
 from cluster.control.registry import WorkerRegistry
 from cluster.control.request_table import RequestTable
-from cluster.control.routing import ANY_TENANT, PrefillPlan, WorkerView, pick_decode, plan_prefill, predicted_ttft
+from cluster.control.routing import (
+    ANY_TENANT, PrefillPlan, RecentTenants, WorkerView, pick_decode, plan_prefill, predicted_ttft,
+)
 from cluster.control.scheduler_state import SchedulerSettings
 from cluster.control.ttft_guard import TtftGuard
 from cluster.control.worker_order import WorkerOrder
@@ -55,6 +57,7 @@ class Placer:
         self.shed = 0
         self._queued = WorkerOrder()  # prefill (and colocated) workers, least queued prompt tokens first
         self._room = WorkerOrder()  # decode (and colocated) workers, most uncommitted KV first
+        self._tenants = RecentTenants()  # overflow prefill only while one tenant is served
 
     def refresh(self, worker_id: str) -> None:
         """A worker's load, room or standing changed (the registry's and the table's `on_change`, wired by
@@ -87,6 +90,9 @@ class Placer:
         prompt_len = len(request.prompt_token_ids)
         # Where the batchers take tenants in turn, another tenant's queue counts only in part (routing.py).
         tenant = request.cache_salt if self.s.tenant_turns else ANY_TENANT
+        now = time.monotonic()
+        self._tenants.saw(tenant, now)
+        overflow_s = self.s.local_prefill_overflow_s if self._tenants.alone(tenant, now) else None
         if self.s.mode == "colocated":
             fits = [v for v in self._with_room("colocated", hashes) if v.free_blocks >= blocks_needed]
             if not fits:
@@ -111,7 +117,7 @@ class Placer:
                                 self.typical_cost("prefill"), next(self._turn),
                                 local=decode if local_ok else None, local_penalty=self.s.local_prefill_penalty,
                                 local_max_tokens=self.s.local_prefill_max_tokens, tenant=tenant,
-                                local_overflow_s=self.s.local_prefill_overflow_s)
+                                local_overflow_s=overflow_s)
         else:
             cost = predicted_ttft(decode, prompt_len, cached[decode.worker_id], self.typical_cost("decode"), 0.0,
                                   tenant)

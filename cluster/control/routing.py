@@ -106,8 +106,7 @@ def plan_prefill(
     if local is None:
         return remote
     local_cached = cached_tokens.get(local.worker_id, 0)
-    overflow = (local_overflow_s is not None and remote.predicted_ttft_s > local_overflow_s and local_max_tokens != 0
-                and not _floods(chosen, tenant))
+    overflow = local_overflow_s is not None and remote.predicted_ttft_s > local_overflow_s and local_max_tokens != 0
     if not overflow and local_max_tokens is not None and prompt_len - local_cached > local_max_tokens:
         return remote  # in one step there, a long prefill would stall the tokens of everything it decodes
     local_ttft = predicted_ttft(local, prompt_len, local_cached, default_cost, 0.0, tenant)
@@ -116,12 +115,24 @@ def plan_prefill(
     return remote
 
 
-def _floods(view: WorkerView, tenant: object) -> bool:
-    """The tenant's queued prompt tokens on the worker are more than an equal share of its queue."""
-    if tenant is ANY_TENANT or not view.queued_by_tenant:
-        return False
-    tenants = set(view.queued_by_tenant) | {tenant}
-    return view.queued_by_tenant.get(tenant, 0) * len(tenants) > sum(view.queued_by_tenant.values())
+class RecentTenants:
+    """The tenants (cache salts) whose requests were placed in the last `window_s` seconds: overflow prefill
+    is for a cluster serving one of them. With several, one tenant's long prompts on a decode worker would
+    run in steps every tenant shares there (its own queue on the prefill worker alone, where the others'
+    short prompts are prefilled locally, never looks like more than its share)."""
+
+    def __init__(self, window_s: float = 60.0):
+        self.window_s = window_s
+        self._seen: dict[object, float] = {}
+
+    def saw(self, tenant: object, now: float) -> None:
+        self._seen[tenant] = now
+        if len(self._seen) > 1:
+            self._seen = {t: at for t, at in self._seen.items() if now - at <= self.window_s}
+
+    def alone(self, tenant: object, now: float) -> bool:
+        """No other tenant was seen within the window (always, where tenants are not told apart)."""
+        return tenant is ANY_TENANT or all(t == tenant or now - at > self.window_s for t, at in self._seen.items())
 
 
 def pick_decode(decode_workers: list[WorkerView], blocks_needed: int) -> WorkerView | None:

@@ -9,7 +9,7 @@ import torch
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.launch import Cluster
-from cluster.control.routing import WorkerView, pick_decode, plan_prefill, predicted_ttft
+from cluster.control.routing import ANY_TENANT, RecentTenants, WorkerView, pick_decode, plan_prefill, predicted_ttft
 from tests.helpers.cluster import load, wait_until_idle
 
 COST = 1e-3
@@ -91,15 +91,20 @@ def test_past_the_overflow_time_a_decode_worker_takes_a_long_prompt():
     assert not plan_prefill("cache_aware", busy, {}, 2000, 0.01, COST, 0, local_overflow_s=None, **kwargs).local
     never = dict(kwargs, local_max_tokens=0)
     assert not plan_prefill("cache_aware", busy, {}, 2000, 0.01, COST, 0, local_overflow_s=1.0, **never).local
-    flooded = [WorkerView("prefill-a", "prefill", 100, 100, queued_prefill_tokens=4000,
-                          queued_by_tenant={"a": 3000, "b": 1000})]
-    by = dict(local=decode, local_max_tokens=512, local_overflow_s=1.0)
-    assert not plan_prefill("cache_aware", flooded, {}, 2000, 0.01, COST, 0, tenant="a", **by).local, \
-        "the tenant flooding the prefill worker keeps its prompts there"
-    assert plan_prefill("cache_aware", flooded, {}, 2000, 0.01, COST, 0, tenant="c", **by).local
     slower = WorkerView("decode-0", "decode", 1000, 1000, queued_prefill_tokens=3000)
     assert not plan_prefill("cache_aware", busy, {}, 2000, 0.01, COST, 0, local=slower, local_max_tokens=512,
                             local_overflow_s=1.0).local
+
+
+def test_overflow_is_for_one_tenant_seen_within_the_window():
+    recent = RecentTenants(window_s=60.0)
+    recent.saw("a", 0.0)
+    assert recent.alone("a", 1.0) and recent.alone(ANY_TENANT, 1.0)
+    recent.saw("b", 10.0)
+    assert not recent.alone("a", 11.0) and not recent.alone("b", 11.0)
+    assert recent.alone("a", 71.0), "b was last seen more than a window ago"
+    recent.saw(None, 80.0)  # anonymous requests are a tenant of their own
+    assert not recent.alone("a", 81.0)
 
 
 def test_round_robin_and_least_loaded():
