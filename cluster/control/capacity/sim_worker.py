@@ -4,10 +4,10 @@ Each step mirrors `actors/engine/batcher.py`: running decodes first (one token e
 chunks, then waiting requests admitted in FIFO order while the token budget (max_num_batched_tokens),
 max_num_seqs and (on a prefill worker) free KV blocks allow; a prompt longer than the budget left is
 chunked. A decode worker computes at most `decode_prompt_cap` prompt tokens a step (the engine's
-`Batcher.max_prefill_tokens`). A prefill worker takes a whole prompt's blocks on admission and holds them until its KV has
-left (the real batcher allocates per chunk; without preemption the two agree). Decode and colocated
-workers never run out of KV because the scheduler admits a request only with prompt + output reserved
-(the `prompt_plus_max_tokens` policy), so they never preempt.
+`Batcher.max_prefill_tokens`). A prefill worker takes a whole prompt's blocks on admission and holds
+them until its KV has left (the real batcher allocates per chunk; without preemption the two agree).
+Decode and colocated workers never run out of KV because the scheduler admits a request only with
+prompt + output reserved (the `prompt_plus_max_tokens` policy), so they never preempt.
 
 Decoding sequences are kept as totals (count, context) plus a heap of finish steps, so a step costs
 O(prefill chunks + finishing requests), not O(batch): the planner runs thousands of simulations.

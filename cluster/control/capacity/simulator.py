@@ -15,8 +15,9 @@ arrives; a worker's step ends; a KV transfer lands. Policy, as in the real sched
   no prefix cache in the simulator, so cache-aware reduces to least loaded by queued prompt tokens. With
   `local_prefill`, a prompt of up to `local_prefill_max_tokens` runs on the chosen decode worker when
   that is predicted (1 + penalty) times faster, and past `local_prefill_overflow_s` on the best prefill
-  worker a prompt of any length when it is predicted faster at all, exactly the real rule; a decode
-  worker computes at most `local_prefill_max_tokens` prompt tokens a step, as the real one does.
+  worker a prompt of any length when it is predicted faster at all, exactly the real rule (a trace is one
+  tenant's, so overflow is never off for another's); a decode worker computes at most
+  `local_prefill_max_tokens` prompt tokens a step, as the real one does.
 - A prefill worker emits the first token when the prompt's last chunk ends (TTFT does not include the
   transfer), then sends the KV over its one outgoing link (transfers from one worker queue behind each
   other; each takes latency + bytes / bandwidth) and frees its blocks when the KV has landed. The decode
