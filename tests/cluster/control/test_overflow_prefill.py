@@ -1,7 +1,8 @@
 """Overflow prefill on a live 1P:1D cluster, with the shipped settings (scheduler.local_prefill_overflow_s,
 local_prefill_max_tokens): once the prefill worker is measured slow enough that a long prompt is predicted
 past the overflow time there, the decode worker prefills it itself, at most local_prefill_max_tokens of it a
-step, and the answer is the engine's own greedy answer."""
+step, and the answer is the engine's own greedy answer. Once a second tenant is served, a long prompt
+stays on the prefill worker however slow it is predicted there."""
 
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ def test_a_long_prompt_overflows_onto_the_decode_worker_in_capped_steps(ray_sess
     config = load("local.yaml")
     cap = config.scheduler.local_prefill_max_tokens
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    first, second = _prompt(1), _prompt(2)
+    first, second, third = _prompt(1), _prompt(2), _prompt(3)
+    short = _prompt(4, 20)
     assert len(second) > cap, "precondition: without overflow this prompt is never prefilled locally"
-    expected = [r.outputs[0].token_ids for r in Engine(config.engine_config()).generate([first, second], params)]
+    engine = Engine(config.engine_config())
+    expected = [r.outputs[0].token_ids for r in engine.generate([first, second, third, short], params)]
     cluster = Cluster.start(config)
     try:
         client = cluster.client()
@@ -42,5 +45,12 @@ def test_a_long_prompt_overflows_onto_the_decode_worker_in_capped_steps(ray_sess
         _, steps = ray.get(cluster.workers["decode-0"].step_log.remote(logged), timeout=30)
         prompt_steps = [s.prefill_tokens for s in steps if s.prefill_tokens]
         assert sum(prompt_steps) == len(second) and max(prompt_steps) == cap, prompt_steps
+
+        logged, _ = ray.get(cluster.workers["decode-0"].step_log.remote(0), timeout=30)
+        assert client.generate([short], params, cache_salt="b", timeout_s=120)[0][0].token_ids == expected[3]
+        assert client.generate([third], params, timeout_s=120)[0][0].token_ids == expected[2]
+        wait_until_idle(cluster)
+        _, steps = ray.get(cluster.workers["decode-0"].step_log.remote(logged), timeout=30)
+        assert sum(s.prefill_tokens for s in steps) <= len(short), "with two tenants the long prompt stayed remote"
     finally:
         cluster.shutdown()
