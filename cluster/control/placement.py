@@ -192,7 +192,8 @@ class Placer:
         plan = plan_prefill("cache_aware", views, {}, prompt_len, 0.0, self.typical_cost(views[0].role), 0,
                             local=local, local_penalty=self.s.local_prefill_penalty,
                             local_max_tokens=self.s.local_prefill_max_tokens,
-                            local_overflow_s=self.s.local_prefill_overflow_s)
+                            local_overflow_s=self.s.local_prefill_overflow_s
+                            if self._tenants.at_most_one(time.monotonic()) else None)
         return self._guard.calibrated(plan.worker_id, self._guard.predict(plan, self.step_s(plan.worker_id)))
 
     def hopeless(self, arrived: float, prompt_len: int) -> Rejected | None:

@@ -82,9 +82,8 @@ def plan_prefill(
     first token (the prefill pool is short: a burst, or a pool still growing), the decode worker takes a
     prompt of any length whenever it is predicted faster at all. It computes at most `local_max_tokens` of
     it a step (the decode worker's prompt cap, `Batcher.max_prefill_tokens`), so its decodes slow no more
-    than a short local prompt slows them. Not a tenant's whose own prompts are more than an equal share of
-    that worker's queue: its flood is what makes the pool short, and it would go on in the steps every
-    tenant's tokens share on the decode worker."""
+    than a short local prompt slows them. The caller passes it only while one tenant is served
+    (`RecentTenants`)."""
     def handoff_s(view: WorkerView) -> float:
         return transfer_s if isinstance(transfer_s, (int, float)) else transfer_s[view.worker_id]
 
@@ -118,8 +117,7 @@ def plan_prefill(
 class RecentTenants:
     """The tenants (cache salts) whose requests were placed in the last `window_s` seconds: overflow prefill
     is for a cluster serving one of them. With several, one tenant's long prompts on a decode worker would
-    run in steps every tenant shares there (its own queue on the prefill worker alone, where the others'
-    short prompts are prefilled locally, never looks like more than its share)."""
+    run in the steps all of them share there."""
 
     def __init__(self, window_s: float = 60.0):
         self.window_s = window_s
@@ -133,6 +131,10 @@ class RecentTenants:
     def alone(self, tenant: object, now: float) -> bool:
         """No other tenant was seen within the window (always, where tenants are not told apart)."""
         return tenant is ANY_TENANT or all(t == tenant or now - at > self.window_s for t, at in self._seen.items())
+
+    def at_most_one(self, now: float) -> bool:
+        """At most one tenant was seen within the window."""
+        return sum(now - at <= self.window_s for at in self._seen.values()) <= 1
 
 
 def pick_decode(decode_workers: list[WorkerView], blocks_needed: int) -> WorkerView | None:

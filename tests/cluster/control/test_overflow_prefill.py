@@ -6,7 +6,6 @@ stays on the prefill worker however slow it is predicted there."""
 
 from __future__ import annotations
 
-import pytest
 import ray
 
 from actors.engine.engine import Engine

@@ -102,6 +102,7 @@ def test_overflow_is_for_one_tenant_seen_within_the_window():
     assert recent.alone("a", 1.0) and recent.alone(ANY_TENANT, 1.0)
     recent.saw("b", 10.0)
     assert not recent.alone("a", 11.0) and not recent.alone("b", 11.0)
+    assert not recent.at_most_one(11.0) and recent.at_most_one(71.0)
     assert recent.alone("a", 71.0), "b was last seen more than a window ago"
     recent.saw(None, 80.0)  # anonymous requests are a tenant of their own
     assert not recent.alone("a", 81.0)
