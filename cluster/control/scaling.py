@@ -61,20 +61,26 @@ def _scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float, d
     for role, n in replicas.items():
         arriving = sum(1 for _, to in moves if to == role)
         added += [cluster.spawn_worker(role) for _ in range(n - _count(cluster, role) - arriving)]
-    if added:
-        _wait_ready(cluster, added, ready_timeout_s)
-        cluster.worker_start_s = time.monotonic() - spawned
     flipping = {wid for wid, _ in moves}
     removed = []
     for role, n in replicas.items():
-        removed += [wid for wid in sorted(_ids(cluster, role), key=worker_index)[n:] if wid not in flipping]
+        removed += [wid for wid in sorted(_ids(cluster, role), key=worker_index)[n:]
+                    if wid not in flipping and wid not in added]
+    # Everything that leaves stops taking work now, and the flips go ahead while the new workers load their
+    # weights: a flip is quick by choice (it drains before a cold start would end), so a resize that also
+    # starts workers cold does not hold it back until they are ready.
     started = time.monotonic()
-    for wid in removed + [wid for wid, _ in moves]:  # all stop taking work first, then each drains
-        ray.get(cluster.scheduler_of(wid).drain.remote(wid), timeout=30)
-    flipped = [become(cluster, wid, role, started, drain_timeout_s, ready_timeout_s) for wid, role in moves]
-    for wid in removed:
-        _drain_and_stop(cluster, wid, drain_timeout_s)
-    cluster.config = _with_replicas(cluster.config, {role: _count(cluster, role) for role in replicas})
+    try:
+        for wid in removed + [wid for wid, _ in moves]:
+            ray.get(cluster.scheduler_of(wid).drain.remote(wid), timeout=30)
+        flipped = [become(cluster, wid, role, started, drain_timeout_s, ready_timeout_s) for wid, role in moves]
+        if added:
+            _wait_ready(cluster, added, ready_timeout_s)
+            cluster.worker_start_s = time.monotonic() - spawned
+    finally:  # a worker that was told to drain goes, whatever else failed
+        for wid in removed:
+            _drain_and_stop(cluster, wid, drain_timeout_s)
+        cluster.config = _with_replicas(cluster.config, {role: _count(cluster, role) for role in replicas})
     log.info("scaled: added %s, removed %s, flipped %s", added or "none", removed or "none",
              [f"{f.old_id} -> {f.new_id}" for f in flipped] or "none")
     return {"added": added, "removed": removed,

@@ -5,6 +5,7 @@ comes back in its new role; flips the pools cannot allow are refused."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -147,4 +148,33 @@ def test_a_worker_slower_to_drain_than_a_cold_start_stops_and_a_new_one_starts(c
     assert result["flipped"] == [] and result["removed"] == [victim] and len(result["added"]) == 1
     assert result["added"][0].startswith("prefill-") and cluster.worker_start_s > 1e-6  # measured again
     assert traffic.bad == [], traffic.bad[:3]
+    assert_clean(cluster)
+
+
+def test_a_resize_that_flips_and_starts_cold_serves_the_flip_before_the_new_worker_is_ready(cluster, expected):
+    sizes = {role: pool.replicas for role, pool in cluster.config.pools().items()}
+    if sizes["prefill"] < 2:
+        scale(cluster, {"prefill": 2}, flips=True)
+    leaving = max((w for w in cluster.workers if w.startswith("prefill-")), key=lambda w: int(w.split("-")[1]))
+    process = pid(cluster, leaving)
+    decoders = {w for w, role in roles(cluster).items() if role == "decode"}
+    traffic = ClosedLoop(cluster, PROMPTS, PARAMS, expected)
+    out = {}
+    resize = threading.Thread(target=lambda: out.update(scale(
+        cluster, {"prefill": 1, "decode": len(decoders) + 2}, flips=True)))
+    try:
+        resize.start()
+        deadline = time.monotonic() + 120
+        while not (new := [w for w, role in roles(cluster).items() if role == "decode" and w not in decoders]):
+            assert time.monotonic() < deadline, "no new decode worker registered"
+            time.sleep(0.02)
+        assert len(new) == 1 and pid(cluster, new[0]) == process, new  # the flip, while the cold one still loads
+        resize.join(timeout=300)
+    finally:
+        traffic.stop()
+    assert not resize.is_alive()
+    assert len(out["flipped"]) == 1 and len(out["added"]) == 1 and out["removed"] == [], out
+    assert traffic.bad == [], traffic.bad[:3]
+    assert_clean(cluster)
+    scale(cluster, sizes, flips=True)
     assert_clean(cluster)
