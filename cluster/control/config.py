@@ -102,6 +102,10 @@ class SloSection(_Strict):
     shrink_window_s: float = Field(60.0, ge=0, description="a pool shrinks only to the most it needed within this "
                                    "window (growth is at once)")
     headroom: float = Field(0.0, ge=0, description="size for this fraction more than the forecast rate")
+    react_s: float = Field(2.0, ge=0, description="between decisions, check this often whether the newest demand "
+                           "(since the last check) already needs a pool to grow, and grow it at once (a new phase of traffic "
+                           "then waits seconds, not the rest of the interval); it never shrinks a pool but for a "
+                           "flip into the one that grows; 0 (or >= interval_s): only at decisions")
     refit: bool = Field(True, description="keep the profile's step cost current: refit it every interval on the "
                         "workers' own steps, timed end to end, once both prefill-only and decode-only steps are logged")
 

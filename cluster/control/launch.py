@@ -20,6 +20,7 @@ from actors.engine.text.tokenizer import has_tokenizer, load_tokenizer
 from actors.worker.remote import worker_actor
 from actors.worker.spec import WorkerSpec
 from cluster.control.config import TandemConfig
+from cluster.control.resize_state import ResizeState
 from cluster.control.scheduler import Scheduler, SchedulerSettings
 from cluster.control.scheduler_state import SchedulerState
 from cluster.frontend.client import TandemClient
@@ -62,6 +63,7 @@ class Cluster:
         # role flip must beat (scaling.py). None until measured.
         self.worker_start_s: float | None = None
         self.groups: dict[str, PlacementGroup] = {}  # tensor-parallel worker id -> its ranks' placement group
+        self.resizes = ResizeState()  # workers a resize still waits for (scaling.py)
         self._owns_ray = owns_ray
         self.model_dir = model_dir
         self.clients: list[TandemClient] = []  # made by `client()`, closed by `shutdown()`
@@ -232,7 +234,8 @@ class Cluster:
     def check_integrity(self, timeout_s: float = 30.0) -> dict:
         """Every worker's and the scheduler's invariants (raises on a violation); returns their stats as
         a plain report for people and tests: {"workers": {id: stats}, "scheduler": state}."""
-        stats = ray.get([w.check_integrity.remote() for w in self.workers.values()], timeout=timeout_s)
+        self.resizes.check_integrity(self)
+        stats = ray.get([w.check_integrity.remote() for w in list(self.workers.values())], timeout=timeout_s)
         shards = ray.get([s.check_integrity.remote() for s in self.schedulers], timeout=timeout_s)
         return {"workers": {s.worker_id: s.as_dict() for s in stats},
                 "scheduler": SchedulerState.merged(shards).as_dict()}

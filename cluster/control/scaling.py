@@ -30,20 +30,35 @@ class ResizeInProgress(RuntimeError):
 
 
 def scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float = 300.0,
-          drain_timeout_s: float = 600.0, flips: bool = False) -> dict:
+          drain_timeout_s: float = 600.0, flips: bool = False, wait: bool = True) -> dict:
     """Bring each named pool to its replica count; returns {"added": [...], "removed": [...], "flipped":
     [...], "replicas": {...}}. `flips`: where one pool shrinks and another grows, the shrinking pool's
-    workers change role (role_flip.py) instead of some stopping and others starting cold."""
+    workers change role (role_flip.py) instead of some stopping and others starting cold.
+
+    `wait=False` (the autoscaler's) returns once the flips are done and everything else is under way: new
+    workers start and removed ones drain in a thread, and the next resize may come meanwhile (it counts a
+    starting worker as serving and a draining one as gone; it may not shrink a pool while one of its
+    workers is still starting: ResizeInProgress). The replica counts are the target then, and fall back if
+    a new worker fails to start."""
     if not _resizing.acquire(blocking=False):
         raise ResizeInProgress("a resize is already in progress")
     try:
-        return _scale(cluster, replicas, ready_timeout_s, drain_timeout_s, flips)
+        result, rest = _scale(cluster, replicas, ready_timeout_s, drain_timeout_s, flips)
     finally:
         _resizing.release()
+    if not wait:
+        threading.Thread(target=rest, name="tandem-resize-finish", daemon=True).start()
+        return result
+    error = rest()
+    if error is not None:
+        raise error
+    return {**result, "replicas": {role: _count(cluster, role) for role in cluster.config.pools()}}
 
 
 def _scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float, drain_timeout_s: float,
-           flips: bool) -> dict:
+           flips: bool):
+    """The part of a resize nothing else may interleave with: validate, pick, spawn, tell the leaving workers
+    to drain, flip. Returns the result and the rest (new workers' start, removed ones' drain) to run after."""
     pools = cluster.config.pools()
     for role, n in replicas.items():
         if role not in pools:
@@ -55,17 +70,26 @@ def _scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float, d
             raise ValueError(f"{role} replicas must be at most {pools[role].max_replicas} (its max_replicas), got {n}")
     if cluster.config.transfer.backend == "collective" and any(n != _count(cluster, r) for r, n in replicas.items()):
         raise ValueError("live scaling needs transfer.backend zmq: the collective group's size is fixed at start")
+    state = cluster.resizes
+    with state.lock:
+        for role, n in replicas.items():
+            starting = sorted(wid for wid in state.starting if role_of(wid) == role)
+            if starting and n < _count(cluster, role):
+                raise ResizeInProgress(f"{', '.join(starting)} still starting: the {role} pool shrinks once its "
+                                       "new workers serve")
     moves = _flips(cluster, replicas) if flips else []
-    added = []
-    spawned = time.monotonic()
-    for role, n in replicas.items():
-        arriving = sum(1 for _, to in moves if to == role)
-        added += [cluster.spawn_worker(role) for _ in range(n - _count(cluster, role) - arriving)]
     flipping = {wid for wid, _ in moves}
-    removed = []
-    for role, n in replicas.items():
-        removed += [wid for wid in sorted(_ids(cluster, role), key=worker_index)[n:]
-                    if wid not in flipping and wid not in added]
+    added, removed = [], []
+    spawned = time.monotonic()
+    with state.lock:
+        for role, n in replicas.items():
+            arriving = sum(1 for _, to in moves if to == role)
+            for _ in range(n - _count(cluster, role) - arriving):
+                added.append(cluster.spawn_worker(role))
+                state.starting.add(added[-1])
+            leaving = [wid for wid in _removable(cluster, role) if wid not in flipping]
+            removed += leaving[:max(_count(cluster, role) - sum(1 for wid in flipping if role_of(wid) == role) - n, 0)]
+        state.leaving.update(removed)
     # Everything that leaves stops taking work now, and the flips go ahead while the new workers load their
     # weights: a flip is quick by choice (it drains before a cold start would end), so a resize that also
     # starts workers cold does not hold it back until they are ready.
@@ -74,26 +98,51 @@ def _scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float, d
         for wid in removed + [wid for wid, _ in moves]:
             ray.get(cluster.scheduler_of(wid).drain.remote(wid), timeout=30)
         flipped = [become(cluster, wid, role, started, drain_timeout_s, ready_timeout_s) for wid, role in moves]
-        if added:
+    except BaseException:
+        _finish(cluster, added, removed, spawned, ready_timeout_s, drain_timeout_s)
+        raise
+    _recount(cluster)
+    log.info("scaling: adding %s, removing %s, flipped %s", added or "none", removed or "none",
+             [f"{f.old_id} -> {f.new_id}" for f in flipped] or "none")
+    result = {"added": added, "removed": removed,
+              "flipped": [{"from": f.old_id, "to": f.new_id, "seconds": round(f.total_s, 3), "cold": f.cold,
+                           "drained_s": round(f.drained_s, 3), "switched_s": round(f.switched_s, 3)} for f in flipped],
+              "replicas": {role: _count(cluster, role) for role in cluster.config.pools()}}
+    return result, lambda: _finish(cluster, added, removed, spawned, ready_timeout_s, drain_timeout_s)
+
+
+def _finish(cluster: Cluster, added: list[str], removed: list[str], spawned: float, ready_timeout_s: float,
+            drain_timeout_s: float) -> ValueError | None:
+    """Wait for the new workers (stopping any that did not start) and for the removed ones to drain, then stop
+    those; the error of a failed start, or None."""
+    state = cluster.resizes
+    error = None
+    if added:
+        try:
             _wait_ready(cluster, added, ready_timeout_s)
             cluster.worker_start_s = time.monotonic() - spawned
-    finally:  # a worker that was told to drain goes, whatever else failed
-        for wid in removed:
-            _drain_and_stop(cluster, wid, drain_timeout_s)
-        cluster.config = _with_replicas(cluster.config, {role: _count(cluster, role) for role in replicas})
-    log.info("scaled: added %s, removed %s, flipped %s", added or "none", removed or "none",
-             [f"{f.old_id} -> {f.new_id}" for f in flipped] or "none")
-    return {"added": added, "removed": removed,
-            "flipped": [{"from": f.old_id, "to": f.new_id, "seconds": round(f.total_s, 3), "cold": f.cold,
-                         "drained_s": round(f.drained_s, 3), "switched_s": round(f.switched_s, 3)} for f in flipped],
-            "replicas": {role: _count(cluster, role) for role in cluster.config.pools()}}
+        except ValueError as exc:
+            error = exc
+        with state.lock:
+            state.starting.difference_update(added)
+    for wid in removed:  # told to drain together: each is waited for in turn
+        _drain_and_stop(cluster, wid, drain_timeout_s)
+    _recount(cluster)
+    log.info("scaled: added %s, removed %s%s", added or "none", removed or "none",
+             f" ({error})" if error else "")
+    return error
+
+
+def _recount(cluster: Cluster) -> None:
+    with cluster.resizes.lock:
+        cluster.config = _with_replicas(cluster.config, {role: _count(cluster, role) for role in cluster.config.pools()})
 
 
 def _flips(cluster: Cluster, replicas: dict[str, int]) -> list[tuple[str, str]]:
     """(worker, new role) pairs: the workers a shrinking pool gives up (its highest ids, as a removal picks)
     that a growing pool can take by a flip, each only if its drain may end before a cold start would
     (a decode worker holding long answers is slower to free than a new worker is to start)."""
-    leaving = {role: sorted(_ids(cluster, role), key=worker_index)[n:] for role, n in replicas.items()}
+    leaving = {role: _removable(cluster, role)[:max(_count(cluster, role) - n, 0)][::-1] for role, n in replicas.items()}
     short = {role: n - _count(cluster, role) for role, n in replicas.items() if n > _count(cluster, role)}
     moves = []
     for to_role, need in short.items():
@@ -126,8 +175,10 @@ def _wait_ready(cluster: Cluster, worker_ids: list[str], timeout_s: float) -> No
         ray.get([cluster.workers[w].info.remote() for w in worker_ids], timeout=timeout_s)
         cluster.wait_registered(set(worker_ids), timeout_s=30.0)
     except (ray.exceptions.GetTimeoutError, TimeoutError):
-        for wid in worker_ids:  # never leave a half-added worker behind
-            cluster.stop_worker(wid)
+        with cluster.resizes.lock:
+            for wid in worker_ids:  # never leave a half-added worker behind
+                cluster.stop_worker(wid)
+                cluster.resizes.starting.discard(wid)
         raise ValueError(f"new workers {worker_ids} were not ready within {timeout_s:.0f}s: does the Ray cluster "
                          "have the CPUs/GPUs/resources their pool asks for?") from None
 
@@ -139,11 +190,22 @@ def _drain_and_stop(cluster: Cluster, worker_id: str, timeout_s: float) -> None:
         ray.get(cluster.workers[worker_id].shutdown.remote(), timeout=30)
     except ray.exceptions.RayError as exc:
         log.warning("worker %s shutdown: %s", worker_id, exc)
-    cluster.stop_worker(worker_id)
+    with cluster.resizes.lock:
+        cluster.stop_worker(worker_id)
+        cluster.resizes.leaving.discard(worker_id)
 
 
 def _ids(cluster: Cluster, role: str) -> list[str]:
-    return [wid for wid in cluster.workers if role_of(wid) == role]
+    """The pool's members: its workers less those leaving (starting ones count: they will serve)."""
+    leaving = cluster.resizes.leaving
+    return [wid for wid in list(cluster.workers) if role_of(wid) == role and wid not in leaving]
+
+
+def _removable(cluster: Cluster, role: str) -> list[str]:
+    """Members a shrink may take, the newest first (never one still starting: a pool with one is refused a
+    shrink, see `_scale`)."""
+    starting = cluster.resizes.starting
+    return sorted((wid for wid in _ids(cluster, role) if wid not in starting), key=worker_index, reverse=True)
 
 
 def _count(cluster: Cluster, role: str) -> int:

@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=20.0)
     p.add_argument("--percentile", type=float, default=90.0, help="the SLO's percentile")
     p.add_argument("--interval-s", type=float, default=10.0, help="autoscaler.interval_s (shipped: 10)")
+    p.add_argument("--react-s", type=float, default=2.0,
+                   help="autoscaler.slo.react_s (shipped: 2): between decisions, check this often whether a pool must grow now (0: off)")
+    p.add_argument("--overlap-resizes", action="store_true",
+                   help="let the autoscaler decide again while a resize is still under way (the product waits for it)")
     p.add_argument("--start-s", type=float, default=60.0, help="a new worker's start to serving (process + weights)")
     p.add_argument("--flip-s", type=float, default=None,
                    help="also run the autoscaler with role flips taking this long after a drain (simulated only)")
@@ -83,12 +87,12 @@ def main(args: argparse.Namespace) -> int:
         policy = SloPolicy(PoolModel(profile), SloTargets(slo.ttft_s, slo.tpot_s), args.interval_s,
                            Forecast(args.forecast), headroom=args.headroom, flips=flip_s is not None)
         bounds = {"prefill": Bounds(1, args.budget - 1), "decode": Bounds(1, args.budget - 1)}
-        controller = SloController(policy, bounds, args.budget, args.percentile)
+        controller = SloController(policy, bounds, args.budget, args.percentile, args.react_s or None)
         name = "autoscaler" if flip_s is None else f"autoscaler+flips({flip_s:g}s)"
         first = Layout.disaggregated(1, 1) if args.start == "small" else Layout.disaggregated(
             static.timeline[0][1]["prefill"], static.timeline[0][1]["decode"])
-        runs.append(autoscaled(profile, requests, slo, controller, first, args.interval_s,
-                               args.start_s, flip_s, duration, name, options))
+        runs.append(autoscaled(profile, requests, slo, controller, first, args.start_s, flip_s, duration, name,
+                               options, blocking=not args.overlap_resizes))
     report = _report(args, profile, phases, requests, duration, runs, tried)
     _print(report)
     out = Path(args.out) if args.out else None

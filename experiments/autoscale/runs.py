@@ -32,8 +32,8 @@ class Outcome:
 
 
 def observe(window: Window, percentile: float, last: Demand | None) -> Observed:
-    """What the frontend would report of an interval: arrivals and their mean lengths, and the percentile
-    of the TTFTs and TPOTs measured in it. An arrival's output length is known here as a client's
+    """What the frontend would report of an interval: arrivals and their mean lengths, the percentile of the
+    TTFTs measured in it and the decode workers' step time at its end. An arrival's output length is known here as a client's
     `max_tokens` is (a trace replayed with its lengths sets max_tokens to them, as `vllm bench serve` does)."""
     span = window.end_s - window.start_s
     prompt = np.mean([s.request.prompt_len for s in window.arrived]) if window.arrived else (
@@ -41,28 +41,52 @@ def observe(window: Window, percentile: float, last: Demand | None) -> Observed:
     output = np.mean([s.request.output_len for s in window.arrived]) if window.arrived else (
         last.output_tokens if last else 1.0)
     ttfts = [s.first_token_s - s.submitted_s for s in window.first_tokens]  # placement -> first token
-    tpots = [(s.finish_s - s.first_token_s) / (s.request.output_len - 1) for s in window.finished
-             if s.request.output_len > 1 and s.first_token_s is not None]
     pick = (lambda xs: float(np.percentile(xs, percentile)) if xs else None)
-    return Observed(Demand(len(window.arrived) / span, float(prompt), float(output)), pick(ttfts), pick(tpots),
+    # TPOT as the product reads it: the slowest decode worker's smoothed step time now (a finished request's
+    # TPOT would tell of a long answer only once it ends, half a minute late).
+    tpot = max(window.decode_step_s) if window.decode_step_s else None
+    return Observed(Demand(len(window.arrived) / span, float(prompt), float(output)), pick(ttfts), tpot,
                     queued=len(window.queued), waiting=sum(1 for s in window.queued if s.submitted_s is None),
-                    decoding=len(window.decoding))
+                    decoding=len(window.decoding), seconds=span)
 
 
 class SloController:
-    """`SloPolicy` as the elastic simulator's controller; keeps every decision for the report."""
+    """`SloPolicy` as the elastic simulator's controller; keeps every decision for the report. With
+    `react_s` it is called every `react_s`: each call checks whether a pool must grow now (`SloPolicy.react`
+    on the newest window's demand), and every `interval_s` it decides on the whole interval, as the
+    product's autoscaler does."""
 
-    def __init__(self, policy: SloPolicy, bounds: dict[str, Bounds], max_workers: int, percentile: float):
+    def __init__(self, policy: SloPolicy, bounds: dict[str, Bounds], max_workers: int, percentile: float,
+                 react_s: float | None = None):
         self.policy, self.bounds, self.max_workers, self.percentile = policy, bounds, max_workers, percentile
+        self.react_s = react_s
         self.decisions: list[dict] = []
         self._last: Demand | None = None
+        self._since: Window | None = None  # the windows since the last decision, merged
+
+    @property
+    def period_s(self) -> float:
+        """How often the simulator calls it."""
+        return self.react_s or self.policy.interval_s
 
     def __call__(self, window: Window, sizes: dict[str, int]) -> dict[str, int] | None:
-        observed = observe(window, self.percentile, self._last)
-        self._last = observed.demand
-        decision = self.policy.decide(observed, sizes, self.bounds, self.max_workers)
+        self._since = window if self._since is None else self._since.then(window)
+        at_decision = self._since.end_s - self._since.start_s >= self.policy.interval_s - 1e-9
+        whole = self._since
+        if at_decision:
+            self._since = None
+        if at_decision:
+            observed = observe(whole, self.percentile, self._last)
+            self._last = observed.demand
+            decision = self.policy.decide(observed, sizes, self.bounds, self.max_workers)
+        else:  # the newest window alone: one that ran from the last decision would blend a new phase with the old
+            observed = observe(window, self.percentile, self._last)
+            decision = self.policy.react(observed, sizes, self.bounds, self.max_workers)
+            if not decision.replicas:
+                return None
         self.decisions.append({
             "at_s": window.end_s, "sizes": sizes, "changes": decision.replicas, "reasons": decision.reasons,
+            "react": not at_decision,
             "observed": {"rate": observed.demand.rate, "prompt_tokens": observed.demand.prompt_tokens,
                          "output_tokens": observed.demand.output_tokens, "ttft_s": observed.ttft_s,
                          "tpot_s": observed.tpot_s},
@@ -92,9 +116,9 @@ def best_static(profile: EngineProfile, requests: list[SimRequest], slo: SLO, bu
 
 
 def autoscaled(profile: EngineProfile, requests: list[SimRequest], slo: SLO, controller: SloController,
-               start: Layout, interval_s: float, start_s: float, flip_s: float | None, duration_s: float,
-               name: str = "autoscaler", options: SimOptions = SimOptions()) -> Outcome:
-    run: ElasticRun = simulate_elastic(profile, start, requests, controller, interval_s, start_s, flip_s,
-                                       options, end_s=duration_s)
+               start: Layout, start_s: float, flip_s: float | None, duration_s: float,
+               name: str = "autoscaler", options: SimOptions = SimOptions(), blocking: bool = True) -> Outcome:
+    run: ElasticRun = simulate_elastic(profile, start, requests, controller, controller.period_s, start_s, flip_s,
+                                       options, end_s=duration_s, blocking=blocking)
     return Outcome(name, start.describe(), good_flags(run.result, slo), run.machine_s, run.timeline,
                    controller.decisions, sum(c.flips for c in run.changes))

@@ -46,6 +46,15 @@ def workload(n: int = 32):
     return prompts, params
 
 
+def wait_until_resized(cluster: Cluster, timeout_s: float = 120.0) -> None:
+    """Until no resize waits for a worker to start or to drain (`scale(..., wait=False)` returns before)."""
+    deadline = time.monotonic() + timeout_s
+    while cluster.resizes.starting or cluster.resizes.leaving:
+        assert time.monotonic() < deadline, (f"still starting {sorted(cluster.resizes.starting)}, "
+                                             f"leaving {sorted(cluster.resizes.leaving)}")
+        time.sleep(0.05)
+
+
 def wait_until_idle(cluster: Cluster, timeout_s: float = 10.0) -> dict:
     """Integrity of every worker and the scheduler once the last reports are in."""
     deadline = time.monotonic() + timeout_s

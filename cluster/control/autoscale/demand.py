@@ -68,6 +68,14 @@ class DemandWindow:
             raise RuntimeError(f"demand window: negative counts or waits ({self._arrivals} arrivals)")
 
 
+def joined(earlier: DemandSample, later: DemandSample) -> DemandSample:
+    """Two consecutive samples of one shard as one: both windows' arrivals and waits, the later one's state."""
+    return DemandSample(earlier.seconds + later.seconds, earlier.arrivals + later.arrivals,
+                        earlier.prompt_tokens + later.prompt_tokens, earlier.max_tokens + later.max_tokens,
+                        (earlier.first_token_waits + later.first_token_waits)[-_MOST_SAMPLES:], later.decode_step_s,
+                        later.queued_prefill_tokens, later.waiting, later.holding)
+
+
 def observed(samples: list[DemandSample], percentile: float, last: Demand | None) -> Observed:
     """The shards' samples as one interval. An interval with no arrivals keeps the last lengths."""
     seconds = max(max((s.seconds for s in samples), default=0.0), 1e-9)
@@ -86,4 +94,5 @@ def observed(samples: list[DemandSample], percentile: float, last: Demand | None
         queued=round(sum(s.queued_prefill_tokens for s in samples) / max(prompt, 1.0)) + sum(s.waiting for s in samples),
         waiting=sum(s.waiting for s in samples),
         decoding=sum(s.holding for s in samples),
+        seconds=seconds,
     )

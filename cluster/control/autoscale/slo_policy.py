@@ -18,6 +18,8 @@ mean prompt and output lengths, the SLO's percentile of TTFT and TPOT) and the p
    `shrink_window_s` (the stabilization window of Kubernetes' HPA: one quiet interval does not release
    workers that the next busy one needs again), and fits the total into `max_workers`, the pools sharing
    it in proportion to need.
+5. between decisions (`react`, every `autoscaler.slo.react_s`), grows a pool as soon as a few seconds
+   of demand show it short, so a new phase of traffic waits seconds for its workers, not an interval.
 
 The TTFT that corrects the prefill model runs from a request's placement to its first token: a wait for
 KV room before placement is the decode pool's shortage, seen as `waiting`, and blaming it on prefill
@@ -61,6 +63,7 @@ class Observed:
     queued: int = 0  # at the interval's end: requests admitted or waiting that have no first token yet
     waiting: int = 0  # of them, those waiting for KV room on a decode (or colocated) worker (not yet a prefill's)
     decoding: int = 0  # at the interval's end: requests holding KV on a decode (or colocated) worker
+    seconds: float = 0.0  # the interval's length (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,7 @@ class SloPolicy:
     flips: bool = False
     corrections: Corrections = field(default_factory=Corrections)
     _wanted: dict[str, deque] = field(default_factory=dict)  # role -> its last targets, newest last
+    _seen_needs: dict[str, int] = field(default_factory=dict)  # role -> its need at the last decision or growth
 
     def decide(self, observed: Observed, current: dict[str, int], bounds: dict[str, Bounds],
                max_workers: int | None) -> Decision:
@@ -201,14 +205,58 @@ class SloPolicy:
         demand = self.forecast.update(observed.demand)
         demand = replace(demand, rate=demand.rate * (1 + self.headroom))
         needs, reasons = self._needs(demand, observed, current, bounds)
+        self._seen_needs = dict(needs)
         target = _within_budget(needs, bounds, max_workers)
         window = max(1, math.ceil(self.shrink_window_s / self.interval_s))
-        sizes = {}
+        held = {}
         for role, n in target.items():
             # Before the first decisions the pool's own size stands for what was wanted.
             wanted = self._wanted.setdefault(role, deque([current[role]] * window, maxlen=window))
             wanted.append(n)
-            sizes[role] = n if n >= current[role] else min(max(wanted), current[role])
+            held[role] = min(max(wanted), current[role])
+        return self._settle(target, held, current, max_workers, reasons)
+
+    def react(self, observed: Observed, current: dict[str, int], bounds: dict[str, Bounds],
+              max_workers: int | None) -> Decision:
+        """Between decisions: grow a pool now if the demand of a shorter window (`observed`, the newest
+        seconds) already needs it, rather than miss the SLO for the rest of the interval. It shrinks only
+        what a growing pool takes by a flip or for the budget. The forecast and the corrections are the
+        interval decisions' alone; the size a pool grows to counts as wanted in the shrink window.
+
+        A window of a few seconds holds few arrivals, so it acts only for the rate it is sure of: one standard
+        deviation (Poisson) below the count seen must already need a pool to grow. A new phase passes that
+        at once; noise does not (a worker started for noise would be held for the whole shrink window).
+        Once sure, it sizes for the rate seen: a pool sized short at a phase's start keeps the requests it
+        took on too few workers until they end, long after the pool has grown."""
+        count = observed.demand.rate * observed.seconds
+        sure = (count - math.sqrt(count)) / observed.seconds if count > 1 else (0.0 if observed.seconds else observed.demand.rate)
+        sure_needs, _ = self._needs(replace(observed.demand, rate=sure * (1 + self.headroom)), observed, current, bounds)
+        # Only a pool whose need rose past what the last decision (or check) saw grows: the others' sizes
+        # were weighed against the budget then, and two short pools sharing it would otherwise pass a
+        # worker back and forth between checks.
+        fresh = {role for role in sure_needs if sure_needs[role] > max(current[role], self._seen_needs.get(role, 0))}
+        demand = replace(observed.demand, rate=observed.demand.rate * (1 + self.headroom))
+        needs, reasons = self._needs(demand, observed, current, bounds)
+        target = _within_budget(needs, bounds, max_workers)
+        if not fresh:
+            return Decision({}, reasons)
+        for role in target.keys() - fresh:
+            target[role] = min(target[role], current[role])
+        for role in fresh:
+            self._seen_needs[role] = needs[role]
+        decision = self._settle(target, dict(current), current, max_workers, reasons)
+        for role, n in decision.replicas.items():
+            wanted = self._wanted.get(role)
+            if wanted and n > current[role]:  # wanted in this interval: the next decision must not shrink it at once
+                wanted[-1] = max(wanted[-1], n)
+        return decision
+
+    def _settle(self, target: dict[str, int], held: dict[str, int], current: dict[str, int],
+                max_workers: int | None, reasons: dict[str, str]) -> Decision:
+        """Sizes from each pool's target: a pool grows to it at once and shrinks only to what it `held`."""
+        sizes = {}
+        for role, n in target.items():
+            sizes[role] = n if n >= current[role] else held[role]
             if sizes[role] > n:
                 reasons[role] = f"hold (wanted {sizes[role]} within the last {self.shrink_window_s:g}s): " + reasons[role]
         # A pool held against shrinking gives up what the budget needs for the pools that must grow (with

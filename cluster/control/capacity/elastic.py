@@ -16,6 +16,11 @@ follows the real scaling path (cluster/control/scaling.py):
   oldest reservation still waiting for KV) `flip_s` before a cold start would serve, as scaling.py
   decides: the others drain and go, and new machines start cold.
 
+As the product's autoscaler resizes (`scaling.scale(..., wait=False)`): a resize that would shrink a pool
+while one of its workers is still starting is refused (the controller asks again at its next tick), and
+with `blocking` the controller is not asked again until the last resize's flips serve in their new roles
+(new workers start and removed ones drain without holding it); the ticks it missed reach it as one window.
+
 Cost is machine-seconds up to `end_s`: from a machine's start to its release (or `end_s`), the starting,
 draining and flipping time included, as a cloud bills it; a static layout of N workers costs N x `end_s`.
 """
@@ -41,6 +46,12 @@ class Window:
     finished: list[SimSeq]  # finished in the window
     queued: list[SimSeq]  # at the window's end: arrived, not failed, no first token yet
     decoding: list[SimSeq]  # at the window's end: placed (KV reserved on a decode worker), not finished
+    decode_step_s: tuple[float, ...] = ()  # at the window's end: each serving decode (or colocated) worker's step
+
+    def then(self, later: "Window") -> "Window":
+        """This window and the next as one: what happened in either, the state at the later one's end."""
+        return Window(self.start_s, later.end_s, self.arrived + later.arrived, self.first_tokens + later.first_tokens,
+                      self.finished + later.finished, later.queued, later.decoding, later.decode_step_s)
 
 
 Controller = Callable[[Window, dict[str, int]], "dict[str, int] | None"]
@@ -64,7 +75,7 @@ class ElasticRun:
 
 class _Elastic(_Cluster):
     def __init__(self, profile: EngineProfile, layout: Layout, options: SimOptions, controller: Controller,
-                 interval_s: float, start_s: float, flip_s: float | None):
+                 interval_s: float, start_s: float, flip_s: float | None, blocking: bool = False):
         super().__init__(dict.fromkeys(("prefill", "decode", "colocated"), profile), layout, options)
         self.profile_of = profile
         self.controller, self.interval_s, self.start_s, self.flip_s = controller, interval_s, start_s, flip_s
@@ -76,6 +87,9 @@ class _Elastic(_Cluster):
         self.released: dict[str, float] = {}  # worker id -> when its machine was released (or flipped)
         self.flip_to: dict[str, str] = {}  # draining worker -> the role its machine takes next
         self.changes: list[Change] = []
+        self.blocking = blocking
+        self.pending: set[str] = set()  # blocking: the flips the last resize still waits for
+        self._missed: Window | None = None  # blocking: the windows of the ticks a resize held back
         self._now = 0.0  # the event being handled: what `_views` (called from the base class) serves at
         self.timeline: list[tuple[float, dict[str, int]]] = [(0.0, self.serving_counts())]
 
@@ -114,6 +128,7 @@ class _Elastic(_Cluster):
         if kind == "tick":
             self._tick(now, obj)
         elif kind == "ready":
+            self.pending.discard(obj)
             self._admit(now)
         else:
             super()._handle(now, kind, obj)
@@ -128,13 +143,24 @@ class _Elastic(_Cluster):
                         [s for s in seqs if s.finish_s is not None and begin <= s.finish_s < start],
                         [s for s in seqs if s.request.arrival_s < start and s.first_token_s is None
                          and s.rejected is None],
-                        [s for s in seqs if s.submitted_s is not None and s.finish_s is None and s.rejected is None])
+                        [s for s in seqs if s.submitted_s is not None and s.finish_s is None and s.rejected is None],
+                        tuple(w.step_s for wid, w in self.workers.items() if w.role != "prefill" and w.step_s is not None
+                              and wid in self._live(w.role) and self.ready_at[wid] <= now))
+        if self._missed is not None:
+            window = self._missed.then(window)
+            self._missed = None
+        if self.blocking and self.pending:
+            self._missed = window
+            return
         wanted = self.controller(window, self.serving_counts())
         if wanted:
             self._resize(now, wanted)
 
     def _resize(self, now: float, wanted: dict[str, int]) -> None:
         counts = self.serving_counts()
+        if any(n < counts.get(role, 0) and any(self.ready_at[w] > now for w in self._live(role))
+               for role, n in wanted.items()):
+            return  # refused, as scaling.py refuses it: a pool shrinks once its new workers serve
         spare: list[str] = []  # draining machines a growing pool may take (flips)
         for role, n in wanted.items():
             live = self._live(role)
@@ -149,6 +175,7 @@ class _Elastic(_Cluster):
                 if mine:
                     spare.remove(mine[0])
                     self.flip_to[mine[0]] = role
+                    self.pending.add(mine[0])  # until it serves in its new role
                     flips += 1
                 else:
                     self._start(now, role, now + self.start_s, now)
@@ -177,9 +204,10 @@ class _Elastic(_Cluster):
         for wid in [w for w in self.draining if self._idle(self.workers[w])]:
             self.draining.discard(wid)
             self.released[wid] = now
+            self.pending.discard(wid)
             role = self.flip_to.pop(wid, None)
             if role is not None:  # the machine goes on in its new role: no new start, no release
-                self._start(now, role, now + self.flip_s, self.machine_start[wid])
+                self.pending.add(self._start(now, role, now + self.flip_s, self.machine_start[wid]))
                 self.machine_start[wid] = None  # its time is counted once, under the new id
                 self.timeline.append((now, self.serving_counts()))
 
@@ -191,11 +219,11 @@ class _Elastic(_Cluster):
 
 def simulate_elastic(profile: EngineProfile, layout: Layout, requests: list[SimRequest], controller: Controller,
                      interval_s: float, start_s: float = 60.0, flip_s: float | None = None,
-                     options: SimOptions = SimOptions(), end_s: float | None = None) -> ElasticRun:
+                     options: SimOptions = SimOptions(), end_s: float | None = None, blocking: bool = False) -> ElasticRun:
     """Run `requests` from `layout`, the controller resizing the pools every `interval_s` until `end_s`
     (default: the last arrival)."""
     if interval_s <= 0 or start_s < 0 or (flip_s is not None and flip_s < 0):
         raise ValueError(f"interval_s must be > 0 and start_s, flip_s >= 0; got {interval_s}, {start_s}, {flip_s}")
     requests = list(requests)
     end = end_s if end_s is not None else max((r.arrival_s for r in requests), default=0.0)
-    return _Elastic(profile, layout, options, controller, interval_s, start_s, flip_s).run_until(requests, end)
+    return _Elastic(profile, layout, options, controller, interval_s, start_s, flip_s, blocking).run_until(requests, end)

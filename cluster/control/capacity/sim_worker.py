@@ -62,6 +62,7 @@ class SimWorker:
         self.free_blocks = self.limits.num_kv_blocks  # prefill role: physical blocks
         self.committed_blocks = 0  # decode/colocated: blocks the scheduler promised to admitted requests
         self.busy = False
+        self.step_s: float | None = None  # smoothed step time, what a real worker reports (its requests' TPOT)
         self.step_ends: list[float] = []
         self.link_free_s = 0.0  # when this worker's outgoing KV link is next idle
         self.prefill_s_per_token: float | None = None  # the worker's own moving average, like the real one
@@ -143,6 +144,7 @@ class SimWorker:
         step = len(self.step_ends)
         self.step_ends.append(now)
         self.busy = False
+        self.step_s = duration if self.step_s is None else 0.8 * self.step_s + 0.2 * duration  # as the worker's meter
         tokens = sum(n for _, n in self._batch) + self._step_decodes
         if tokens >= 32:  # the real worker's rule: prefill-dominated steps give the per-token cost
             cost = duration / tokens

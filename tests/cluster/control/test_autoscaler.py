@@ -17,7 +17,7 @@ from cluster.control.capacity.profile import EngineLimits, EngineProfile, Linear
 from cluster.control.config import AutoscalerSection, SloSection
 from cluster.control.launch import Cluster
 from cluster.frontend.http.server import make_server
-from tests.helpers.cluster import generate_in_background, load, wait_until_idle
+from tests.helpers.cluster import generate_in_background, load, wait_until_idle, wait_until_resized
 from tests.helpers.http_server import running
 
 pytestmark = pytest.mark.slow  # pools resized with workers started and drained
@@ -31,10 +31,33 @@ def _waiting(cluster: Cluster) -> int:
     return sum(load.waiting for load in loads)
 
 
-def test_waiting_requests_grow_the_decode_pool_and_idle_shrinks_it(ray_session):
+def _room_for_a_second_decode_worker() -> Cluster:
     config = load("local.yaml", num_kv_blocks=320)
-    config = config.model_copy(update={"decode": config.decode.model_copy(update={"max_replicas": 2})})
-    cluster = Cluster.start(config)
+    return Cluster.start(config.model_copy(update={"decode": config.decode.model_copy(update={"max_replicas": 2})}))
+
+
+def _three_requests_one_waiting(cluster: Cluster):
+    """Three 2,000-token answers: two run on the decode worker, the third waits for KV room."""
+    runner, out = generate_in_background(cluster, [PROMPT] * 3, PARAMS)
+    deadline = time.monotonic() + 60
+    while _waiting(cluster) < 1:
+        assert time.monotonic() < deadline, "no request ever waited for KV room"
+        time.sleep(0.1)
+    return runner, out
+
+
+def _all_exact_and_nothing_left(cluster: Cluster, runner, out) -> None:
+    """The three greedy requests all ran to their length with the same answer, and no KV is left behind."""
+    runner.join(timeout=240)
+    results = [r[0] for r in out["got"]]
+    assert [r.finish_reason for r in results] == ["length"] * 3, [r.error for r in results]
+    assert results[0].token_ids == results[1].token_ids == results[2].token_ids
+    state = wait_until_idle(cluster)
+    assert all(w["used_blocks"] == w["reserved"] == w["held"] == 0 for w in state["workers"].values())
+
+
+def test_waiting_requests_grow_the_decode_pool_and_idle_shrinks_it(ray_session):
+    cluster = _room_for_a_second_decode_worker()
     try:
         section = AutoscalerSection(mode="load")
         assert (section.interval_s, section.cooldown_s) == (10.0, 30.0)  # the shipped ones; ticks driven here
@@ -63,7 +86,9 @@ def test_waiting_requests_grow_the_decode_pool_and_idle_shrinks_it(ray_session):
         assert held.decision.replicas == {"decode": 1} and held.outcome == "cooling down", held
         # A fresh autoscaler (say `tandem serve` restarted) has no cool-down to wait out.
         shrunk = Autoscaler(cluster, section).tick()
-        assert shrunk.outcome == "resized" and sorted(cluster.workers) == ["decode-0", "prefill-0"], shrunk
+        assert shrunk.outcome == "resized" and cluster.config.decode.replicas == 1, shrunk  # at once: it drains meanwhile
+        wait_until_resized(cluster)
+        assert sorted(cluster.workers) == ["decode-0", "prefill-0"]
         assert cluster.config.decode.replicas == 1
         with running(make_server(cluster, "127.0.0.1", 0, autoscaler=autoscaler)) as url:  # as `tandem serve`
             metrics = httpx.get(url + "/metrics", timeout=30).text
@@ -88,19 +113,13 @@ def _profile(path) -> str:
 
 
 def test_mode_slo_sizes_the_decode_pool_for_the_requests_it_holds(ray_session, tmp_path):
-    config = load("local.yaml", num_kv_blocks=320)
-    config = config.model_copy(update={"decode": config.decode.model_copy(update={"max_replicas": 2})})
-    cluster = Cluster.start(config)
+    cluster = _room_for_a_second_decode_worker()
     try:
         slo = SloSection(ttft_ms=2000, tpot_ms=200, profile=_profile(tmp_path / "profile.json"))
         assert (slo.percentile, slo.forecast, slo.shrink_window_s, slo.headroom) == (90.0, "trend", 60.0, 0.0)
         autoscaler = Autoscaler(cluster, AutoscalerSection(mode="slo", slo=slo))
         assert autoscaler.tick().decision.replicas == {}  # no demand: the pools stay at their least
-        runner, out = generate_in_background(cluster, [PROMPT] * 3, PARAMS)
-        deadline = time.monotonic() + 60
-        while _waiting(cluster) < 1:
-            assert time.monotonic() < deadline, "no request ever waited for KV room"
-            time.sleep(0.1)
+        runner, out = _three_requests_one_waiting(cluster)
         grown = autoscaler.tick()
         assert grown.decision.replicas == {"decode": 2} and grown.outcome == "resized", grown
         assert grown.observed.demand.output_tokens == 2000 and grown.observed.waiting >= 1
@@ -118,9 +137,34 @@ def test_mode_slo_sizes_the_decode_pool_for_the_requests_it_holds(ray_session, t
         eager = Autoscaler(cluster, AutoscalerSection(mode="slo", slo=slo.model_copy(update={"shrink_window_s": 0})))
         shrunk = eager.tick()
         assert shrunk.decision.replicas == {"decode": 1} and shrunk.outcome == "resized", shrunk
+        wait_until_resized(cluster)
         assert sorted(cluster.workers) == ["decode-0", "prefill-0"]
         state = wait_until_idle(cluster)
         assert all(w["used_blocks"] == w["reserved"] == w["held"] == 0 for w in state["workers"].values())
+    finally:
+        cluster.shutdown()
+
+
+def test_mode_slo_grows_a_pool_between_decisions_and_the_next_decision_keeps_it(ray_session, tmp_path):
+    cluster = _room_for_a_second_decode_worker()
+    try:
+        slo = SloSection(ttft_ms=2000, tpot_ms=200, profile=_profile(tmp_path / "profile.json"))
+        autoscaler = Autoscaler(cluster, AutoscalerSection(mode="slo", slo=slo))
+        assert (slo.react_s, autoscaler.react_s, autoscaler._loop.interval_s) == (2.0, 2.0, 2.0)  # shipped
+        assert autoscaler.tick().decision.replicas == {}  # a decision on no demand
+        runner, out = _three_requests_one_waiting(cluster)
+        autoscaler._next_decision = time.monotonic() + autoscaler.section.interval_s  # as the loop's start sets it
+        autoscaler._step()  # the loop's step, 8 s before the next decision: a check for growth
+        grown = autoscaler.history[-1]
+        assert grown.react and grown.decision.replicas == {"decode": 2} and grown.outcome == "resized", grown
+        assert grown.observed.demand.output_tokens == 2000 and 0 < grown.observed.seconds < 60
+        assert autoscaler.resizes == {("decode", "up"): 1}
+        autoscaler._step()  # at its most now: nothing more to grow, and a check that grows nothing leaves no record
+        assert autoscaler.history[-1] is grown
+        decided = autoscaler.tick()  # the interval's decision: the pool it grew is wanted, not shrunk back
+        assert decided.decision.replicas == {} and not decided.react, decided
+        assert decided.observed.demand.rate > 0  # it saw the arrivals the check saw: the window runs from the last decision
+        _all_exact_and_nothing_left(cluster, runner, out)
     finally:
         cluster.shutdown()
 
@@ -136,11 +180,7 @@ def test_mode_slo_flips_a_held_prefill_worker_into_the_short_decode_pool(ray_ses
         assert autoscaler.section.flips  # the shipped setting
         process = ray.get(cluster.workers["prefill-1"].__ray_call__.remote(lambda _: __import__("os").getpid()),
                           timeout=30)
-        runner, out = generate_in_background(cluster, [PROMPT] * 3, PARAMS)
-        deadline = time.monotonic() + 60
-        while _waiting(cluster) < 1:
-            assert time.monotonic() < deadline, "no request ever waited for KV room"
-            time.sleep(0.1)
+        runner, out = _three_requests_one_waiting(cluster)
         moved = autoscaler.tick()  # prefill wants 1 but its window holds 2: the surplus flips to decode
         assert moved.decision.replicas == {"prefill": 1, "decode": 2}, moved
         assert moved.outcome == "resized (1 by role flips)", moved
@@ -156,11 +196,6 @@ def test_mode_slo_flips_a_held_prefill_worker_into_the_short_decode_pool(ray_ses
         while ray.get(cluster.workers["decode-1"].check_integrity.remote(), timeout=30).used_blocks == 0:
             assert time.monotonic() < deadline, "the waiting request never went to the flipped worker"
             time.sleep(0.1)
-        runner.join(timeout=240)
-        results = [r[0] for r in out["got"]]
-        assert [r.finish_reason for r in results] == ["length"] * 3, [r.error for r in results]
-        assert results[0].token_ids == results[1].token_ids == results[2].token_ids
-        state = wait_until_idle(cluster)
-        assert all(w["used_blocks"] == w["reserved"] == w["held"] == 0 for w in state["workers"].values())
+        _all_exact_and_nothing_left(cluster, runner, out)
     finally:
         cluster.shutdown()

@@ -13,8 +13,8 @@ from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from tandem.cli import main as tandem
 from cluster.control.launch import NAMESPACE, Cluster
-from cluster.control.scaling import ConfigWatcher
-from tests.helpers.cluster import CONFIGS, ClosedLoop, load, wait_until_idle
+from cluster.control.scaling import ConfigWatcher, ResizeInProgress, scale
+from tests.helpers.cluster import CONFIGS, ClosedLoop, load, wait_until_idle, wait_until_resized
 
 pytestmark = pytest.mark.slow  # pools resized under load
 
@@ -71,6 +71,35 @@ def test_scale_up_and_down_under_load_fails_nothing(server, expected):  # noqa: 
     for gone in ("prefill-1", "decode-1"):
         with pytest.raises(ValueError):
             ray.get_actor(f"tandem-{gone}", namespace=NAMESPACE)
+    assert_clean(cluster)
+
+
+def test_a_resize_that_does_not_wait_lets_the_next_come_while_workers_start_and_drain(server, expected):  # noqa: F811
+    """The autoscaler's resizes (`wait=False`): each returns while its new worker loads, the next one may
+    come meanwhile, a pool whose new worker still starts is not shrunk, and under load nothing fails."""
+    cluster, _ = server
+    sizes = {role: pool.replicas for role, pool in cluster.config.pools().items()}
+    load_ = Load(cluster, expected)
+    try:
+        first = scale(cluster, {"decode": sizes["decode"] + 1}, wait=False)
+        (new,) = first["added"]
+        assert new in cluster.resizes.starting  # returned while it loads (a cold start here takes seconds)
+        assert first["replicas"]["decode"] == cluster.config.decode.replicas == sizes["decode"] + 1
+        second = scale(cluster, {"prefill": sizes["prefill"] + 1}, wait=False)  # no ResizeInProgress
+        with pytest.raises(ResizeInProgress, match="still starting"):
+            scale(cluster, {"decode": sizes["decode"]}, wait=False)
+        cluster.resizes.check_integrity(cluster)
+        wait_until_resized(cluster)
+        for added in first["added"] + second["added"]:
+            assert ray.get(cluster.workers[added].info.remote(), timeout=30).worker_id == added
+        shrink = scale(cluster, sizes, wait=False)
+        assert len(shrink["removed"]) == 2 and cluster.config.pools()["decode"].replicas == sizes["decode"]
+        wait_until_resized(cluster)
+    finally:
+        load_.stop()
+    assert load_.bad == [], load_.bad[:3]
+    assert not set(shrink["removed"]) & set(cluster.workers)
+    assert {role: pool.replicas for role, pool in cluster.config.pools().items()} == sizes
     assert_clean(cluster)
 
 

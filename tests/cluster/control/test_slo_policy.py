@@ -133,6 +133,48 @@ def test_with_flips_a_held_pool_gives_its_surplus_to_the_pool_that_grows():
             assert "prefill" not in moved.replicas  # held by its window
 
 
+def test_between_decisions_a_new_phase_grows_its_pool_at_once_and_remembers_nothing_else():
+    p = policy(shrink_window_s=60.0)
+    sizes = {"prefill": 5, "decode": 2}
+    p.decide(observed(PROMPTS, ttft=0.2, tpot=0.009, seconds=10.0), sizes, WIDE, max_workers=14)
+    corrections, forecast = (p.corrections.ttft, p.corrections.tpot), p.forecast._level
+    two_seconds = observed(ANSWERS, seconds=2.0, decoding=80)  # the first 2 s of long answers
+    grown = p.react(two_seconds, sizes, WIDE, max_workers=14)
+    assert grown.replicas["decode"] >= 6
+    assert (p.corrections.ttft, p.corrections.tpot) == corrections and p.forecast._level == forecast
+    after = {**sizes, **grown.replicas}
+    # The next decision sees the same phase: it keeps what the check grew, it does not shrink it back.
+    kept = p.decide(observed(ANSWERS, seconds=10.0, decoding=400), after, WIDE, max_workers=14)
+    assert kept.replicas.get("decode", after["decode"]) >= after["decode"]
+    assert p.react(observed(PROMPTS, seconds=2.0), sizes, WIDE, None).replicas == {}  # nothing new: nothing moves
+
+
+def test_a_check_between_decisions_does_not_grow_for_a_few_arrivals_more():
+    p = policy()
+    sizes = {"prefill": 1, "decode": 1}
+    decided = p.decide(observed(Demand(2.0, 2000, 100), seconds=10.0), sizes, WIDE, None)
+    sizes = {**sizes, **decided.replicas}
+    # 2 s holding 6 arrivals of a 2/s stream: 3/s measured, but within one standard deviation of 2/s's count
+    # and of what the pools were sized for.
+    assert p.react(observed(Demand(3.0, 2000, 100), seconds=2.0), sizes, WIDE, None).replicas == {}
+    surge = p.react(observed(Demand(30.0, 2000, 100), seconds=2.0), sizes, WIDE, None)
+    assert surge.replicas["prefill"] > sizes["prefill"]
+
+
+def test_checks_between_decisions_do_not_pass_a_worker_back_and_forth_under_the_budget():
+    p = policy(shrink_window_s=60.0)
+    sizes = {"prefill": 1, "decode": 13}
+    p.decide(observed(ANSWERS, seconds=10.0, decoding=1000), sizes, WIDE, max_workers=14)
+    burst = Demand(100.0, 1000, 250)
+    first = p.react(observed(burst, seconds=2.0, decoding=1000, queued=40), sizes, WIDE, max_workers=14)
+    assert first.replicas["prefill"] > 1 and first.replicas["decode"] < 13  # the budget moves to the new need
+    sizes = {**sizes, **first.replicas}
+    # Decode still holds its long answers (its need has not risen since): it does not take the worker back.
+    again = p.react(observed(burst, seconds=4.0, decoding=1000), sizes, WIDE, max_workers=14)
+    assert again.replicas.get("decode", sizes["decode"]) <= sizes["decode"]
+    assert again.replicas.get("prefill", sizes["prefill"]) >= sizes["prefill"]
+
+
 def requests(rate: float, seconds: float, prompt: int, output: int) -> list[SimRequest]:
     return [SimRequest(i / rate, prompt, output) for i in range(int(rate * seconds))]
 
@@ -198,3 +240,36 @@ def test_a_machine_slower_to_drain_than_a_cold_start_is_not_flipped():
     for run in (slow_start, fast_start):
         assert all(s.finish_s is not None and s.rejected is None for s in run.result.seqs)
         assert run.timeline[-1][1] == {"prefill": 3, "decode": 1}
+
+
+def test_the_controller_waits_for_flips_not_cold_starts_and_a_pool_still_starting_is_not_shrunk():
+    """As the product's autoscaler resizes (`scale(..., wait=False)`): the loop is held while a flip drains and
+    switches, not while a new worker loads; the ticks held back reach the controller as one window; a
+    pool whose new worker still starts is refused a shrink."""
+    reqs = requests(5.0, 40.0, 500, 200)
+    asked = []
+
+    def controller(window, sizes):
+        asked.append((window.start_s, window.end_s))
+        return {5.0: {"prefill": 1, "decode": 2}, 10.0: {"prefill": 1, "decode": 1},
+                20.0: {"prefill": 1, "decode": 1}}.get(window.end_s)
+
+    cold = simulate_elastic(PROFILE, Layout.disaggregated(1, 1), reqs, controller, 5.0, start_s=12.0, end_s=40.0,
+                            blocking=True)
+    assert [end for _, end in asked][:4] == [5.0, 10.0, 15.0, 20.0]  # decode-1 loads until 17 s: nothing held
+    assert [c.at_s for c in cold.changes] == [5.0, 20.0]  # at 10 s it was still starting: no shrink until it serves
+    assert cold.timeline[-1][1] == {"prefill": 1, "decode": 1}
+
+    asked.clear()
+    prompts = requests(4.0, 40.0, 8000, 20)  # long prompts: a prefill worker has seconds of them queued
+
+    def flip_one(window, sizes):
+        asked.append((window.start_s, window.end_s))
+        return {"prefill": 1, "decode": 2} if window.end_s == 5.0 else None
+
+    flipped = simulate_elastic(PROFILE, Layout.disaggregated(2, 1), prompts, flip_one, 1.0, start_s=60.0, flip_s=3.0,
+                               end_s=40.0, blocking=True)
+    assert [c.flips for c in flipped.changes] == [1]
+    after = asked[5]  # the first call after the flip: it began where the last one ended, at 5 s
+    assert after[0] == 5.0 and after[1] >= 5.0 + 3.0 + 1.0  # held for the drain and the 3 s switch
+    assert all(end - start == 1.0 for start, end in asked[6:])

@@ -1,0 +1,36 @@
+"""`tandem bench autoscale`'s autoscaler run: the product's SloPolicy deciding in the elastic simulator,
+checking between decisions every `react_s` as the product's loop does."""
+
+from __future__ import annotations
+
+from cluster.control.autoscale.load_policy import Bounds
+from cluster.control.autoscale.slo_policy import Forecast, PoolModel, SloPolicy, SloTargets
+from cluster.control.capacity.elastic import simulate_elastic
+from cluster.control.capacity.roofline import MODEL_PRESETS, roofline_profile
+from cluster.control.capacity.simulator import Layout
+from experiments.autoscale.runs import SloController
+from experiments.autoscale.trace import Phase, draw
+
+PROFILE = roofline_profile("h100", MODEL_PRESETS["llama3-8b"])
+BOUNDS = {"prefill": Bounds(1, 13), "decode": Bounds(1, 13)}
+# 30 s of long prompts, then long answers: the decode pool must grow several-fold.
+TRACE = draw([Phase("prompts", 30.0, 40.0, 3000, 100), Phase("answers", 40.0, 40.0, 500, 1500)], seed=0)
+
+
+def run(react_s: float | None) -> SloController:
+    policy = SloPolicy(PoolModel(PROFILE), SloTargets(0.5, 0.02), 10.0, Forecast("trend"), flips=True)
+    controller = SloController(policy, BOUNDS, 14, 90.0, react_s)
+    simulate_elastic(PROFILE, Layout.disaggregated(5, 2), TRACE, controller, controller.period_s, start_s=30.0,
+                     flip_s=5.0, end_s=70.0, blocking=True)
+    return controller
+
+
+def test_a_new_phase_is_met_seconds_after_it_starts_not_at_the_next_decision():
+    checked, plain = run(react_s=2.0), run(react_s=None)
+    decisions = [d for d in checked.decisions if not d["react"]]
+    assert [d["at_s"] for d in decisions][:3] == [10.0, 20.0, 30.0]  # the intervals' decisions keep their times
+    grown = next(d for d in checked.decisions if d["changes"].get("decode", 0) > 2)
+    assert grown["react"] and 30.0 < grown["at_s"] < 40.0, grown  # between decisions, within seconds
+    late = next(d for d in plain.decisions if d["changes"].get("decode", 0) > 2)
+    assert late["at_s"] == 40.0  # without the checks: the first decision that saw the phase
+    assert all(d["at_s"] % 10.0 == 0 for d in plain.decisions)
