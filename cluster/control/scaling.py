@@ -47,7 +47,7 @@ def scale(cluster: Cluster, replicas: dict[str, int], ready_timeout_s: float = 3
     finally:
         _resizing.release()
     if not wait:
-        threading.Thread(target=rest, name="tandem-resize-finish", daemon=True).start()
+        threading.Thread(target=_logged(rest), name="tandem-resize-finish", daemon=True).start()
         return result
     error = rest()
     if error is not None:
@@ -133,6 +133,17 @@ def _finish(cluster: Cluster, added: list[str], removed: list[str], spawned: flo
     return error
 
 
+def _logged(rest):
+    """The rest of a resize nobody waits for: what goes wrong there is logged (the cluster serves on at the
+    size it reached; the pools' counts are what is there)."""
+    def run() -> None:
+        try:
+            rest()
+        except Exception:
+            log.exception("a resize's new workers or drains failed")
+    return run
+
+
 def _recount(cluster: Cluster) -> None:
     with cluster.resizes.lock:
         cluster.config = _with_replicas(cluster.config, {role: _count(cluster, role) for role in cluster.config.pools()})
@@ -184,15 +195,17 @@ def _wait_ready(cluster: Cluster, worker_ids: list[str], timeout_s: float) -> No
 
 
 def _drain_and_stop(cluster: Cluster, worker_id: str, timeout_s: float) -> None:
-    if not wait_drained(cluster, worker_id, timeout_s):
-        log.warning("worker %s still busy after %.0fs of draining: stopping it anyway", worker_id, timeout_s)
+    """Whatever the drain or the shutdown call meets, the worker is stopped and forgotten as leaving."""
     try:
+        if not wait_drained(cluster, worker_id, timeout_s):
+            log.warning("worker %s still busy after %.0fs of draining: stopping it anyway", worker_id, timeout_s)
         ray.get(cluster.workers[worker_id].shutdown.remote(), timeout=30)
-    except ray.exceptions.RayError as exc:
-        log.warning("worker %s shutdown: %s", worker_id, exc)
-    with cluster.resizes.lock:
-        cluster.stop_worker(worker_id)
-        cluster.resizes.leaving.discard(worker_id)
+    except (ray.exceptions.RayError, TimeoutError) as exc:
+        log.warning("worker %s drain or shutdown: %s", worker_id, exc)
+    finally:
+        with cluster.resizes.lock:
+            cluster.stop_worker(worker_id)
+            cluster.resizes.leaving.discard(worker_id)
 
 
 def _ids(cluster: Cluster, role: str) -> list[str]:
