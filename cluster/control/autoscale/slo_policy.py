@@ -196,7 +196,6 @@ class SloPolicy:
     flips: bool = False
     corrections: Corrections = field(default_factory=Corrections)
     _wanted: dict[str, deque] = field(default_factory=dict)  # role -> its last targets, newest last
-    _seen_needs: dict[str, int] = field(default_factory=dict)  # role -> its need at the last decision or growth
 
     def decide(self, observed: Observed, current: dict[str, int], bounds: dict[str, Bounds],
                max_workers: int | None) -> Decision:
@@ -205,7 +204,6 @@ class SloPolicy:
         demand = self.forecast.update(observed.demand)
         demand = replace(demand, rate=demand.rate * (1 + self.headroom))
         needs, reasons = self._needs(demand, observed, current, bounds)
-        self._seen_needs = dict(needs)
         target = _within_budget(needs, bounds, max_workers)
         window = max(1, math.ceil(self.shrink_window_s / self.interval_s))
         held = {}
@@ -229,21 +227,17 @@ class SloPolicy:
         Once sure, it sizes for the rate seen: a pool sized short at a phase's start keeps the requests it
         took on too few workers until they end, long after the pool has grown."""
         count = observed.demand.rate * observed.seconds
-        sure = (count - math.sqrt(count)) / observed.seconds if count > 1 else (0.0 if observed.seconds else observed.demand.rate)
-        sure_needs, _ = self._needs(replace(observed.demand, rate=sure * (1 + self.headroom)), observed, current, bounds)
-        # Only a pool whose need rose past what the last decision (or check) saw grows: the others' sizes
-        # were weighed against the budget then, and two short pools sharing it would otherwise pass a
-        # worker back and forth between checks.
-        fresh = {role for role in sure_needs if sure_needs[role] > max(current[role], self._seen_needs.get(role, 0))}
+        sure_rate = (count - math.sqrt(count)) / observed.seconds if count > 1 else (
+            0.0 if observed.seconds else observed.demand.rate)
+        sure, _ = self._needs(replace(observed.demand, rate=sure_rate * (1 + self.headroom)), observed, current, bounds)
+        short = {role for role in sure if sure[role] > current[role]}
         demand = replace(observed.demand, rate=observed.demand.rate * (1 + self.headroom))
         needs, reasons = self._needs(demand, observed, current, bounds)
         target = _within_budget(needs, bounds, max_workers)
-        if not fresh:
+        if not short:
             return Decision({}, reasons)
-        for role in target.keys() - fresh:
+        for role in target.keys() - short:  # a pool not surely short does not grow between decisions
             target[role] = min(target[role], current[role])
-        for role in fresh:
-            self._seen_needs[role] = needs[role]
         decision = self._settle(target, dict(current), current, max_workers, reasons)
         for role, n in decision.replicas.items():
             wanted = self._wanted.get(role)
