@@ -117,17 +117,20 @@ def _finish(cluster: Cluster, added: list[str], removed: list[str], spawned: flo
     those; the error of a failed start, or None."""
     state = cluster.resizes
     error = None
-    if added:
-        try:
-            _wait_ready(cluster, added, ready_timeout_s)
-            cluster.worker_start_s = time.monotonic() - spawned
-        except ValueError as exc:
-            error = exc
-        with state.lock:
-            state.starting.difference_update(added)
-    for wid in removed:  # told to drain together: each is waited for in turn
-        _drain_and_stop(cluster, wid, drain_timeout_s)
-    _recount(cluster)
+    try:
+        if added:
+            try:
+                _wait_ready(cluster, added, ready_timeout_s)
+                cluster.worker_start_s = time.monotonic() - spawned
+            except ValueError as exc:
+                error = exc
+            finally:  # started, stopped or failed otherwise: no longer what a resize waits for
+                with state.lock:
+                    state.starting.difference_update(added)
+    finally:
+        for wid in removed:  # told to drain together: each is waited for in turn
+            _drain_and_stop(cluster, wid, drain_timeout_s)
+        _recount(cluster)
     log.info("scaled: added %s, removed %s%s", added or "none", removed or "none",
              f" ({error})" if error else "")
     return error

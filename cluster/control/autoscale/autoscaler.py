@@ -11,9 +11,9 @@ decision counts a starting worker as its pool's and a draining one as gone, so a
 while its last cold start is under way gets it (a 60 s weight load does not freeze the loop). The
 cool-down counts from the resize's return. A worker that needs resources no node has waits for Ray's
 autoscaler (`ray up`, KubeRay) to add a node, up to the scaling path's ready timeout; one that never
-starts is stopped and the pool's count falls back, so the next interval asks again. Every decision is logged with its inputs and kept for /metrics. In mode
-slo a pool that must grow does not wait for the cool-down (its SLO is missed meanwhile); shrinking is
-held back by the policy's own window. Between decisions, every `autoscaler.slo.react_s`, mode slo also
+starts is stopped and the pool's count falls back, so the next interval asks again. Every decision is
+logged with its inputs and kept for /metrics. In mode slo a pool that must grow does not wait for the
+cool-down (its SLO is missed meanwhile); shrinking is held back by the policy's own window. Between decisions, every `autoscaler.slo.react_s`, mode slo also
 checks whether the newest demand (since the last check) already needs a pool to grow (`SloPolicy.react`)
 and grows it then: a new phase of traffic waits seconds, not the rest of the interval.
 """

@@ -103,6 +103,23 @@ def test_a_resize_that_does_not_wait_lets_the_next_come_while_workers_start_and_
     assert_clean(cluster)
 
 
+def test_a_new_worker_that_does_not_start_in_time_is_stopped_and_the_count_falls_back(server):  # noqa: F811
+    """The failure path of a start, forced by a ready timeout no worker meets here (a cold start takes
+    seconds): waited for, it is the caller's error; not waited for, the pool's count falls back."""
+    cluster, _ = server
+    before = {role: pool.replicas for role, pool in cluster.config.pools().items()}
+    workers = set(cluster.workers)
+    with pytest.raises(ValueError, match="not ready within"):
+        scale(cluster, {"decode": before["decode"] + 1}, ready_timeout_s=0.01)
+    assert set(cluster.workers) == workers and cluster.config.decode.replicas == before["decode"]
+    result = scale(cluster, {"decode": before["decode"] + 1}, ready_timeout_s=0.01, wait=False)
+    assert cluster.config.decode.replicas == before["decode"] + 1  # the target, until the start fails
+    wait_until_resized(cluster)
+    assert not set(result["added"]) & set(cluster.workers) and cluster.config.decode.replicas == before["decode"]
+    cluster.resizes.check_integrity(cluster)
+    assert_clean(cluster)
+
+
 def test_a_removed_worker_cannot_register_again(server):  # noqa: F811
     """A drained worker's late register call (a report it sent before stopping was answered "unknown")
     is refused: it would come back as a ghost the scheduler routes to."""
