@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--react-s", type=float, default=2.0,
                    help="autoscaler.slo.react_s (shipped: 2): between decisions, check this often whether a pool must grow now (0: off)")
     p.add_argument("--overlap-resizes", action="store_true",
-                   help="let the autoscaler decide again while a resize is still under way (the product waits for it)")
+                   help="let the autoscaler decide again while a resize's flips are still under way (the product waits for them)")
     p.add_argument("--start-s", type=float, default=60.0, help="a new worker's start to serving (process + weights)")
     p.add_argument("--flip-s", type=float, default=None,
                    help="also run the autoscaler with role flips taking this long after a drain (simulated only)")

@@ -33,8 +33,8 @@ class Outcome:
 
 def observe(window: Window, percentile: float, last: Demand | None) -> Observed:
     """What the frontend would report of an interval: arrivals and their mean lengths, the percentile of the
-    TTFTs measured in it and the decode workers' step time at its end. An arrival's output length is known here as a client's
-    `max_tokens` is (a trace replayed with its lengths sets max_tokens to them, as `vllm bench serve` does)."""
+    TTFTs measured in it and the decode workers' step time at its end. An arrival's output length is known
+    here as a client's `max_tokens` is (a trace replayed with its lengths sets max_tokens to them, as `vllm bench serve` does)."""
     span = window.end_s - window.start_s
     prompt = np.mean([s.request.prompt_len for s in window.arrived]) if window.arrived else (
         last.prompt_tokens if last else 1.0)
@@ -72,11 +72,9 @@ class SloController:
     def __call__(self, window: Window, sizes: dict[str, int]) -> dict[str, int] | None:
         self._since = window if self._since is None else self._since.then(window)
         at_decision = self._since.end_s - self._since.start_s >= self.policy.interval_s - 1e-9
-        whole = self._since
         if at_decision:
+            observed = observe(self._since, self.percentile, self._last)
             self._since = None
-        if at_decision:
-            observed = observe(whole, self.percentile, self._last)
             self._last = observed.demand
             decision = self.policy.decide(observed, sizes, self.bounds, self.max_workers)
         else:  # the newest window alone: one that ran from the last decision would blend a new phase with the old
