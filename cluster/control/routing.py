@@ -18,7 +18,7 @@ ANY_TENANT = object()  # predicted_ttft: count the whole queue (a batcher that d
 LOCAL_PREFILL_MAX_TOKENS = 512
 # The predicted time to first token on the best prefill worker past which a decode worker takes a prompt of
 # any length, by default (scheduler.local_prefill_overflow_s).
-LOCAL_PREFILL_OVERFLOW_S = 0.5
+LOCAL_PREFILL_OVERFLOW_S = 0.25
 
 
 @dataclass

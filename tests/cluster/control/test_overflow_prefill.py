@@ -24,8 +24,11 @@ def test_a_long_prompt_overflows_onto_the_decode_worker_in_capped_steps(ray_sess
     config = load("local.yaml")
     cap = config.scheduler.local_prefill_max_tokens
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    first, second, third = _prompt(1), _prompt(2), _prompt(3)
+    # The first prompt, predicted at the scheduler's unmeasured guess, stays under the overflow time: it goes to
+    # the prefill worker, which measures itself slow on it.
+    first, second, third = _prompt(1, 1000), _prompt(2), _prompt(3)
     short = _prompt(4, 20)
+    assert len(first) * config.scheduler.prefill_s_per_token < config.scheduler.local_prefill_overflow_s, "precondition"
     assert len(second) > cap, "precondition: without overflow this prompt is never prefilled locally"
     engine = Engine(config.engine_config())
     expected = [r.outputs[0].token_ids for r in engine.generate([first, second, third, short], params)]
