@@ -47,7 +47,7 @@ def observe(window: Window, percentile: float, last: Demand | None) -> Observed:
     tpot = max(window.decode_step_s) if window.decode_step_s else None
     return Observed(Demand(len(window.arrived) / span, float(prompt), float(output)), pick(ttfts), tpot,
                     queued=len(window.queued), waiting=sum(1 for s in window.queued if s.submitted_s is None),
-                    decoding=len(window.decoding), seconds=span)
+                    decoding=len(window.decoding), seconds=span, serving=window.serving)
 
 
 class SloController:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 
@@ -97,7 +97,8 @@ class Autoscaler:
         current, bounds = self._pools()
         seen = None
         if self._slo is not None:
-            seen = self.observe()
+            # The model's error is judged at the workers that served, not at those still starting.
+            seen = replace(self.observe(), serving={role: load.workers for role, load in loads.items()})
             fitted = self.fit.update(dict(self.cluster.workers)) if self.fit is not None else None
             if fitted is not None:
                 self._slo.model.profile = fitted

@@ -8,7 +8,8 @@ mean prompt and output lengths, the SLO's percentile of TTFT and TPOT) and the p
    once, where plain exponential smoothing would lag it) and lengths (the last), and adds the work still queued
    (requests without a first token, requests waiting for KV room) as demand to be served within the
    next interval;
-2. keeps correction factors, observed / predicted TTFT and TPOT at the layout that served the interval,
+2. keeps correction factors, observed / predicted TTFT and TPOT at the layout that served the interval
+   (the workers serving, not those still starting: a cold start's wait is not the model's error),
    smoothed: what the model gets wrong on this hardware and traffic (queueing it approximates, a prefix
    cache it ignores, a noisy neighbour) scales the targets it sizes against, as Dynamo's planner does;
 3. sizes each pool with the performance model (`PoolModel`): the fewest prefill workers whose predicted
@@ -64,6 +65,9 @@ class Observed:
     waiting: int = 0  # of them, those waiting for KV room on a decode (or colocated) worker (not yet a prefill's)
     decoding: int = 0  # at the interval's end: requests holding KV on a decode (or colocated) worker
     seconds: float = 0.0  # the interval's length (0: unknown)
+    # At the interval's end: the workers per pool that take new work (starting and draining ones left out);
+    # None: the pools' sizes. A pool still starting workers it was asked for served at this size, not that.
+    serving: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -200,7 +204,8 @@ class SloPolicy:
     def decide(self, observed: Observed, current: dict[str, int], bounds: dict[str, Bounds],
                max_workers: int | None) -> Decision:
         """The pools to resize for the next interval (`current`: the sizes that served `observed`)."""
-        self.corrections.update(observed, *self._predicted(observed.demand, current))
+        served = current if observed.serving is None else {**current, **observed.serving}
+        self.corrections.update(observed, *self._predicted(observed.demand, served))
         demand = self.forecast.update(observed.demand)
         demand = replace(demand, rate=demand.rate * (1 + self.headroom))
         needs, reasons = self._needs(demand, observed, current, bounds)

@@ -47,11 +47,13 @@ class Window:
     queued: list[SimSeq]  # at the window's end: arrived, not failed, no first token yet
     decoding: list[SimSeq]  # at the window's end: placed (KV reserved on a decode worker), not finished
     decode_step_s: tuple[float, ...] = ()  # at the window's end: each serving decode (or colocated) worker's step
+    serving: dict[str, int] | None = None  # at the window's end: workers per role serving (starting, draining: not)
 
     def then(self, later: "Window") -> "Window":
         """This window and the next as one: what happened in either, the state at the later one's end."""
         return Window(self.start_s, later.end_s, self.arrived + later.arrived, self.first_tokens + later.first_tokens,
-                      self.finished + later.finished, later.queued, later.decoding, later.decode_step_s)
+                      self.finished + later.finished, later.queued, later.decoding, later.decode_step_s,
+                      later.serving)
 
 
 Controller = Callable[[Window, dict[str, int]], "dict[str, int] | None"]
@@ -91,7 +93,7 @@ class _Elastic(_Cluster):
         self.pending: set[str] = set()  # blocking: the flips the last resize still waits for
         self._missed: Window | None = None  # blocking: the windows of the ticks a resize held back
         self._now = 0.0  # the event being handled: what `_views` (called from the base class) serves at
-        self.timeline: list[tuple[float, dict[str, int]]] = [(0.0, self.serving_counts())]
+        self.timeline: list[tuple[float, dict[str, int]]] = [(0.0, self.pool_sizes())]
 
     def run_until(self, requests: list[SimRequest], end_s: float) -> ElasticRun:
         self.end_s = end_s
@@ -111,7 +113,8 @@ class _Elastic(_Cluster):
         return [wid for wid, w in self.workers.items()
                 if w.role == role and wid not in self.draining and wid not in self.released]
 
-    def serving_counts(self) -> dict[str, int]:
+    def pool_sizes(self) -> dict[str, int]:
+        """Workers per role, starting ones included: the sizes the controller asked for."""
         roles = ("colocated",) if self.layout.mode == "colocated" else ("prefill", "decode")
         return {role: len(self._live(role)) for role in roles}
 
@@ -145,19 +148,21 @@ class _Elastic(_Cluster):
                          and s.rejected is None],
                         [s for s in seqs if s.submitted_s is not None and s.finish_s is None and s.rejected is None],
                         tuple(w.step_s for wid, w in self.workers.items() if w.role != "prefill" and w.step_s is not None
-                              and wid in self._live(w.role) and self.ready_at[wid] <= now))
+                              and wid in self._live(w.role) and self.ready_at[wid] <= now),
+                        {role: sum(1 for wid in self._live(role) if self.ready_at[wid] <= now)
+                         for role in self.pool_sizes()})
         if self._missed is not None:
             window = self._missed.then(window)
             self._missed = None
         if self.blocking and self.pending:
             self._missed = window
             return
-        wanted = self.controller(window, self.serving_counts())
+        wanted = self.controller(window, self.pool_sizes())
         if wanted:
             self._resize(now, wanted)
 
     def _resize(self, now: float, wanted: dict[str, int]) -> None:
-        counts = self.serving_counts()
+        counts = self.pool_sizes()
         if any(n < counts.get(role, 0) and any(self.ready_at[w] > now for w in self._live(role))
                for role, n in wanted.items()):
             return  # refused, as scaling.py refuses it: a pool shrinks once its new workers serve
@@ -181,7 +186,7 @@ class _Elastic(_Cluster):
                     self._start(now, role, now + self.start_s, now)
         self.changes.append(Change(now, dict(wanted), flips))
         self._release_drained(now)
-        self.timeline.append((now, self.serving_counts()))
+        self.timeline.append((now, self.pool_sizes()))
 
     def _start(self, now: float, role: str, ready_s: float, machine_start: float) -> str:
         wid = f"{role}-{next(self.ids[role])}"
@@ -209,7 +214,7 @@ class _Elastic(_Cluster):
             if role is not None:  # the machine goes on in its new role: no new start, no release
                 self.pending.add(self._start(now, role, now + self.flip_s, self.machine_start[wid]))
                 self.machine_start[wid] = None  # its time is counted once, under the new id
-                self.timeline.append((now, self.serving_counts()))
+                self.timeline.append((now, self.pool_sizes()))
 
     @staticmethod
     def _idle(w: SimWorker) -> bool:

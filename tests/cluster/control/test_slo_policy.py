@@ -76,6 +76,19 @@ def test_a_slow_pool_raises_its_correction_and_gets_more_workers():
     assert again.replicas["prefill"] > (plain.decide(observed(PROMPTS), sizes, WIDE, None).replicas.get("prefill", 4))
 
 
+def test_workers_still_starting_are_not_counted_as_the_models_error():
+    """A decode pool asked to grow from 7 to 10 serves on 7 until the cold starts end: its slow steps are
+    what 7 workers give, and the correction must not learn that the model is wrong about 10."""
+    sizes = {"prefill": 1, "decode": 10}
+    on_seven = MODEL.tpot_s(7, ANSWERS)
+    assert math.isfinite(on_seven) and on_seven > MODEL.tpot_s(10, ANSWERS) * 1.2, "precondition: 7 step slower than 10"
+    judged, naive = policy(), policy()
+    judged.decide(observed(ANSWERS, tpot=on_seven, serving={"prefill": 1, "decode": 7}), sizes, WIDE, None)
+    naive.decide(observed(ANSWERS, tpot=on_seven), sizes, WIDE, None)
+    assert judged.corrections.tpot == pytest.approx(1.0)
+    assert naive.corrections.tpot > 1.1
+
+
 def test_corrections_ignore_missing_samples_and_stay_in_range():
     c = Corrections()
     c.update(observed(PROMPTS, ttft=None, tpot=1000.0), predicted_ttft=0.1, predicted_tpot=0.01)
