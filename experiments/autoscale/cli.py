@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--forecast", default="trend", choices=["constant", "trend"])
     p.add_argument("--headroom", type=float, default=0.0,
                    help="autoscaler.slo.headroom: size for this fraction more than the forecast (shipped: 0)")
+    p.add_argument("--min-replicas", default="1:1", metavar="P:D",
+                   help="prefill.min_replicas:decode.min_replicas, the fewest workers the autoscaler keeps in each "
+                        "pool: capacity kept warm for a phase that cold starts would reach too late (shipped: 1:1)")
     p.add_argument("--no-local-prefill", action="store_true",
                    help="decode workers never prefill (scheduler.local_prefill: false); on by default, as shipped")
     p.add_argument("--local-prefill-overflow-s", type=float, default=LOCAL_PREFILL_OVERFLOW_S, metavar="S",
@@ -58,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "prefill worker is predicted to take longer than this to a first token; 0: never "
                    f"(shipped: {LOCAL_PREFILL_OVERFLOW_S:g})")
     p.add_argument("--start", default="static", choices=["static", "small"],
-                   help="the autoscaler's first layout: the best static one, or 1P:1D")
+                   help="the autoscaler's first layout: the best static one, or the pools' minimums (--min-replicas)")
     p.add_argument("--out", default=None, help="the report's JSON; the PNG timeline goes beside it")
     p.set_defaults(func=main, smoke={"budget": 4, "rate": 4.0, "phase_s": 40.0, "interval_s": 10.0})
 
@@ -82,14 +85,15 @@ def main(args: argparse.Namespace) -> int:
     static, tried = best_static(profile, requests, slo, args.budget, duration, splits, options)
     print(f"static layout of {args.budget}: {static.layout} (best of {len(tried)} splits simulated, "
           f"{time.monotonic() - t0:.0f} s)")
+    least_prefill, least_decode = _floors(args.min_replicas, args.budget)
     runs = [static]
     for flip_s in (None, args.flip_s) if args.flip_s is not None else (None,):
         policy = SloPolicy(PoolModel(profile), SloTargets(slo.ttft_s, slo.tpot_s), args.interval_s,
                            Forecast(args.forecast), headroom=args.headroom, flips=flip_s is not None)
-        bounds = {"prefill": Bounds(1, args.budget - 1), "decode": Bounds(1, args.budget - 1)}
+        bounds = {"prefill": Bounds(least_prefill, args.budget - 1), "decode": Bounds(least_decode, args.budget - 1)}
         controller = SloController(policy, bounds, args.budget, args.percentile, args.react_s or None)
         name = "autoscaler" if flip_s is None else f"autoscaler+flips({flip_s:g}s)"
-        first = Layout.disaggregated(1, 1) if args.start == "small" else Layout.disaggregated(
+        first = Layout.disaggregated(least_prefill, least_decode) if args.start == "small" else Layout.disaggregated(
             static.timeline[0][1]["prefill"], static.timeline[0][1]["decode"])
         runs.append(autoscaled(profile, requests, slo, controller, first, args.start_s, flip_s, duration, name,
                                options, blocking=not args.overlap_resizes))
@@ -109,14 +113,26 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _split(text: str, budget: int) -> int:
+def _pair(text: str, flag: str) -> tuple[int, int]:
     try:
         prefill, decode = (int(x) for x in text.split(":"))
     except ValueError:
-        raise ValueError(f"--static must be P:D, e.g. 6:10; got {text!r}") from None
+        raise ValueError(f"{flag} must be P:D, e.g. 6:10; got {text!r}") from None
+    return prefill, decode
+
+
+def _split(text: str, budget: int) -> int:
+    prefill, decode = _pair(text, "--static")
     if prefill < 1 or decode < 1 or prefill + decode != budget:
         raise ValueError(f"--static {text}: needs >= 1 of each pool and P + D = --budget ({budget})")
     return prefill
+
+
+def _floors(text: str, budget: int) -> tuple[int, int]:
+    prefill, decode = _pair(text, "--min-replicas")
+    if prefill < 1 or decode < 1 or prefill + decode > budget:
+        raise ValueError(f"--min-replicas {text}: needs >= 1 of each pool and P + D <= --budget ({budget})")
+    return prefill, decode
 
 
 def _report(args, profile, phases, requests, duration, runs: list[Outcome], tried) -> dict:

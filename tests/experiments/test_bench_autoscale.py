@@ -3,11 +3,14 @@ checking between decisions every `react_s` as the product's loop does."""
 
 from __future__ import annotations
 
+import pytest
+
 from cluster.control.autoscale.load_policy import Bounds
 from cluster.control.autoscale.slo_policy import Forecast, PoolModel, SloPolicy, SloTargets
 from cluster.control.capacity.elastic import simulate_elastic
 from cluster.control.capacity.roofline import MODEL_PRESETS, roofline_profile
 from cluster.control.capacity.simulator import Layout
+from experiments.autoscale.cli import _floors
 from experiments.autoscale.runs import SloController, observe
 from experiments.autoscale.trace import Phase, draw
 
@@ -59,3 +62,11 @@ def test_tpot_is_read_as_the_product_reads_it_the_slowest_decode_workers_step():
     assert stepped and all(0 < t < 1.0 for w in stepped for t in w.decode_step_s)
     window = stepped[-1]
     assert observe(window, 90.0, None).tpot_s == max(window.decode_step_s)  # not the finished requests' TPOT
+
+
+def test_min_replicas_must_be_a_pair_of_floors_within_the_budget():
+    assert _floors("1:4", 14) == (1, 4)
+    for bad, named in (("4", "must be P:D"), ("0:3", ">= 1 of each pool"), ("8:8", r"P \+ D <= --budget \(14\)")):
+        with pytest.raises(ValueError, match=named) as err:
+            _floors(bad, 14)
+        assert "--min-replicas" in str(err.value)
