@@ -165,7 +165,9 @@ def test_a_resize_that_flips_and_starts_cold_serves_the_flip_before_the_new_work
     try:
         resize.start()
         deadline = time.monotonic() + 120
-        while not (new := [w for w, role in roles(cluster).items() if role == "decode" and w not in decoders]):
+        # The scheduler registers the flipped worker before the resize's thread adds it to `cluster.workers`.
+        while not ((new := [w for w, role in roles(cluster).items() if role == "decode" and w not in decoders])
+                   and all(w in cluster.workers for w in new)):
             assert time.monotonic() < deadline, "no new decode worker registered"
             time.sleep(0.02)
         assert len(new) == 1 and pid(cluster, new[0]) == process, new  # the flip, while the cold one still loads
