@@ -124,6 +124,11 @@ def test_mode_slo_sizes_the_decode_pool_for_the_requests_it_holds(ray_session, t
         assert grown.decision.replicas == {"decode": 2} and grown.outcome == "resized", grown
         assert grown.observed.demand.output_tokens == 2000 and grown.observed.waiting >= 1
         assert grown.observed.demand.rate > 0 and grown.decision.reasons["decode"].startswith("2 workers")
+        # The resize returned with the new worker still starting (a process that imports torch and loads
+        # weights: seconds); the next interval is judged at the one decode worker that served it.
+        starting = autoscaler.tick()
+        assert starting.replicas == {"prefill": 1, "decode": 2}, starting
+        assert starting.observed.serving == {"prefill": 1, "decode": 1}, starting
         runner.join(timeout=240)
         results = [r[0] for r in out["got"]]
         assert [r.finish_reason for r in results] == ["length"] * 3, [r.error for r in results]
