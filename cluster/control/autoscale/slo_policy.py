@@ -204,7 +204,8 @@ class SloPolicy:
     def decide(self, observed: Observed, current: dict[str, int], bounds: dict[str, Bounds],
                max_workers: int | None) -> Decision:
         """The pools to resize for the next interval (`current`: the sizes that served `observed`)."""
-        served = current if observed.serving is None else {**current, **observed.serving}
+        serving = observed.serving or {}
+        served = {role: serving.get(role, n) for role, n in current.items()}  # the pools' own roles only
         self.corrections.update(observed, *self._predicted(observed.demand, served))
         demand = self.forecast.update(observed.demand)
         demand = replace(demand, rate=demand.rate * (1 + self.headroom))
