@@ -1,5 +1,6 @@
 """Cluster test helpers: the committed configs with test-sized KV, a mixed greedy workload, and a wait
-for every worker and the scheduler to be idle with their integrity checked."""
+for every worker and the scheduler to be idle with their integrity checked. Every wait here fails, naming
+what it still waits for, when its deadline runs out."""
 
 from __future__ import annotations
 
@@ -55,17 +56,34 @@ def wait_until_resized(cluster: Cluster, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def wait_until_idle(cluster: Cluster, timeout_s: float = 10.0) -> dict:
-    """Integrity of every worker and the scheduler once the last reports are in."""
+# What an idle worker holds: nothing reserved, held, running or allocated.
+IDLE_WORKER_FIELDS = ("reserved", "held", "live_requests", "used_blocks")
+# Long enough for the last reports (a heartbeat), a lease and a migration's reclaim on a busy 2-core box; a
+# longer wait only waits for the state, it never lets a leak through: the wait fails if the state never comes.
+IDLE_TIMEOUT_S = 60.0
+
+
+def still_held(state: dict) -> list[str]:
+    """What a `check_integrity()` report still holds, one line per holder ([] when all is idle)."""
+    held = [f"scheduler: in_flight={state['scheduler']['in_flight']}"] if state["scheduler"]["in_flight"] else []
+    for worker_id, stats in sorted(state["workers"].items()):
+        busy = {name: stats[name] for name in IDLE_WORKER_FIELDS if stats[name]}
+        if busy:
+            held.append(f"{worker_id}: " + ", ".join(f"{name}={n}" for name, n in busy.items()))
+    return held
+
+
+def wait_until_idle(cluster: Cluster, timeout_s: float = IDLE_TIMEOUT_S) -> dict:
+    """Waits until the scheduler has nothing in flight and no worker reserves, holds, runs or allocates
+    anything, every owner's integrity checked on each look; returns that idle report. Fails (AssertionError)
+    naming what is still held when `timeout_s` runs out."""
     deadline = time.monotonic() + timeout_s
     while True:
         state = cluster.check_integrity()
-        workers = state["workers"].values()
-        idle = state["scheduler"]["in_flight"] == 0 and all(
-            w["reserved"] == 0 and w["held"] == 0 and w["live_requests"] == 0 and w["used_blocks"] == 0 for w in workers
-        )
-        if idle or time.monotonic() > deadline:
+        held = still_held(state)
+        if not held:
             return state
+        assert time.monotonic() < deadline, f"not idle after {timeout_s:g} s, still held: " + "; ".join(held)
         time.sleep(0.05)
 
 
@@ -102,7 +120,12 @@ class ClosedLoop:
             self.done += 1
             i += stride
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 150.0) -> None:
+        """Stops the loop and waits for its threads; fails naming the ones still running after `timeout_s`
+        (a request in flight ends within its own 120 s deadline: a thread alive past that is a hang)."""
         self._stop.set()
+        deadline = time.monotonic() + timeout_s
         for t in self._threads:
-            t.join(timeout=120)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        running = [t.name for t in self._threads if t.is_alive()]
+        assert not running, f"closed-loop threads still running after {timeout_s:g} s: {running} ({self.done} done)"

@@ -14,6 +14,7 @@ from cluster.control.launch import Cluster
 from cluster.frontend.http.server import make_server
 
 MODEL = "tiny-llama"  # the embedded default's served name
+STOP_TIMEOUT_S = 30.0  # uvicorn stops once its open connections have closed
 
 
 @contextmanager
@@ -29,7 +30,8 @@ def running(http: uvicorn.Server) -> Iterator[str]:
         yield f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
     finally:
         http.should_exit = True
-        thread.join(timeout=10)
+        thread.join(timeout=STOP_TIMEOUT_S)
+        assert not thread.is_alive(), f"the HTTP server did not stop within {STOP_TIMEOUT_S:g} s (a connection left open?)"
 
 
 @contextmanager
