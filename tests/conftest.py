@@ -11,6 +11,8 @@ import torch
 
 from tests.helpers.models import _CONFIGS, make_hf_model
 
+pytest_plugins = ("tests.helpers.skips",)  # CI's skip allow-list
+
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 torch.set_num_threads(2)
 

