@@ -17,13 +17,24 @@ import zmq
 from kv_transfer.curve import CurveKeys, rejected_handshakes
 from kv_transfer.page_format import TransferError, encode_header
 from kv_transfer.zmq_transport import ZmqKVSender
-from tests.kv_transfer import apply_transfer, bit_equal, clone_caches, header_for, make_caches
+from tests.kv_transfer import WAIT_S, apply_transfer, bit_equal, clone_caches, header_for, make_caches
 from tests.helpers.sockets import raw_push
 
 
 def _host_port(endpoint: str) -> tuple[str, int]:
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     return host, int(port)
+
+
+def _until_closed(conn: socket.socket) -> None:
+    """Reads until the peer closes the connection (an end of stream or a reset); fails if it never does."""
+    try:
+        while conn.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass  # closed with our bytes unread: as much an answer as an end of stream
+    except TimeoutError:
+        raise AssertionError(f"the receiver kept the connection open for {conn.gettimeout()} s") from None
 
 
 def test_only_holders_of_the_cluster_keys_get_a_transfer_in(make_receiver):
@@ -50,9 +61,9 @@ def test_only_holders_of_the_cluster_keys_get_a_transfer_in(make_receiver):
         while rejected_handshakes() == refused_before and time.monotonic() < deadline:
             time.sleep(0.05)
     assert rejected_handshakes() > refused_before  # the ZAP check refused its key
-    with socket.create_connection(_host_port(recv.rx.endpoint)) as raw:  # not even zmq: bytes on the port
+    with socket.create_connection(_host_port(recv.rx.endpoint), timeout=WAIT_S) as raw:  # not even zmq: bytes
         raw.sendall(b"\xc1 not a handshake" * 64)
-        time.sleep(0.2)
+        _until_closed(raw)  # zmq read them and refused the peer: the loop below never saw them
 
     member = ZmqKVSender(keys=keys)
     try:
