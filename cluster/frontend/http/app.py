@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.control.config import IngressSection
 from cluster.control.scheduler_state import SchedulerState
 from cluster.frontend.http import responses
 from cluster.frontend.http.body_guard import AdminCheck, BodyGuard, tenant_of
@@ -38,7 +39,8 @@ def _serves(state: SchedulerState) -> bool:
     return roles >= {"prefill", "decode"} or "colocated" in roles
 
 
-def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None, body_timeout_s: float = 30.0) -> FastAPI:
+def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
+               body_timeout_s: float = IngressSection().body_timeout_s) -> FastAPI:
     """`scheduler`: the scheduler actor, or the list of its shards; `admin`: who may call `/admin/*`
     (admin.AdminAccess.check; None: nobody), checked with the API key, before any body."""
     app = FastAPI(title="tandem", version="0.1.0")

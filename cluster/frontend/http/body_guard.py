@@ -15,6 +15,7 @@ import asyncio
 import json
 from typing import Awaitable, Callable
 
+from cluster.control.config import IngressSection
 from cluster.frontend.http.gate import Gate
 from cluster.frontend.http.protocol import ApiError
 
@@ -30,7 +31,7 @@ ADMIN_PREFIX = "/admin/"
 
 class BodyGuard:
     def __init__(self, app, gate: Gate, max_body_bytes: int, admin: AdminCheck | None = None,
-                 body_timeout_s: float = 30.0):
+                 body_timeout_s: float = IngressSection().body_timeout_s):
         """`admin`: who may call `/admin/*`; None: nobody (403), e.g. an app with no admin routes."""
         self.app = app
         self.gate = gate
