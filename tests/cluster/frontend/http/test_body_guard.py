@@ -1,6 +1,7 @@
 """The body guard under a real uvicorn server and raw sockets: a chunked body without a key (the API's,
 or the admin key on /admin/*) gets 401 before it is read, an oversized chunked body gets 413 at the
-limit on every route (the open probes too), a body trickled slower than the body timeout gets 408, and
+limit on every route (the open probes too), a body trickled slower than the body timeout gets 408 at it
+(3 s here; the shipped value in the slow tier), and
 a body within the limit reaches the app whole, with the tenant the guard authenticated it as (the routes
 authenticate no more). The app behind the guard only records what reached it."""
 
@@ -10,11 +11,13 @@ import json
 import socket
 import threading
 import time
+from contextlib import contextmanager
 
 import psutil
 import pytest
 import uvicorn
 
+from cluster.control.config import IngressSection
 from cluster.frontend.http.admin import AdminAccess
 from cluster.frontend.http.body_guard import BodyGuard
 from cluster.frontend.http.gate import Gate, TenantLimits
@@ -44,21 +47,38 @@ class Recorder:
         await send({"type": "http.response.body", "body": payload})
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextmanager
+def _guarded_server(**guard):
+    """A uvicorn server of the Recorder behind the guard: (app, port)."""
     app = Recorder()
-    guarded = BodyGuard(app, Gate({"k1": TenantLimits("a")}), LIMIT, AdminAccess("adm", "127.0.0.1").check,
-                        body_timeout_s=BODY_TIMEOUT_S)
+    guarded = BodyGuard(app, Gate({"k1": TenantLimits("a")}), LIMIT, AdminAccess("adm", "127.0.0.1").check, **guard)
     http = uvicorn.Server(uvicorn.Config(guarded, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not http.started:
-        assert time.monotonic() < deadline
+        assert time.monotonic() < deadline, "the server did not start within 30 s"
         time.sleep(0.05)
-    yield app, http.servers[0].sockets[0].getsockname()[1]
-    http.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield app, http.servers[0].sockets[0].getsockname()[1]
+    finally:
+        http.should_exit = True
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "the server did not stop within 10 s"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The guard with a 3 s body timeout, so that the fast tier's trickle test ends soon."""
+    with _guarded_server(body_timeout_s=BODY_TIMEOUT_S) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def shipped_server():
+    """The guard as the product builds it: the body timeout left at the config's default."""
+    with _guarded_server() as live:
+        yield live
 
 
 def _chunked_post(port: int, key: str | None, total: int, path: str = "/v1/completions") -> tuple[int, dict, int]:
@@ -135,16 +155,14 @@ def test_a_body_within_the_limit_reaches_the_app_whole(server):
     assert app.calls == 1
 
 
-def test_a_trickled_body_gets_408_at_the_body_timeout(server):
-    """A client that sends its body a byte a second holds a connection and a task: cut at the deadline."""
-    app, port = server
-    calls = app.calls
+def _trickle(port: int, limit_s: float) -> tuple[bytes, float]:
+    """Sends a body a byte a second until the server answers or closes; (its answer, seconds it took)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n"
                  b"Content-Length: 1000\r\n\r\n")
     started, answer = time.monotonic(), b""
     sock.settimeout(1.0)
-    while time.monotonic() - started < BODY_TIMEOUT_S + 30:
+    while time.monotonic() - started < limit_s:
         try:
             sock.sendall(b"{")
             part = sock.recv(65536)
@@ -156,6 +174,29 @@ def test_a_trickled_body_gets_408_at_the_body_timeout(server):
             break
         answer += part
     sock.close()
+    return answer, time.monotonic() - started
+
+
+def _assert_408_at(answer: bytes, seconds: float, body_timeout_s: float) -> None:
     assert answer.startswith(b"HTTP/1.1 408 "), answer
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["type"] == "timeout"
+    # Not before the deadline; after it by at most the 1 s read timeout plus a busy box's delay.
+    assert body_timeout_s <= seconds < body_timeout_s + 10, seconds
+
+
+def test_a_trickled_body_gets_408_at_the_body_timeout(server):
+    """A client that sends its body a byte a second holds a connection and a task: cut at the deadline."""
+    app, port = server
+    calls = app.calls
+    answer, seconds = _trickle(port, BODY_TIMEOUT_S + 30)
+    _assert_408_at(answer, seconds, BODY_TIMEOUT_S)
     assert app.calls == calls
+
+
+@pytest.mark.slow  # the shipped body timeout: half a minute of trickling
+def test_a_trickled_body_gets_408_at_the_shipped_body_timeout(shipped_server):
+    app, port = shipped_server
+    shipped = IngressSection().body_timeout_s
+    answer, seconds = _trickle(port, shipped + 30)
+    _assert_408_at(answer, seconds, shipped)
+    assert app.calls == 0
