@@ -27,6 +27,12 @@ from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 
 
+# The most times one request is moved to another worker (its worker lost, its handoff expired, no progress
+# for half the bound): each move is another attempt while the deadline allows, and the cap stops a request
+# that kills every worker it lands on. The next failure after the last move ends the stream with an error.
+MAX_MOVES = 16
+
+
 @dataclass
 class SampleResult:
     index: int
@@ -129,9 +135,7 @@ class PastDeadline:
 class RequestStream:
     """All samples of one request; `feed` every delta that arrives, in any order."""
 
-    # Each worker loss is another move while the request's deadline allows; the cap stops a request that
-    # kills every worker it lands on.
-    def __init__(self, request: GenerateRequest, tokenizer=None, max_migrations: int = 16,
+    def __init__(self, request: GenerateRequest, tokenizer=None, max_migrations: int = MAX_MOVES,
                  started: float | None = None, deadline: float | None = None):
         """`started` (time.monotonic()): when the request was sent, its admission included; None: now.
         `deadline` (the same clock): when it ends TIMED_OUT wherever it is; None: never."""
