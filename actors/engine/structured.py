@@ -42,6 +42,7 @@ class Grammars:
         self._lock = threading.Lock()
         self.mask_s = 0.0  # time spent filling and applying masks, and in how many steps
         self.mask_steps = 0
+        self.compiles_begun = 0  # specs handed to xgrammar (a spec past the size limits never is)
 
     def compile(self, spec: StructuredOutput):
         """The compiled grammar (cached); GrammarError when it does not compile or is too large to try
@@ -54,6 +55,8 @@ class Grammars:
         problem = spec.size_problem()
         if problem is not None:
             raise GrammarError(problem)
+        with self._lock:
+            self.compiles_begun += 1
         grammar = self._compile(spec)  # outside the lock: xgrammar releases the GIL while it compiles
         with self._lock:
             self._compiled[spec] = grammar

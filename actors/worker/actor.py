@@ -91,7 +91,7 @@ class Worker:
         self._publisher = TokenPublisher(keys=spec.curve_keys)
         self._handoffs = HandoffTable(self._engine, spec.lease_s)
         self._grammars = GrammarDesk(self._engine, self._inbox.put, spec.worker_id,
-                                     lambda: self._faults.take_grammar_delay())
+                                     lambda: self._faults.take_grammar_delay(), lambda s: self._faults.hold_grammar(s))
         self._held_writes = HeldWrites(self._handoffs.admit)  # the hold_kv_writes fault, around the table
         self._finished: list[FinishedAttempt] = []  # not yet reported
         self._handed_off: list[HandedOff] = []  # adopted, not yet reported: their prefill copies wait for it

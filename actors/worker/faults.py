@@ -16,7 +16,8 @@ FAULTS = {
     "kill_kv_receiver": "decode: the receiving thread stops, as if it had crashed: the worker exits and Ray restarts it",
     "drop_next_submit": "the next attempt sent here vanishes unseen",
     "slow_step": "the next engine step takes delay_s longer, as a long prefill on a slow CPU does",
-    "slow_grammar": "the next structured-output grammar compile takes delay_s longer, as a large spec's does",
+    "slow_grammar": "the next structured-output grammar compile waits until the faults are cleared, at most delay_s, "
+                    "as a large spec's takes long",
 }
 
 
@@ -31,6 +32,8 @@ class Faults:
 
     def __init__(self, receiver, writes: "HeldWrites"):
         self._receiver, self._writes = receiver, writes
+        self._grammar_released = threading.Event()  # cleared while a slow_grammar fault holds a compile
+        self._grammar_released.set()
         self._clear()
 
     def _clear(self) -> None:
@@ -50,9 +53,13 @@ class Faults:
         if fault is None:
             self._clear()
             self._writes.hold(None)
+            self._grammar_released.set()
         elif fault == "hold_kv_writes":
             self._writes.hold(delay_s)
-        elif fault in ("slow_reserve", "slow_step", "slow_grammar"):
+        elif fault == "slow_grammar":
+            self._grammar_released.clear()
+            self.slow_grammar_s = delay_s
+        elif fault in ("slow_reserve", "slow_step"):
             setattr(self, f"{fault}_s", delay_s)
         else:
             setattr(self, fault, True)
@@ -64,6 +71,11 @@ class Faults:
     def take_grammar_delay(self) -> float:
         delay, self.slow_grammar_s = self.slow_grammar_s, 0.0
         return delay
+
+    def hold_grammar(self, max_s: float) -> None:
+        """A slow_grammar compile's wait (the grammar desk's thread): until the faults are cleared, at most
+        `max_s`; a test then knows the compile is still going on for as long as it has not cleared them."""
+        self._grammar_released.wait(max_s)
 
     def take_dropped_submit(self) -> bool:
         dropped, self.drop_next_submit = self.drop_next_submit, False

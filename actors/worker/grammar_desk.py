@@ -23,10 +23,11 @@ log = logging.getLogger("tandem.worker")
 
 
 class GrammarDesk:
-    def __init__(self, engine: Engine, put: Callable, worker_id: str, delay: Callable[[], float] = lambda: 0.0):
+    def __init__(self, engine: Engine, put: Callable, worker_id: str, delay: Callable[[], float] = lambda: 0.0,
+                 wait: Callable[[float], None] = time.sleep):
         """`put(handler, args)`: the engine thread's inbox; `delay()`: the slow_grammar chaos hook's extra
-        seconds for the next compile (faults.py)."""
-        self._engine, self._put, self._worker_id, self._delay = engine, put, worker_id, delay
+        seconds for the next compile, spent in `wait(seconds)` (faults.py: until the fault is cleared)."""
+        self._engine, self._put, self._worker_id, self._delay, self._wait = engine, put, worker_id, delay, wait
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"grammar-{worker_id}")
         self._waiting: set[AttemptId] = set()  # engine thread only
 
@@ -61,7 +62,8 @@ class GrammarDesk:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, params: SamplingParams, delay_s: float) -> None:
-        time.sleep(delay_s)
+        if delay_s:
+            self._wait(delay_s)
         self._engine.compile_grammar(params)
 
     def _compiled(self, attempt: AttemptId, done: Future, then: Callable[[], None],

@@ -1,12 +1,12 @@
 """Structured-output grammars compile off the workers' engine threads: while one request's grammar
-compiles (made slow by the slow_grammar chaos hook), the same prefill worker serves other requests and
-keeps reporting, the compiled request then finishes under its grammar, and one aborted while compiling
-leaves nothing behind. Specs past the size limits are refused before any compile."""
+compiles (held by the slow_grammar chaos hook until the test lets it go), the same prefill worker answers,
+steps other requests to their end and keeps reporting; the held request then finishes under its grammar,
+and one aborted while compiling leaves nothing behind and is never computed. Specs past the size limits
+are refused before any compile."""
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
@@ -21,50 +21,103 @@ from tests.helpers.cluster import load, wait_until_idle
 
 PLAIN = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 JSON = SamplingParams(temperature=0.0, max_tokens=24, structured_output=StructuredOutput("json_object"))
-COMPILE_DELAY_S = 6.0
+# A grammar of its own for the abort test: one compiled before (and cached) would never wait on the desk.
+CHOICE = SamplingParams(temperature=0.0, max_tokens=8,
+                        structured_output=StructuredOutput("choice", json.dumps(["yes", "no", "maybe"])))
+HOLD_MAX_S = 120.0  # the held compile's own bound; the tests let it go long before
+WAIT_S = 60.0
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_session):
-    cluster = Cluster.start(load("local.yaml"))
+    config = load("local.yaml")  # every prompt on the prefill worker (no local prefill on the decode worker)
+    cluster = Cluster.start(config.model_copy(update={"scheduler": config.scheduler.model_copy(
+        update={"local_prefill": False})}))
     yield cluster
     cluster.shutdown()
 
 
-def test_a_slow_compile_does_not_stop_the_worker(cluster):
-    ray.get(cluster.workers["prefill-0"].inject_fault.remote("slow_grammar", COMPILE_DELAY_S), timeout=10)
-    client, out = cluster.client(), {}
-    started = time.monotonic()
-    constrained = threading.Thread(target=lambda: out.update(json=client.generate([[5, 6, 7, 8]], JSON)[0][0]))
-    constrained.start()
-    time.sleep(0.5)
+def _stats(cluster: Cluster, worker_id: str):
+    """The worker's stats, answered by its engine thread (its inbox, in order)."""
+    return ray.get(cluster.workers[worker_id].check_integrity.remote(), timeout=30)
+
+
+def _wait_until_compiling(cluster: Cluster, prompt: list[int]) -> None:
+    """Until the prefill worker's engine thread has taken the request (the stats come through the same inbox,
+    after its submit) and left it to the grammar desk: its prompt queued there, nothing in the engine."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        stats = _stats(cluster, "prefill-0")
+        if stats.queued_prefill_tokens == len(prompt) and stats.live_requests == stats.running == stats.waiting == 0:
+            return
+        assert time.monotonic() < deadline, f"the request never waited for its compile: {stats}"
+        time.sleep(0.05)
+
+
+def _steps(cluster: Cluster, worker_id: str) -> int:
+    return ray.get(cluster.workers[worker_id].step_log.remote(0), timeout=30)[0]
+
+
+def test_a_held_compile_does_not_stop_the_worker(cluster):
+    ray.get(cluster.workers["prefill-0"].inject_fault.remote("slow_grammar", HOLD_MAX_S), timeout=10)
+    client = cluster.client()
+    prompt = [5, 6, 7, 8]
+    constrained = client.submit(prompt, JSON)
+    assert constrained.route.prefill == "prefill-0" and not constrained.route.local, constrained.route
+    _wait_until_compiling(cluster, prompt)
+    lost_before = ray.get(cluster.scheduler.state.remote(), timeout=10).counters.workers_lost
+    steps_before = _steps(cluster, "prefill-0")
     for i in range(3):  # on the same prefill worker, one after another, while the grammar compiles
-        (plain,) = client.generate([[20 + i, 21, 22, 23, 24]], PLAIN)[0]
-        assert plain.finish_reason == "length", plain.error
-    plain_done_s = time.monotonic() - started
-    assert constrained.is_alive(), "the constrained request ended before its grammar could have compiled"
-    constrained.join(timeout=120)
-    done_s = time.monotonic() - started
-    answer = out["json"]
-    assert answer.finish_reason in ("stop", "length"), answer.error
-    assert answer.token_ids and done_s >= COMPILE_DELAY_S
-    assert plain_done_s < COMPILE_DELAY_S  # served meanwhile, not after it
+        plain = client.submit([20 + i, 21, 22, 23, 24], PLAIN)
+        assert plain.route.prefill == "prefill-0" and not plain.route.local, plain.route
+        for _ in client.events(plain, timeout_s=WAIT_S):
+            pass
+        (result,) = plain.stream.results
+        assert result.finish_reason == "length", result.error
+    # Served meanwhile, not after it: the compile is still held (its prompt still waits on the desk), and
+    # the worker's engine stepped the three prompts.
+    _wait_until_compiling(cluster, prompt)
+    assert _steps(cluster, "prefill-0") >= steps_before + 3
+    assert not constrained.stream.finished, "the constrained request ended before its grammar compiled"
     state = ray.get(cluster.scheduler.state.remote(), timeout=10)
-    assert "prefill-0" in state.workers  # it kept reporting: never declared lost
+    assert "prefill-0" in state.workers and state.counters.workers_lost == lost_before  # it kept reporting
+    ray.get(cluster.workers["prefill-0"].inject_fault.remote(None), timeout=10)  # the compile ends now
+    for _ in client.events(constrained, timeout_s=WAIT_S):
+        pass
+    (answer,) = constrained.stream.results
+    assert answer.finish_reason in ("stop", "length"), answer.error
+    assert answer.token_ids
     wait_until_idle(cluster)
 
 
 def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(cluster):
-    ray.get(cluster.workers["prefill-0"].inject_fault.remote("slow_grammar", COMPILE_DELAY_S), timeout=10)
+    ray.get(cluster.workers["prefill-0"].inject_fault.remote("slow_grammar", HOLD_MAX_S), timeout=10)
     client = cluster.client()
-    submitted = client.submit([9, 10, 11, 12], JSON)
-    time.sleep(1.0)
+    prompt = [9, 10, 11, 12]
+    submitted = client.submit(prompt, CHOICE)
+    assert submitted.route.prefill == "prefill-0" and not submitted.route.local, submitted.route
+    _wait_until_compiling(cluster, prompt)
+    cancelled = ray.get(cluster.scheduler.state.remote(), timeout=10).counters.cancelled
     client.abort(submitted.request_id)
-    time.sleep(COMPILE_DELAY_S)  # the compile ends after the abort: the request must not start then
-    state = wait_until_idle(cluster, timeout_s=30)
+    # The abort reaches the worker (its engine thread drops the waiting request: nothing queued there now).
+    deadline = time.monotonic() + WAIT_S
+    while _stats(cluster, "prefill-0").queued_prefill_tokens:
+        assert time.monotonic() < deadline, "the abort never reached the waiting request"
+        time.sleep(0.05)
+    steps_before = _steps(cluster, "prefill-0")
+    ray.get(cluster.workers["prefill-0"].inject_fault.remote(None), timeout=10)  # the compile ends after the abort
+    # A second request of the same grammar, on the same worker: its compile (or the cached grammar) comes
+    # after the first compile's end on the desk's one thread, so once it has finished the aborted request's
+    # compile has ended too, and it must not have started then.
+    after = [13, 14, 15, 16, 17, 18]
+    (second,) = client.generate([after], CHOICE, timeout_s=WAIT_S)[0]
+    assert second.finish_reason in ("stop", "length"), second.error
+    state = wait_until_idle(cluster)
     for stats in state["workers"].values():
         assert stats["live_requests"] == stats["queued_prefill_tokens"] == stats["used_blocks"] == 0, stats
-    assert state["scheduler"]["in_flight"] == 0
+    assert state["scheduler"]["counters"]["cancelled"] == cancelled + 1
+    _, steps = ray.get(cluster.workers["prefill-0"].step_log.remote(steps_before), timeout=30)
+    assert sum(s.prefill_tokens for s in steps) == len(after), steps  # the aborted prompt was never computed
 
 
 def test_specs_past_the_limits_are_refused_before_compiling(default_model_dir):
@@ -76,12 +129,11 @@ def test_specs_past_the_limits_are_refused_before_compiling(default_model_dir):
         StructuredOutput("regex", "a" * (MAX_SPEC_BYTES + 1)),
     ]
     for spec in too_big:
-        started = time.monotonic()
         with pytest.raises(GrammarError, match="at most"):
             grammars.compile(spec)
-        assert time.monotonic() - started < 1.0  # refused, not compiled
+        assert grammars.compiles_begun == 0, spec.kind  # refused, not compiled (how fast: bench structured)
         assert not grammars.ready(spec)
     fine = StructuredOutput("choice", json.dumps([f"option {i}" for i in range(1000)]))
     assert fine.size_problem() is None
     grammars.compile(fine)
-    assert grammars.ready(fine)
+    assert grammars.ready(fine) and grammars.compiles_begun == 1
