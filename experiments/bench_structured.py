@@ -1,7 +1,8 @@
 """`tandem bench structured`: what structured output costs the engine. The same batch of greedy requests
 runs unconstrained and then each under a JSON schema; it reports the grammar mask's time per step (filling
-every row's bitmask and applying it) as a share of the step, and the throughput ratio. Measured in this
-run; the ratio, not the absolute rate, is the claim.
+every row's bitmask and applying it) as a share of the step, and the throughput ratio; and how long a spec
+past the size limits takes to be refused, against one compile of the schema. Measured in this run; the
+ratios, not the absolute rates, are the claim.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.engine.model.default_model import SMOLLM2_MODEL, ensure_default_model, resolve_model
 from actors.protocol.sampling_params import SamplingParams
-from actors.protocol.structured_output import StructuredOutput
+from actors.engine.structured import GrammarError, Grammars
+from actors.protocol.structured_output import MAX_ALTERNATIVES, MAX_DEPTH, MAX_SPEC_BYTES, StructuredOutput
 from experiments.bench_report import add_out_argument, report_main
 
 # Bounded everywhere, so even a random model's output completes and every request runs the same course.
@@ -58,6 +60,33 @@ def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams])
             "mask_share_of_step": mask_s / elapsed, "lengths": list(lengths.values())}
 
 
+def past_the_limits() -> list[StructuredOutput]:
+    """Specs the size limits refuse (the kinds of the issue that once stalled every worker)."""
+    return [StructuredOutput("choice", json.dumps([f"option {i}" for i in range(50_000)])),
+            StructuredOutput("json_schema", json.dumps({"enum": [f"v{i}" for i in range(MAX_ALTERNATIVES + 1)]})),
+            StructuredOutput("json_schema", "[" * (MAX_DEPTH + 5) + "]" * (MAX_DEPTH + 5)),
+            StructuredOutput("regex", "a" * (MAX_SPEC_BYTES + 1))]
+
+
+def _refusals(engine: Engine, spec: StructuredOutput) -> dict:
+    """How long a refusal of a spec past the limits takes, against a compile of the bench's schema in a fresh
+    compiler (the tests check that a refusal begins no compile; this is how fast it is)."""
+    grammars = Grammars(engine.tokenizer, engine.vocab_size)
+    start = time.perf_counter()
+    grammars.compile(spec)
+    compile_s = time.perf_counter() - start
+    refuse_s = []
+    for big in past_the_limits():
+        start = time.perf_counter()
+        try:
+            grammars.compile(big)
+        except GrammarError:
+            refuse_s.append(time.perf_counter() - start)
+    assert len(refuse_s) == len(past_the_limits()) and grammars.compiles_begun == 1, "a spec past the limits compiled"
+    return {"compile_ms": 1000 * compile_s, "refuse_ms_max": 1000 * max(refuse_s),
+            "refuse_vs_compile": max(refuse_s) / compile_s}
+
+
 def bench(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     model_dir = Path(resolve_model(SMOLLM2_MODEL)) if args.model == "smollm2" else ensure_default_model()
@@ -78,9 +107,13 @@ def bench(args: argparse.Namespace) -> dict:
     constrained_again = _run(engine, prompts, [structured] * len(prompts))
     constrained_again.pop("lengths")
     constrained = {k: (constrained[k] + constrained_again[k]) / 2 for k in constrained}
+    refusals = _refusals(engine, spec)
     report = {"model": args.model, "vocab_size": vocab, "batch": args.batch, "threads": torch.get_num_threads(),
               "unconstrained": free, "json_schema": constrained,
-              "throughput_ratio": constrained["output_tokens_per_s"] / free["output_tokens_per_s"]}
+              "throughput_ratio": constrained["output_tokens_per_s"] / free["output_tokens_per_s"],
+              "refusals": refusals}
+    print(f"a spec past the limits is refused in {refusals['refuse_ms_max']:.1f} ms at most: "
+          f"{refusals['refuse_vs_compile']:.2f}x the {refusals['compile_ms']:.0f} ms compile of the bench's schema")
     print(f"{args.model} (vocab {vocab}), batch {args.batch}: mask {constrained['mask_ms_per_step']:.3f} ms per step "
           f"= {constrained['mask_share_of_step']:.1%} of a {constrained['step_ms']:.2f} ms step; throughput "
           f"{report['throughput_ratio']:.2f}x unconstrained ({free['step_ms']:.2f} ms per step; the machine drifted "
