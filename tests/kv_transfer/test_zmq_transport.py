@@ -98,7 +98,7 @@ def test_concurrent_senders(make_receiver):
         t.start()
     for t in threads:
         t.join(WAIT_S)
-    assert errors == []
+    assert errors == [] and not [t for t in threads if t.is_alive()], errors
     events = [recv.next_event() for _ in range(12)]
     assert sorted(e[1].transfer_id for e in events) == sorted(f"s{n}-{r}" for n in range(4) for r in range(3))
     assert {e[0] for e in events} == {"ok"}
@@ -234,7 +234,7 @@ def test_send_to_dead_endpoint_times_out(make_receiver, sender, transport):
     with pytest.raises(TransferError, match=f"no receiver at {endpoint}"):
         sender.send(endpoint, header_for(src, [1]), src, [1], timeout_s=1.0)
     elapsed = time.monotonic() - start
-    assert 1.0 <= elapsed < 6.0  # never before its deadline, never a hang (how late: a timing, not a test)
+    assert 1.0 <= elapsed < 1.0 + WAIT_S  # never before its deadline, never a hang (how late: a timing, not a test)
     assert sender.open_endpoints == ()  # the failed socket is dropped, the next send starts fresh
     if transport == "tcp":
         held.close()
@@ -250,12 +250,13 @@ def test_wildcard_bind_advertises_a_reachable_host(make_receiver, sender):
     assert recv.next_event() == ("ok", header)
 
 
-def test_close_is_prompt_and_idempotent(make_receiver):
+def test_close_stops_the_receiving_thread_and_is_idempotent(make_receiver):
+    """close() waits for the receiving loop to end (it sees the stop at its next poll) rather than leaving it
+    running past the join's own 5 s bound; how soon is a timing, not asserted."""
     recv = make_receiver(make_caches(seed=2))
     path = recv.rx.endpoint.removeprefix("ipc://")
-    assert os.path.exists(path)
-    start = time.monotonic()
+    assert os.path.exists(path) and recv.rx.alive
     recv.rx.close()
-    assert time.monotonic() - start < 5.0  # bounded by the poll interval: no hang
+    assert not recv.rx.alive  # the loop ended: close did not give up on it
     assert not os.path.exists(path)
     recv.rx.close()
