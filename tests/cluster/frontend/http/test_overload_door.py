@@ -1,0 +1,94 @@
+"""Overload is refused at the door, at once: with the admission limits as shipped (`queue_timeout_s`,
+`max_predicted_ttft_s` unset: half of `progress_timeout_s`, the door's floor of waiting requests), a
+newcomer that would wait behind requests the scheduler is not admitting gets 429 with Retry-After in a
+moment, not after waiting out the queue timeout as the requests ahead of it do.
+
+A 1P+1D cluster whose decode worker's KV (130 blocks here) is all but taken by one long stream: every
+request after it needs 5 blocks where 4 are free, so it waits for admission. Requests arrive one every
+half second (open loop) until the first refusal. It must come from the door (the admission rate the
+scheduler measured while they waited, times the requests waiting, past the limit), while every request
+sent before it is still waiting, and be answered in a small part of the queue timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from cluster.control.admission_door import _FLOOR
+from cluster.control.config import SchedulerSection
+from tests.helpers.cluster import load, wait_until_idle
+from tests.helpers.http_server import MODEL, serving
+
+SHIPPED = SchedulerSection()
+HOLDER = {"prompt": list(range(10, 26)), "max_tokens": 2000}  # 16 + 2000 tokens: 126 of the 130 blocks
+NEWCOMER = {"prompt": list(range(30, 46)), "max_tokens": 64}  # 16 + 64 tokens: 5 blocks
+ARRIVAL_S = 0.5  # one newcomer every half second
+# Newcomers sent at most: the door refuses once _FLOOR wait and the rate it measures is low enough (a few
+# seconds of waiting); more than this without a refusal is a failure.
+MOST = 4 * _FLOOR
+
+
+@pytest.fixture(scope="module")
+def full_server(ray_session):
+    config = load("local.yaml", num_kv_blocks=130)
+    shipped = SHIPPED.model_dump(include={"queue_timeout_s", "max_predicted_ttft_s", "progress_timeout_s", "max_queued"})
+    assert config.scheduler.model_dump(include=set(shipped)) == shipped  # the admission limits as shipped
+    with serving(config) as live:
+        yield live
+
+
+class Sent:
+    """One request from a thread of its own: when it was sent and answered, and the answer."""
+
+    def __init__(self, url: str, body: dict, stream: bool = False):
+        self.sent, self.answered, self.status, self.headers, self.body = time.monotonic(), None, None, {}, ""
+        self.first_token = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(url, body, stream), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, body: dict, stream: bool) -> None:
+        body = {"model": MODEL, "temperature": 0, "ignore_eos": True, "stream": stream, **body}
+        with httpx.Client(timeout=300) as client, client.stream("POST", url + "/v1/completions", json=body) as resp:
+            self.status, self.headers = resp.status_code, resp.headers
+            if resp.status_code == 200 and stream:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        self.first_token.set()
+            self.body = resp.read().decode() if not stream or resp.status_code != 200 else ""
+            self.answered = time.monotonic()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), f"no answer within {timeout_s} s"
+
+
+def test_a_newcomer_behind_requests_not_being_admitted_is_refused_at_once(full_server):
+    cluster, url = full_server
+    holder = Sent(url, HOLDER, stream=True)
+    assert holder.first_token.wait(60), "the long stream never started"
+    newcomers: list[Sent] = []
+    while not any(n.answered is not None and n.status == 429 for n in newcomers):
+        assert len(newcomers) < MOST, [(n.status, n.body) for n in newcomers]
+        newcomers.append(Sent(url, NEWCOMER))
+        time.sleep(ARRIVAL_S)  # the arrival process (open loop), not a wait for an event
+    refused = next(n for n in newcomers if n.answered is not None and n.status == 429)
+    before = newcomers[:newcomers.index(refused)]
+    # From the door: the requests waiting ahead of it were at least the floor, and none had been answered.
+    assert len(before) >= _FLOOR and all(n.answered is None or n.answered > refused.answered for n in before), \
+        [(n.status, n.answered and n.answered - refused.answered) for n in before]
+    assert holder.answered is None or holder.answered > refused.answered  # its KV was still taken
+    assert "overloaded" in refused.body and "wait for admission" in refused.body, refused.body
+    assert int(refused.headers["retry-after"]) >= 1
+    # At once: a small part of the queue timeout the requests ahead of it wait out (honest on a busy box).
+    answer_s = refused.answered - refused.sent
+    assert answer_s < SHIPPED.queue_timeout_s / 10, answer_s
+    print(f"refused after {len(before)} waiting, answered in {answer_s:.3f} s; the first ahead of it had waited "
+          f"{refused.answered - before[0].sent:.1f} s; Retry-After {refused.headers['retry-after']}")
+    holder.join(120)
+    for n in newcomers:
+        n.join(SHIPPED.queue_timeout_s + 60)
+        assert n.status in (200, 429), (n.status, n.body)
+    wait_until_idle(cluster)
