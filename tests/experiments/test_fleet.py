@@ -50,11 +50,23 @@ def test_prefix_hasher_equals_the_block_hash_chain():
         assert hasher(prompt, salt) == hash_prompt_blocks(prompt, 16, salt, "m")
 
 
-def _until_settled(fleet: Fleet, timeout_s: float = 30.0) -> None:
-    """The last finish reports reach the scheduler a heartbeat after the last tokens reach the client."""
+def _until_settled(fleet: Fleet, timeout_s: float = 60.0) -> None:
+    """The last finish reports reach the scheduler a heartbeat after the last tokens reach the client; fails
+    naming what every scheduler shard still has in flight when `timeout_s` runs out."""
     deadline = time.monotonic() + timeout_s
-    while ray.get(fleet.scheduler.state.remote(), timeout=30).in_flight and time.monotonic() < deadline:
+    while in_flight := [state.in_flight for state in fleet.states()]:
+        if not any(in_flight):
+            return
+        assert time.monotonic() < deadline, f"still in flight after {timeout_s:g} s, by shard: {in_flight}"
         time.sleep(0.1)
+
+
+def _until_in_flight(fleet: Fleet, n: int, timeout_s: float = 60.0) -> None:
+    """Until the scheduler shards hold at least `n` requests between them (the load is on the workers)."""
+    deadline = time.monotonic() + timeout_s
+    while (held := sum(state.in_flight for state in fleet.states())) < n:
+        assert time.monotonic() < deadline, f"only {held} requests in flight after {timeout_s:g} s"
+        time.sleep(0.05)
 
 
 def _prompts(n: int, seed: int, systems: int = 4) -> list[list[int]]:
@@ -86,10 +98,10 @@ def test_fleet_of_64_serves_every_request_with_batched_calls(ray_session):
 
 def test_a_tenth_of_256_workers_dying_at_once_loses_no_request(ray_session):
     """One host process killed (16 workers: Ray sees the process die) and 10 workers of other hosts
-    stopped (their reports stop: the heartbeat path) at the same moment, under load. Every request ends:
-    re-routed (a prefill that never handed off), migrated by its client (output already streamed), or
-    failed with an error; none hangs, the tokens of every finished one are all there, and the scheduler's
-    and every live host's books balance."""
+    stopped (their reports stop: the heartbeat path) at the same moment, under load. No request is lost:
+    each one the loss met is re-routed (a prefill that never handed off) or migrated by its client (output
+    already streamed), and ends with all its tokens (the failure model's "error when no capacity" never
+    applies: 230 workers live on); none hangs, and the scheduler's and every live host's books balance."""
     # Four processes (this box starts Ray workers slowly under load): host 0 holds the 16 that die with it.
     fleet = Fleet.start(256, per_host=(16, 80, 80, 80), settings=fleet_settings(heartbeat_timeout_s=3.0))
     client = TandemClient(fleet.scheduler)
@@ -99,7 +111,7 @@ def test_a_tenth_of_256_workers_dying_at_once_loses_no_request(ray_session):
         runner = threading.Thread(target=lambda: results.extend(client.generate(_prompts(600, seed=3), params,
                                                                                  timeout_s=240)))
         runner.start()
-        time.sleep(1.5)
+        _until_in_flight(fleet, 100)  # placed on the workers: in flight at the kill
         lost = fleet.kill_host(0)
         others = [wid for wid, (host, _) in sorted(fleet.workers.items()) if host != 0]
         stopped = random.Random(4).sample(others, 10)
@@ -108,14 +120,14 @@ def test_a_tenth_of_256_workers_dying_at_once_loses_no_request(ray_session):
         runner.join(timeout=300)
         assert not runner.is_alive(), "a request hung"
         assert len(results) == 600
-        finished = [s[0] for s in results if s[0].status == RequestStatus.FINISHED_LENGTH]
-        failed = [s[0] for s in results if s[0].status != RequestStatus.FINISHED_LENGTH]
-        assert all(len(s.token_ids) == 60 for s in finished)
-        assert all(s.error for s in failed), [s.status for s in failed]
-        assert len(finished) >= 0.9 * len(results), [s.error for s in failed][:5]
+        bad = [(s[0].status, s[0].error) for s in results
+               if s[0].status != RequestStatus.FINISHED_LENGTH or len(s[0].token_ids) != 60]
+        assert not bad, (len(bad), bad[:5])
         state = ray.get(fleet.scheduler.state.remote(), timeout=30)
         assert not set(lost) & set(state.workers)
         assert state.counters.workers_lost == len(lost) == 26
+        # The loss met requests: attempts re-routed by the scheduler or failed over to their clients.
+        assert state.counters.rerouted + state.counters.failed > 0, state.counters
         _until_settled(fleet)
         fleet.check_integrity(dead_hosts={0})
         state = ray.get(fleet.scheduler.state.remote(), timeout=30)
@@ -137,7 +149,7 @@ def test_a_restarted_scheduler_rebuilds_its_view_of_512_workers(ray_session):
         runner = threading.Thread(target=lambda: results.extend(client.generate(_prompts(400, seed=5), params,
                                                                                  timeout_s=240)))
         runner.start()
-        time.sleep(1.5)
+        _until_in_flight(fleet, 100)  # the dead scheduler holds requests its successor must learn
         ray.kill(fleet.scheduler, no_restart=False)
         runner.join(timeout=300)
         assert not runner.is_alive(), "a request hung"
@@ -168,7 +180,7 @@ def test_two_scheduler_shards_split_the_load_and_survive_a_host_across_both(ray_
         prompts = _prompts(400, seed=6, systems=16)
         runner = threading.Thread(target=lambda: results.extend(client.generate(prompts, params, timeout_s=240)))
         runner.start()
-        time.sleep(1.5)
+        _until_in_flight(fleet, 100)  # placed on the workers: in flight at the kill
         lost = fleet.kill_host(0)
         runner.join(timeout=300)
         assert not runner.is_alive(), "a request hung"
@@ -181,9 +193,7 @@ def test_two_scheduler_shards_split_the_load_and_survive_a_host_across_both(ray_
             assert not set(lost) & set(state.workers)
         stats = [ray.get(s.control_stats.remote(), timeout=30) for s in fleet.schedulers]
         assert all(st.admitted > 50 for st in stats), [st.admitted for st in stats]  # both took a share
-        deadline = time.monotonic() + 30
-        while any(st.in_flight for st in fleet.states()) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _until_settled(fleet)
         fleet.check_integrity(dead_hosts={0})
         assert all(st.in_flight == 0 and not sum(st.committed_blocks.values()) for st in fleet.states())
     finally:
