@@ -87,6 +87,29 @@ def wait_until_idle(cluster: Cluster, timeout_s: float = IDLE_TIMEOUT_S) -> dict
         time.sleep(0.05)
 
 
+# What only grows in a worker's stats with its handoffs: the scheduler's copy (from the worker's last report)
+# equals the worker's own once a report sent after its last handoff has arrived.
+HANDOFF_COUNTS = ("transfers_sent", "adopted")
+
+
+def wait_until_reported(cluster: Cluster, timeout_s: float = IDLE_TIMEOUT_S) -> dict:
+    """`wait_until_idle`, then until the scheduler has every worker's report of its last handoff. A worker's
+    KV events ride its reports (with the stats of the same moment), so the prefix index then knows every
+    block computed so far: the decode worker's finish report (idle) carries those of a prompt it computed,
+    the prefill worker's report of the transfer those of one it computed. Fails naming who is behind."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = wait_until_idle(cluster, max(deadline - time.monotonic(), 0.0))
+        heard = state["scheduler"]["worker_stats"]
+        behind = {wid: {name: (heard.get(wid, {}).get(name), own[name]) for name in HANDOFF_COUNTS}
+                  for wid, own in state["workers"].items()
+                  if any(heard.get(wid, {}).get(name) != own[name] for name in HANDOFF_COUNTS)}
+        if not behind:
+            return state
+        assert time.monotonic() < deadline, f"the scheduler has not heard the workers' latest reports: {behind}"
+        time.sleep(0.05)
+
+
 def generate_in_background(cluster: Cluster, prompts, params, timeout_s: float = 240.0) -> tuple[threading.Thread, dict]:
     """Run the requests from a thread (a test meanwhile breaks something); `out["got"]` holds the results
     once the thread has ended."""

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.launch import Cluster
 from cluster.control.routing import ANY_TENANT, RecentTenants, WorkerView, pick_decode, plan_prefill, predicted_ttft
-from tests.helpers.cluster import load, wait_until_idle
+from tests.helpers.cluster import load, wait_until_idle, wait_until_reported
 
 COST = 1e-3
 
@@ -142,14 +140,14 @@ def test_live_cluster_routes_to_the_cached_worker_then_around_its_queue(ray_sess
         first = client.submit(prefix + [11, 12], params)
         _run(client, first, params)
         owner = first.route.prefill
-        time.sleep(0.3)  # the owner's KV events reach the scheduler with its next report
+        wait_until_reported(cluster)  # the owner's KV events reach the scheduler with its next report
 
         # Both prefill workers idle: the one holding the 256-token prefix wins.
         again = client.submit(prefix + [13, 14, 15], params)
         _run(client, again, params)
         assert again.route.prefill == owner
         assert again.route.cached_tokens == 256
-        time.sleep(0.3)
+        wait_until_reported(cluster)  # the owner's queue as it reports it: empty again
 
         # A burst of long requests on that prefix: the owner's queue grows until the other worker,
         # with nothing cached, is predicted faster.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
@@ -16,7 +15,7 @@ from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.served_model import ServedModel
 from cluster.frontend.http.gate import Gate, TenantLimits
 from cluster.frontend.http.protocol import ApiError
-from tests.helpers.cluster import wait_until_idle
+from tests.helpers.cluster import wait_until_idle, wait_until_reported
 from tests.helpers.http_server import MODEL, running
 
 
@@ -57,23 +56,18 @@ def gated(server):  # noqa: F811
     ingress = _ingress(cluster.client(), gate)
     http = uvicorn.Server(uvicorn.Config(create_app(ingress, cluster.scheduler), host="127.0.0.1", port=0,
                                          log_level="warning"))
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    while not http.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}/v1"
-    http.should_exit = True
-    thread.join(timeout=10)
+    with running(http) as url:
+        yield url + "/v1"
 
 
-def test_keys_tenants_and_cache_isolation(gated):
+def test_keys_tenants_and_cache_isolation(server, gated):  # noqa: F811
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=gated, api_key="wrong", max_retries=0).completions.create(model=MODEL, prompt="x")
     a = openai.OpenAI(base_url=gated, api_key="key-a", max_retries=0)
     b = openai.OpenAI(base_url=gated, api_key="key-b", max_retries=0)
     prompt = "A long shared system prompt that fills several KV blocks of sixteen tokens each, " * 3
     first = a.completions.create(model=MODEL, prompt=prompt, max_tokens=2, user="tenant-b")
-    time.sleep(0.3)  # KV events reach the scheduler
+    wait_until_reported(server[0])  # its KV events reach the scheduler
     again = a.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     other = b.completions.create(model=MODEL, prompt=prompt, max_tokens=2, user="tenant-a")  # `user` is no salt
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -104,18 +98,12 @@ def test_no_ready_worker_is_503(ray_session):
     client = TandemClient(scheduler, load_tokenizer())
     http = uvicorn.Server(uvicorn.Config(create_app(_ingress(client, Gate(None)), scheduler),
                                          host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
     try:
-        while not http.started:
-            time.sleep(0.05)
-        base = f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
-        answer = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
-        assert answer.status_code == 503 and int(answer.headers["retry-after"]) >= 1, answer.text
-        assert httpx.get(base + "/ready").status_code == 503
+        with running(http) as base:
+            answer = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
+            assert answer.status_code == 503 and int(answer.headers["retry-after"]) >= 1, answer.text
+            assert httpx.get(base + "/ready").status_code == 503
     finally:
-        http.should_exit = True
-        thread.join(timeout=10)
         client.close()
         ray.kill(scheduler)
 
