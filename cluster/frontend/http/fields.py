@@ -9,12 +9,15 @@ them before anything runs:
   clients that send vendor extras (`accept`), a WARNING naming it, once per request.
 A field sent as null asks for nothing and is not looked at. The parameter objects (`stream_options`,
 `response_format`, ...) are checked the same way; messages and tool definitions are data for the chat
-template, which receives them whole.
+template, which receives them whole. A route whose request holds objects of its own (the Responses API's
+input items, content parts and `text`: responses_request.py) decides their keys itself, with its own list
+of refused fields, and hands the unknown keys it found to the same decision.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from pydantic import BaseModel
 
@@ -40,18 +43,21 @@ REFUSED: dict[str, tuple] = {
 }
 
 
-def check_fields(req: BaseModel, accept_unknown: bool) -> None:
-    """The 400 for the first refused field of `req` (and its parameter objects), then for its unknown
-    ones (all named), unless `accept_unknown`: then they are logged."""
+def check_fields(req: BaseModel, accept_unknown: bool, refused: dict[str, tuple] = REFUSED,
+                 inner_unknown: Sequence[str] = ()) -> None:
+    """The 400 for the first `refused` field of `req` (and its parameter objects), then for its unknown
+    ones, all named: its own, then `inner_unknown` (the unknown keys a route found inside objects of its
+    own); unless `accept_unknown`: then they are logged."""
     unknown: list[str] = []
     for path, value in _extras(req, ""):
         name = path.rsplit(".", 1)[-1]
-        if path == name and name in REFUSED:
-            if value not in REFUSED[name]:
+        if path == name and name in refused:
+            if value not in refused[name]:
                 raise ApiError(400, f"{name} is not supported by this server"
-                               + (f" (only {_neutral(REFUSED[name])} is accepted)" if REFUSED[name] else ""), name)
+                               + (f" (only {neutral(refused[name])} is accepted)" if refused[name] else ""), name)
         else:
             unknown.append(path)
+    unknown += inner_unknown
     if not unknown:
         return
     if accept_unknown:
@@ -73,5 +79,6 @@ def _extras(model: BaseModel, prefix: str):
             yield from _extras(value, f"{prefix}{name}.")
 
 
-def _neutral(values: tuple) -> str:
+def neutral(values: tuple) -> str:
+    """Neutral values as a request writes them (JSON)."""
     return " or ".join(repr(v).replace("True", "true").replace("False", "false") for v in values)

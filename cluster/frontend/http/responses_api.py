@@ -1,8 +1,9 @@
 """OpenAI's Responses API (`POST /v1/responses`), for text: a request becomes a chat request (`input` as
 the conversation, `instructions` as its system message, `text.format` as the structured output,
-`max_output_tokens` as max_tokens) and its answer one output message, whole or streamed as the API's
-events. Not served: tools, stored responses (`previous_response_id`, `store`), reasoning, background
-runs; asking for them is a 400 naming the field."""
+`max_output_tokens` as max_tokens: responses_request.py, which decides every field and every key inside
+the request) and its answer one output message, whole or streamed as the API's events. Not served:
+tools, stored responses (`previous_response_id`, `store`), reasoning, background runs; asking for them
+is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -11,67 +12,15 @@ import uuid
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.frontend.http.chat_request import prepare_chat
-from cluster.frontend.http.fields import check_fields
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.lifecycle import raise_if_failed, run_unless_disconnected
 from cluster.frontend.http.openapi import ResponseObject, documented
-from cluster.frontend.http.protocol import CLOSED_SCHEMA, ApiError, ChatCompletionRequest
+from cluster.frontend.http.protocol import ApiError
+from cluster.frontend.http.responses_request import ResponsesRequest, as_chat, renamed
 from cluster.frontend.http.streaming import sse
 from cluster.frontend.http.body_guard import tenant_of
-
-
-class ResponsesRequest(BaseModel):
-    # undeclared fields: refused or logged (fields.py)
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False, json_schema_extra=CLOSED_SCHEMA)
-    model: str
-    input: str | list[dict] = Field(min_length=1)
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stream: bool = False
-    text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
-    tools: list | None = None
-    previous_response_id: str | None = None
-    store: bool | None = None
-    background: bool | None = None
-    user: str | None = None
-
-
-def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    for name in ("tools", "previous_response_id", "background", "store"):
-        if getattr(req, name):
-            raise ApiError(400, f"{name} is not supported on /v1/responses here; use /v1/chat/completions", name)
-    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    for item in items:
-        if item.get("type", "message") != "message" or "role" not in item:
-            raise ApiError(400, f"input items must be messages, got type {item.get('type')!r}", "input")
-        content = item.get("content")
-        if isinstance(content, list):  # [{"type": "input_text" | "output_text", "text": ...}]
-            if any(not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text") for p in content):
-                raise ApiError(400, "input message content must be text parts", "input")
-            content = "".join(p.get("text", "") for p in content)
-        messages.append({"role": item["role"], "content": content})
-    fmt = (req.text or {}).get("format") or {"type": "text"}
-    response_format = None
-    if fmt.get("type") == "json_object":
-        response_format = {"type": "json_object"}
-    elif fmt.get("type") == "json_schema":
-        response_format = {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"),
-                                                                  "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
-    elif fmt.get("type") != "text":
-        raise ApiError(400, f"text.format type {fmt.get('type')!r} is not text, json_object or json_schema", "text")
-    try:
-        return ChatCompletionRequest(model=req.model, messages=messages, max_tokens=req.max_output_tokens,
-                                     temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                     response_format=response_format, user=req.user)
-    except ValueError as exc:
-        raise ApiError(400, f"input: {exc.errors()[0]['msg'] if hasattr(exc, 'errors') else exc}", "input") from None
 
 
 def _response(rid: str, msg_id: str, model: str, text: str, status: str, usage: dict | None) -> dict:
@@ -101,9 +50,11 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
     async def create_response(req: ResponsesRequest, request: Request):
         arrival = time.perf_counter()
         tenant = tenant_of(request)
-        check_fields(req, ingress.model.caps.accept_unknown_fields)
-        chat = await prepare_chat(ingress, _chat_request(req))
-        (stream,) = await ingress.open_all([chat.prompt], chat.params, tenant, user=req.user)
+        try:  # the chat request's checks, its errors naming this request's fields
+            chat = await prepare_chat(ingress, as_chat(req, ingress.model.caps.accept_unknown_fields))
+            (stream,) = await ingress.open_all([chat.prompt], chat.params, tenant, user=req.user)
+        except ApiError as exc:
+            raise renamed(exc) from None
         rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
 
         def usage() -> dict:

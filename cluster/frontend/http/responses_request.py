@@ -1,0 +1,179 @@
+"""A Responses API request (`POST /v1/responses`) and the chat request it becomes, with every field and
+every key inside it decided as the chat route decides its fields (fields.py): honoured, refused by name
+(400) unless it holds its neutral value, or unknown (400 naming it; logged with `ingress.unknown_fields:
+accept`). A key sent as null asks for nothing.
+
+Honoured: `input` (a string, or message items: `role`, `content` as a string or text parts, joined by a
+newline as the chat route joins them), `instructions` (the system message), `max_output_tokens`,
+`temperature`, `top_p`, `seed`, `stream`, `text.format` (text, json_object, json_schema with the keys chat's
+response_format takes: name, description, schema, strict), `user`. An output item of an earlier response,
+given back as input (the SDK's `input += response.output`), carries `id` and `status`, and its text parts
+`annotations` and `logprobs`: they describe that output and ask nothing of this one, so they pass.
+Refused by name: what the API defines and this server does not do: tools, stored responses and
+conversations, reasoning, other item and part types, and the rest of `REFUSED`.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.frontend.http import fields
+from cluster.frontend.http.fields import check_fields
+from cluster.frontend.http.protocol import CLOSED_SCHEMA, ApiError, ChatCompletionRequest
+
+
+class ResponsesRequest(BaseModel):
+    # undeclared fields: refused or logged (fields.py)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, json_schema_extra=CLOSED_SCHEMA)
+    model: str
+    input: str | list[dict] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stream: bool = False
+    text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    # declared for the API's schema, refused unless empty or false (`_NOT_HERE`)
+    tools: list | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    background: bool | None = None
+    user: str | None = None
+
+
+# Declared fields this server does not serve on this route: a 400 unless empty, false or null.
+_NOT_HERE = ("tools", "previous_response_id", "store", "background")
+
+# Undeclared fields of OpenAI's Responses API this server does not honour -> their neutral values.
+REFUSED: dict[str, tuple] = {
+    **{name: fields.REFUSED[name] for name in ("metadata", "service_tier", "prompt_cache_key", "safety_identifier")},
+    "include": ([],), "reasoning": (), "truncation": ("disabled",), "conversation": (), "prompt": (),
+    "tool_choice": ("none", "auto"),  # with no tools (they are refused) neither asks for anything
+    "parallel_tool_calls": (True,), "max_tool_calls": (), "top_logprobs": (0,),
+    "stream_options": ({}, {"include_obfuscation": False}),  # the stream is never obfuscated
+    "prompt_cache_retention": (),
+}
+
+# The keys of the objects inside a request: each honoured (None), or refused unless one of its neutral
+# values (a tuple). Any other key is unknown.
+ITEM_KEYS: dict[str, tuple | None] = {"type": None, "role": None, "content": None, "id": None, "status": None,
+                                      "phase": ()}
+PART_KEYS: dict[str, tuple | None] = {"type": None, "text": None, "annotations": None, "logprobs": None,
+                                      "prompt_cache_breakpoint": ()}
+TEXT_KEYS: dict[str, tuple | None] = {"format": None, "verbosity": ("medium",)}
+FORMAT_KEYS: dict[str, dict[str, tuple | None]] = {  # by the format's type
+    "text": {"type": None},
+    "json_object": {"type": None},
+    "json_schema": {"type": None, "name": None, "schema": None, "strict": None, "description": None},
+}
+ROLES = ("user", "assistant", "system", "developer")
+ITEM_STATUSES = ("in_progress", "completed", "incomplete")
+TEXT_PARTS = ("input_text", "output_text", "text")  # "text": chat's spelling, accepted here too
+# A chat parameter named in an error -> the Responses field that set it.
+_CHAT_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+
+
+def as_chat(req: ResponsesRequest, accept_unknown: bool) -> ChatCompletionRequest:
+    """The chat request `req` asks for; a 400 naming the first field or key refused, or every unknown one
+    (unless `accept_unknown`: then they are logged)."""
+    for name in _NOT_HERE:
+        if getattr(req, name):
+            raise ApiError(400, f"{name} is not supported on /v1/responses here; use /v1/chat/completions", name)
+    unknown: list[str] = []
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    messages += [_message(item, f"input[{i}]", unknown) for i, item in enumerate(items)]
+    response_format = _response_format(req.text, unknown)
+    check_fields(req, accept_unknown, REFUSED, unknown)
+    try:
+        return ChatCompletionRequest(model=req.model, messages=messages, max_tokens=req.max_output_tokens,
+                                     temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                     response_format=response_format, user=req.user)
+    except ValueError as exc:
+        raise ApiError(400, f"input: {exc.errors()[0]['msg'] if hasattr(exc, 'errors') else exc}", "input") from None
+
+
+def renamed(exc: ApiError) -> ApiError:
+    """A chat request's error as the Responses request's: its parameter named as this API names it."""
+    name = _CHAT_NAMES.get(exc.param or "")
+    if name is None:
+        return exc
+    return ApiError(exc.status, exc.message.replace(exc.param, name), name, exc.kind, exc.headers)
+
+
+def _message(item: dict, where: str, unknown: list[str]) -> dict:
+    _check_keys(item, where, ITEM_KEYS, unknown)
+    if item.get("type", "message") not in ("message", None):
+        raise ApiError(400, f"{where}.type: only message items are served here, not {item['type']!r} (use "
+                       "/v1/chat/completions for tool calls)", f"{where}.type")
+    role, content = item.get("role"), item.get("content")
+    if role not in ROLES:
+        raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, not {role!r}", f"{where}.role")
+    if item.get("status") not in (None, *ITEM_STATUSES):
+        raise ApiError(400, f"{where}.status must be one of {', '.join(ITEM_STATUSES)}", f"{where}.status")
+    if item.get("id") is not None and not isinstance(item["id"], str):
+        raise ApiError(400, f"{where}.id must be a string", f"{where}.id")
+    if isinstance(content, list):
+        content = [_text_part(part, f"{where}.content[{j}]", unknown) for j, part in enumerate(content)]
+    elif not isinstance(content, str):
+        raise ApiError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
+    return {"role": role, "content": content}
+
+
+def _text_part(part, where: str, unknown: list[str]) -> dict:
+    if not isinstance(part, dict):
+        raise ApiError(400, f"{where} must be a content part object", where)
+    _check_keys(part, where, PART_KEYS, unknown)
+    if part.get("type") not in TEXT_PARTS:
+        raise ApiError(400, f"{where}.type: only text parts ({', '.join(TEXT_PARTS[:2])}) are served, not "
+                       f"{part.get('type')!r}", f"{where}.type")
+    if not isinstance(part.get("text"), str):
+        raise ApiError(400, f"{where}.text must be a string", f"{where}.text")
+    for key in ("annotations", "logprobs"):
+        if part.get(key) is not None and not isinstance(part[key], list):
+            raise ApiError(400, f"{where}.{key} must be a list", f"{where}.{key}")
+    return {"type": "text", "text": part["text"]}
+
+
+def _response_format(text: dict | None, unknown: list[str]) -> dict | None:
+    """Chat's response_format for `text` (None: plain text)."""
+    if text is None:
+        return None
+    _check_keys(text, "text", TEXT_KEYS, unknown)
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in FORMAT_KEYS:
+        raise ApiError(400, f"text.format.type must be one of {', '.join(FORMAT_KEYS)}, not {kind!r}",
+                       "text.format.type")
+    _check_keys(fmt, "text.format", FORMAT_KEYS[kind], unknown)
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        for key, kinds in _JSON_SCHEMA_TYPES.items():
+            if (fmt.get(key) is not None or key == "schema") and not isinstance(fmt.get(key), kinds):
+                raise ApiError(400, f"text.format.{key} must be {_JSON_SCHEMA_TYPES_SAID[key]}", f"text.format.{key}")
+        return {"type": "json_schema", "json_schema": {key: fmt[key] for key in _JSON_SCHEMA_TYPES
+                                                       if fmt.get(key) is not None}}
+    return None
+
+
+# A json_schema format's keys, as chat's response_format.json_schema takes them (the schema is required).
+_JSON_SCHEMA_TYPES = {"name": str, "description": str, "schema": dict, "strict": bool}
+_JSON_SCHEMA_TYPES_SAID = {"name": "a string", "description": "a string", "schema": "a JSON schema object",
+                           "strict": "true or false"}
+
+
+def _check_keys(obj: dict, where: str, keys: dict[str, tuple | None], unknown: list[str]) -> None:
+    """A 400 for a key of `obj` refused here (not one of its neutral values); unknown keys are added to
+    `unknown` (as `where.key`)."""
+    for key, value in obj.items():
+        if value is None or (key in keys and keys[key] is None):
+            continue
+        if key not in keys:
+            unknown.append(f"{where}.{key}")
+        elif value not in keys[key]:
+            neutral = f" (only {fields.neutral(keys[key])} is accepted)" if keys[key] else ""
+            raise ApiError(400, f"{where}.{key} is not supported by this server{neutral}", f"{where}.{key}")
