@@ -126,7 +126,7 @@ class ClosedLoop:
     def __init__(self, cluster: Cluster, prompts, params, expected: list[list[int]], threads: int = 4):
         self.client, self.prompts, self.params, self.expected = cluster.client(), prompts, params, expected
         self.done, self.bad = 0, []
-        self._stop = threading.Event()
+        self._stop, self._lock = threading.Event(), threading.Lock()
         self._threads = [threading.Thread(target=self._run, args=(i, threads), daemon=True) for i in range(threads)]
         for t in self._threads:
             t.start()
@@ -137,11 +137,20 @@ class ClosedLoop:
             try:
                 (r,) = self.client.generate([self.prompts[i % n]], self.params, timeout_s=120)[0]
                 ok = r.finish_reason == "length" and r.token_ids == self.expected[i % n]
-                self.bad += [] if ok else [r.error or "wrong tokens"]
+                wrong = [] if ok else [r.error or "wrong tokens"]
             except Exception as exc:
-                self.bad.append(f"{type(exc).__name__}: {exc}")
-            self.done += 1
+                wrong = [f"{type(exc).__name__}: {exc}"]
+            with self._lock:
+                self.bad += wrong
+                self.done += 1
             i += stride
+
+    def wait_done(self, n: int, timeout_s: float = 120.0) -> None:
+        """Until `n` requests in all have ended (the load is flowing); fails with the count and what went wrong."""
+        deadline = time.monotonic() + timeout_s
+        while self.done < n:
+            assert time.monotonic() < deadline, f"only {self.done} of {n} requests ended in {timeout_s:g} s: {self.bad[:3]}"
+            time.sleep(0.05)
 
     def stop(self, timeout_s: float = 150.0) -> None:
         """Stops the loop and waits for its threads; fails naming the ones still running after `timeout_s`

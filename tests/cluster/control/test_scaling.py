@@ -33,7 +33,7 @@ def Load(cluster: Cluster, expected: list[list[int]], threads: int = 4) -> Close
 
 
 def assert_clean(cluster: Cluster) -> dict:
-    state = wait_until_idle(cluster, timeout_s=20)
+    state = wait_until_idle(cluster)
     for stats in state["workers"].values():
         assert stats["used_blocks"] == stats["reserved"] == stats["held"] == stats["live_requests"] == 0, stats
     assert state["scheduler"]["in_flight"] == 0
@@ -49,7 +49,7 @@ def test_scale_up_and_down_under_load_fails_nothing(server, expected):  # noqa: 
     cluster, base = server
     load_ = Load(cluster, expected)
     try:
-        time.sleep(2.0)
+        load_.wait_done(4)  # the resize comes under load
         assert tandem(["scale", "--prefill", "2", "--decode", "2", "--url", base]) == 0
         assert sorted(cluster.workers) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
         # The load's prompts are cached on prefill-0 and cache-aware routing keeps them there; fresh
@@ -145,7 +145,7 @@ def test_bad_resizes_are_refused_and_change_nothing(server, capsys):  # noqa: F8
     assert sorted(cluster.workers) == before
 
 
-def test_an_edit_of_the_config_file_resizes_the_pools(server, tmp_path):  # noqa: F811
+def test_an_edit_of_the_config_file_resizes_the_pools(server, tmp_path, caplog):  # noqa: F811
     cluster, _ = server
     path = tmp_path / "served.yaml"
     raw = yaml.safe_load((CONFIGS / "local.yaml").read_text())
@@ -169,7 +169,10 @@ def test_an_edit_of_the_config_file_resizes_the_pools(server, tmp_path):  # noqa
         bad = cluster.config.model_dump()
         bad["engine"]["block_size"] = 32
         path.write_text(yaml.safe_dump(bad))
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while not [r for r in caplog.records if r.name == "tandem.scaling" and "not applied" in r.getMessage()]:
+            assert time.monotonic() < deadline, "the watcher never read the bad edit"
+            time.sleep(0.05)
         assert len(cluster.workers) == 3
         write(decode=1)
         deadline = time.monotonic() + 60
