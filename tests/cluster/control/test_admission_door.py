@@ -4,9 +4,10 @@ budget, never on an idle cluster's first burst, and one fallback poll however ma
 from __future__ import annotations
 
 import asyncio
+import time
 
 from cluster.control.admission_door import _FLOOR, AdmissionDoor
-from cluster.control.room_waiters import _FALLBACK_S, _WAKE_PER_POLL, RoomWaiters
+from cluster.control.room_waiters import _WAKE_PER_POLL, RoomWaiters
 
 
 class FakeClock:
@@ -81,7 +82,11 @@ def test_one_fallback_poll_wakes_the_oldest_few():
             woken.append(i)
 
         tasks = [asyncio.ensure_future(wait(i)) for i in range(100)]
-        await asyncio.sleep(_FALLBACK_S * 1.5)  # one poll
+        deadline = time.monotonic() + 10
+        while not woken:  # until the first poll's waiters run (they all resume on the same loop turn)
+            assert time.monotonic() < deadline, "no fallback poll woke anyone"
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)  # (one turn more: any woken later than the first would show now)
         after_one_poll = sorted(woken)
         waiters.freed(3)  # an event: the next oldest three
         for _ in range(5):  # (a woken waiter's task resumes a few loop turns later; the next poll is far)
