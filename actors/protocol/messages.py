@@ -304,9 +304,18 @@ class TokenDelta:
     times: StageTimes | None = None  # on the first and the last delta of an attempt only
     retryable: bool = False  # a FAILED delta the client may retry elsewhere (its worker was lost)
     prompt_logprobs: list | None = None  # the first delta: one entry per prompt token (None for the first)
+    superseded: bool = False  # the scheduler's word that `attempt` was placed again: see `stale`
 
     @classmethod
     def failure(cls, request: WorkerRequest, message: str, retryable: bool) -> TokenDelta:
         """The attempt ended with an error, wherever it was: every sample of it, no tokens."""
         return cls(request.attempt, 0, 0, (), RequestStatus.FAILED, len(request.request.prompt_token_ids), 0, message,
                    retryable=retryable)
+
+    @classmethod
+    def stale(cls, attempt: AttemptId) -> TokenDelta:
+        """From the scheduler: the attempt's request was placed again without its client (its prefill worker
+        was declared lost, or never confirmed it), so whatever still comes from this attempt (a worker that
+        was only stalled wakes and finishes its step) is stale. No tokens and a live status: a reader of raw
+        deltas sees nothing end."""
+        return cls(attempt, 0, 0, (), RequestStatus.WAITING, superseded=True)

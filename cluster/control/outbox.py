@@ -23,7 +23,7 @@ log = logging.getLogger("tandem.scheduler")
 class Outbox:
     def __init__(self, registry: WorkerRegistry, mail: WorkerMail, curve_keys: CurveKeys | None):
         self._registry, self.mail = registry, mail
-        # Only to tell a client its request failed with a lost worker.
+        # Only to tell a client its request failed with a lost worker, or that an attempt of it is stale.
         self._publisher = TokenPublisher(keys=curve_keys)
 
     async def reserve(self, endpoint: str, request: WorkerRequest, worker_id: str) -> KvReservation | None:
@@ -58,3 +58,7 @@ class Outbox:
     def tell_client(self, tracked: Tracked, message: str, retryable: bool = True) -> None:
         delta = TokenDelta.failure(WorkerRequest(tracked.attempt, tracked.request), message, retryable)
         self._publisher.publish(tracked.request.sink, [delta])
+
+    def tell_superseded(self, tracked: Tracked) -> None:
+        """The attempt was placed again without its client: what still comes from it is stale there."""
+        self._publisher.publish(tracked.request.sink, [TokenDelta.stale(tracked.attempt)])

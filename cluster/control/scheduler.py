@@ -194,8 +194,10 @@ class Scheduler:
                             and tracked.phase is not Phase.HANDED_OFF)
             self._reclaim(tracked.attempt, failed=not prefill_only, skip=worker_id)
             if prefill_only:
-                # Nothing has reached the client from a prefill that never handed off: run it again.
+                # Nothing has reached the client from a prefill that never handed off: run it again. The client
+                # is told the old attempt is stale: its worker may only be stalled, and finish it when it wakes.
                 self._rerouted += 1
+                self._out.tell_superseded(tracked)
                 asyncio.get_running_loop().create_task(self._resubmit(tracked))
             else:
                 self._out.tell_client(tracked, f"worker {worker_id} was lost ({why}) while serving the request")
@@ -219,6 +221,7 @@ class Scheduler:
                 self._lost_submits += 1
                 self._reclaim(tracked.attempt, failed=True)
                 self._rerouted += 1
+                self._out.tell_superseded(tracked)  # in case it arrives after all
                 asyncio.get_running_loop().create_task(self._resubmit(tracked))
 
     async def _resubmit(self, lost: Tracked) -> None:

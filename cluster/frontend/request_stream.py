@@ -6,7 +6,8 @@ Shared by the Python client and the HTTP ingress, both through the client's one 
 Deltas of one sample are put back in order by their offset (the first token comes from the prefill
 worker, the rest from the decode worker); text and stop strings are computed here because workers only
 produce token ids. A retryable failure (its worker was lost) sets `migration_pending`; the client's
-`migrate` resubmits `migration_request()`, and every later delta of the given-up attempt is stale.
+`migrate` resubmits `migration_request()`, and every later delta of the given-up attempt is stale. So is
+every later delta of an attempt the scheduler placed again itself (`TokenDelta.stale`).
 
 The progress bound (`scheduler.progress_timeout_s`) holds in whatever phase the request is (admission,
 a worker's queue, prefill, handoff, decode, a migration): the pump, having received nothing for the request
@@ -274,6 +275,9 @@ class RequestStream:
         if isinstance(delta, SchedulerForgot):
             return self._forgotten(delta)
         if delta.attempt in self._dead_attempts:
+            return []
+        if delta.superseded:  # the scheduler placed the request again: the rest of this attempt is stale
+            self._dead_attempts.add(delta.attempt)
             return []
         self._attempts_seen.add(delta.attempt)
         self.received_tokens += len(delta.token_ids)

@@ -83,6 +83,17 @@ def test_a_lost_worker_is_no_progress_the_client_sees():
     assert stream.last_progress == heard
 
 
+def test_an_attempt_the_scheduler_placed_again_goes_stale_without_a_move():
+    """Its prefill worker was declared lost while only stalled: the scheduler prefills the request again and
+    says the old attempt is stale, so the old one's first token (the stalled worker woke and finished its
+    step) is neither shown nor counted, and the client does not move the request itself."""
+    stream, old, new = _stream(), AttemptId("r", "e:1"), AttemptId("r", "e:2")
+    assert stream.feed(TokenDelta.stale(old)) == [] and not stream.migration_pending
+    assert stream.feed(_delta(old, 0, 7)) == []
+    assert [list(ev.token_ids) for ev in stream.feed(_delta(new, 0, 8))] == [[8]]
+    assert (stream.received_tokens, stream.moves) == (1, 0)
+
+
 def test_the_bound_counts_the_admission_wait():
     """A request admitted after a long wait has only what is left of the bound (its silence began when it
     was sent, not when it was admitted)."""
