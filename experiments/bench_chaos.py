@@ -105,7 +105,7 @@ class _Killer:
     def _loop(self) -> None:
         raylet = _raylet_pid()
         while not self._stop.wait(self._every_s):
-            alive = {pid: wid for wid, pid in _alive_worker_pids().items()}  # asking a busy worker would wait
+            alive = {pid: wid for wid, pid in alive_worker_pids().items()}  # asking a busy worker would wait
             self._observe(self._routed_to())
             victims = alive if self._spare else {pid: alive.get(pid, "starting") for pid in _worker_processes(raylet)}
             pids = sorted(victims)
@@ -152,7 +152,7 @@ class _Killer:
         }
 
 
-def _alive_worker_pids() -> dict[str, int]:
+def alive_worker_pids() -> dict[str, int]:
     """Worker id -> process id of every worker Ray shows alive (Ray's GCS actor table; no public API
     gives a process id without calling the actor)."""
     from ray._private import state
