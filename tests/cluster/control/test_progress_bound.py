@@ -1,14 +1,18 @@
 """No stream stays silent past the progress bound, at the shipped bound (`scheduler.progress_timeout_s`,
 60 s): a request whose every worker is frozen in a step longer than the bound (alive: its pulse speaks,
 its engine thread says nothing) is moved at half the bound and ends with a clean error just before the
-bound, never a token, never longer silent. The shortened bound's test of the same code is
-test_stuck_engine.py (4 s); the client's arithmetic alone is test_request_stream.py."""
+bound, never a token, never longer silent; an HTTP request whose admission gets no answer within the bound
+(its scheduler's process stopped, SIGSTOP) is a 503 at the bound. The shortened bound's test of the same
+code is test_stuck_engine.py (4 s); the client's arithmetic alone is test_request_stream.py."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
+import httpx
 import pytest
 import ray
 
@@ -16,6 +20,7 @@ from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import SchedulerSection
 from cluster.control.launch import Cluster
 from tests.helpers.cluster import load, wait_until_idle
+from tests.helpers.http_server import MODEL, serving
 
 pytestmark = pytest.mark.slow  # a minute of silence at the shipped bound, then the frozen steps' end
 
@@ -73,3 +78,25 @@ def test_a_request_no_worker_answers_is_moved_at_half_the_bound_and_ends_at_it(r
         wait_until_idle(cluster)
     finally:
         cluster.shutdown()
+
+
+def test_an_admission_unanswered_for_the_bound_is_a_503_at_the_bound(ray_session):
+    config = load("local.yaml")
+    assert config.scheduler.progress_timeout_s == BOUND_S  # as shipped
+    with serving(config) as (cluster, url):
+        pid = ray.get(cluster.scheduler.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+        os.kill(pid, signal.SIGSTOP)  # alive to Ray, silent to its clients
+        try:
+            sent = time.monotonic()
+            answer = httpx.post(url + "/v1/completions", timeout=BOUND_S + 60, json={
+                "model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+            answered_s = time.monotonic() - sent
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        print(f"bound {BOUND_S:g} s: 503 after {answered_s:.2f} s")
+        assert answer.status_code == 503 and answer.headers["retry-after"], answer.text
+        assert "no admission answer within the progress bound" in answer.json()["error"]["message"], answer.text
+        assert BOUND_S - 0.5 <= answered_s <= BOUND_S + LATE_S, answered_s
+        # The scheduler, running again, hears from its workers again; nothing stays held.
+        cluster.wait_registered(set(cluster.workers), timeout_s=60)
+        wait_until_idle(cluster)
