@@ -48,7 +48,7 @@ def cluster(ray_session, config):
 
 
 def assert_idle(cluster: Cluster) -> None:
-    state = wait_until_idle(cluster, timeout_s=20)
+    state = wait_until_idle(cluster)
     for stats in state["workers"].values():
         assert stats["used_blocks"] == stats["reserved"] == stats["held"] == stats["live_requests"] == 0, stats
     assert state["scheduler"]["in_flight"] == 0

@@ -99,7 +99,7 @@ def test_losing_a_rank_restarts_the_group_and_streams_migrate(ray_session):
         assert [g[0].token_ids for g in out["got"]] == expected
         assert ray.get(worker.info.remote(), timeout=60).incarnation != incarnation  # a new group, one worker
         assert len(ray.get(worker.tensor_parallel_ranks.remote(), timeout=30)) == 1
-        state = wait_until_idle(cluster, timeout_s=30)
+        state = wait_until_idle(cluster)
         assert state["scheduler"]["in_flight"] == 0
         assert state["scheduler"]["counters"]["workers_lost"] == 1, state["scheduler"]["counters"]
     finally:

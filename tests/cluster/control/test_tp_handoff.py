@@ -71,7 +71,7 @@ def test_handoff_between_tp_sizes_sends_each_rank_its_heads(ray_session, kv4_mod
     try:
         got = cluster.client().generate(prompts, params, timeout_s=240)
         assert [r[0].token_ids for r in got] == expected
-        state = wait_until_idle(cluster, timeout_s=30)
+        state = wait_until_idle(cluster)
         assert all(w["used_blocks"] == 0 for w in state["workers"].values()), state["workers"]
         sent = [s for s, _ in _kv_bytes(cluster, "prefill-0")]
         received = [r for _, r in _kv_bytes(cluster, "decode-0")]
@@ -109,13 +109,13 @@ def test_losing_a_decode_rank_migrates_the_streams(ray_session, kv4_model):
         assert [g[0].token_ids for g in out["got"]] == expected
         info = ray.get(worker.info.remote(), timeout=60)
         assert info.incarnation != incarnation and len(info.kv_endpoints) == 2  # one new group, both ranks
-        state = wait_until_idle(cluster, timeout_s=30)
+        state = wait_until_idle(cluster)
         assert state["scheduler"]["in_flight"] == 0
         assert state["scheduler"]["counters"]["workers_lost"] == 1, state["scheduler"]["counters"]
         # The restarted group serves handoffs again.
         again = cluster.client().generate(prompts[:3], params[:3], timeout_s=120)
         assert [g[0].token_ids for g in again] == expected[:3]
-        wait_until_idle(cluster, timeout_s=30)
+        wait_until_idle(cluster)
     finally:
         cluster.shutdown()
 
@@ -143,6 +143,6 @@ def test_a_rank_whose_kv_receiver_dies_restarts_the_group(ray_session, kv4_model
             time.sleep(0.2)
         got = cluster.client().generate(prompts, params, timeout_s=240)
         assert [r[0].token_ids for r in got] == expected
-        wait_until_idle(cluster, timeout_s=30)
+        wait_until_idle(cluster)
     finally:
         cluster.shutdown()

@@ -140,5 +140,5 @@ def test_a_tenant_cannot_hold_more_than_its_share_of_the_kv(server):
         assert f'tandem:tenant_kv_blocks{{tenant="tenant-a"}} {float(state.tenant_blocks["tenant-a"])}' in metrics
         held.close()
         other.close()
-    idle = wait_until_idle(cluster, timeout_s=60)
+    idle = wait_until_idle(cluster)
     assert idle["scheduler"]["tenant_blocks"] == {} and idle["scheduler"]["in_flight"] == 0

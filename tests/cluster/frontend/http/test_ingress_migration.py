@@ -47,6 +47,6 @@ def test_openai_stream_survives_its_decode_worker(server):
     body = httpx.get(base + "/metrics", timeout=10).text
     migrations = [line for line in body.splitlines() if line.startswith("tandem:request_migrations_total")]
     assert migrations and float(migrations[0].split()[-1]) >= 1, migrations
-    state = wait_until_idle(cluster, timeout_s=30)
+    state = wait_until_idle(cluster)
     for stats in state["workers"].values():
         assert stats["used_blocks"] == stats["reserved"] == stats["held"] == 0, stats

@@ -91,7 +91,7 @@ def test_outputs_validate_and_match_the_engine_in_every_layout(ray_session, expe
         chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=120,
                                               temperature=0, response_format=CASES[0][1]["response_format"])
         jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
-        wait_until_idle(cluster, timeout_s=30)
+        wait_until_idle(cluster)
 
 
 @pytest.mark.parametrize("fields, param, words", [
@@ -134,4 +134,4 @@ def test_migration_mid_stream_keeps_the_grammar(server):
     metrics = httpx.get(base + "/metrics", timeout=10).text.splitlines()
     migrations = [line for line in metrics if line.startswith("tandem:request_migrations_total")]
     assert migrations and float(migrations[0].split()[-1]) >= 1, migrations
-    wait_until_idle(cluster, timeout_s=60)
+    wait_until_idle(cluster)
