@@ -34,8 +34,9 @@ MOST = 4 * _FLOOR
 @pytest.fixture(scope="module")
 def full_server(ray_session):
     config = load("local.yaml", num_kv_blocks=130)
-    shipped = SHIPPED.model_dump(include={"queue_timeout_s", "max_predicted_ttft_s", "progress_timeout_s", "max_queued"})
-    assert config.scheduler.model_dump(include=set(shipped)) == shipped  # the admission limits as shipped
+    limits = {"queue_timeout_s", "max_predicted_ttft_s", "progress_timeout_s", "max_queued"}
+    shipped = SHIPPED.model_dump(include=limits)
+    assert config.scheduler.model_dump(include=limits) == shipped  # the admission limits as shipped
     with serving(config) as live:
         yield live
 
