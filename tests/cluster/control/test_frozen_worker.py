@@ -28,7 +28,7 @@ from actors.protocol.sampling_params import SamplingParams
 from cluster.control.launch import Cluster
 from cluster.frontend.client import TandemClient
 from cluster.frontend.inbox import Inbox
-from experiments.bench_chaos import alive_worker_pids
+from experiments.chaos_killer import alive_worker_pids
 from tests.helpers.cluster import load, wait_until_idle
 
 pytestmark = pytest.mark.slow  # each freeze lasts the shipped heartbeat timeout
