@@ -40,13 +40,11 @@ def test_layouts_match_the_single_engine(ray_session, expected, config_name):
             adopted = sum(s["adopted"] for s in state["workers"].values())
             assert sent == adopted > 0
             # Every handoff is a sample of its link's cost at the scheduler (with the report after it).
-            links = state["scheduler"]["links"]
-            for _ in range(100):
-                if sum(link["samples"] for link in links.values()) == adopted:
-                    break
+            links, deadline = state["scheduler"]["links"], time.monotonic() + 30
+            while sum(link["samples"] for link in links.values()) != adopted:
+                assert time.monotonic() < deadline, (adopted, links)
                 time.sleep(0.02)
                 links = cluster.check_integrity()["scheduler"]["links"]
-            assert sum(link["samples"] for link in links.values()) == adopted, links
             assert all(name.split("->")[0].startswith("prefill-") for name in links), links
     finally:
         cluster.shutdown()
