@@ -63,13 +63,17 @@ def test_a_request_no_worker_answers_is_moved_at_half_the_bound_and_ends_at_it(r
         events = out["events"]
         assert moved is not None, "never moved"
         moved_s, ended_s = moved - stream.started, out["ended"] - stream.started
-        print(f"bound {BOUND_S:g} s: moved at {moved_s:.2f} s, ended at {ended_s:.2f} s")
+        print(f"bound {BOUND_S:g} s: moved at {moved_s:.2f} s, ended at {ended_s:.2f} s; moves {stream.moves}, "
+              f"stalls {stream.stalls}")
         assert BOUND_S / 2 <= moved_s <= BOUND_S / 2 + LATE_S, moved_s
         assert BOUND_S - 1.0 <= ended_s <= BOUND_S + LATE_S, ended_s
         (last,) = events
         assert last.finished and last.finish_reason == "error" and not last.token_ids, last
         assert "made no progress" in last.error and "also after it was moved" in last.error, last.error
-        assert (stream.received_tokens, stream.moves, stream.stalls) == (0, 1, 2)
+        # Moved at half the bound and ended at it. The first attempt's KV reservation (lease_s, 30 s as shipped)
+        # runs out at the same time as half the bound: when it fails first, it moves the request too.
+        assert stream.received_tokens == 0 and stream.stalls == 2 and stream.moves in (1, 2), (
+            stream.received_tokens, stream.stalls, stream.moves)
         # The frozen steps end (FROZEN_S after each began); the workers' copies are stopped, nothing stays held.
         for worker in cluster.workers.values():
             ray.get(worker.inject_fault.remote(None), timeout=30)
