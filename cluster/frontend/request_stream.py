@@ -233,14 +233,14 @@ class RequestStream:
         """When (monotonic) a pump that hears nothing more should feed a `Stalled`: at half the bound the
         request moves, at the full bound it ends (a moment before, so that the error reaches the client
         within the bound)."""
-        return self.last_progress + (bound_s - _DELIVERY_S if self._moved_after_stall else bound_s / 2)
+        return self.last_progress + (bound_s - DELIVERY_S if self._moved_after_stall else bound_s / 2)
 
     def _stalled(self, stall: Stalled) -> list[StreamEvent]:
         silent_s = time.monotonic() - self.last_progress
         if self.finished:
             return []
         self.stalls += 1
-        if self._moved_after_stall or self.migrations_left <= 0 or silent_s >= stall.bound_s - _DELIVERY_S:
+        if self._moved_after_stall or self.migrations_left <= 0 or silent_s >= stall.bound_s - DELIVERY_S:
             moved = ", also after it was moved" if self._moved_after_stall else ""
             return self.fail(f"the request made no progress for {silent_s:.0f}s (the progress bound is "
                              f"{stall.bound_s:.0f}s, scheduler.progress_timeout_s){moved}: the cluster is "
@@ -300,7 +300,7 @@ class RequestStream:
 _CLIENT_SIDE = AttemptId("", "")
 # The final stall check comes this much before the bound: time for the error to reach the client (seen:
 # errors decided at the bound arrived 50 ms past it under two CPU hogs).
-_DELIVERY_S = 0.5  # a failure decided here, not by any attempt
+DELIVERY_S = 0.5  # a failure decided here, not by any attempt
 
 
 def _detokenizer(tokenizer, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:

@@ -155,7 +155,7 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
                                                      req.add_special_tokens is not False)
         max_tokens = ingress.model.fit_max_tokens(max_tokens, max(len(p) for p in prompts))
         params = req.sampling_params(max_tokens, req.logprobs, req.wanted_prompt_logprobs(), structured)
-        opened = await ingress.open_all(prompts, params, tenant, req.timeout, req.user)
+        opened = await ingress.open_all(prompts, params, tenant, req.timeout, req.user, arrival)
         rid = f"cmpl-{uuid.uuid4().hex}"
         echo_texts = [ingress.model.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         if req.stream:
@@ -180,7 +180,7 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
         tenant = tenant_of(request)
         chat = await prepare_chat(ingress, req)
         prompt, calls = chat.prompt, chat.calls
-        (stream,) = await ingress.open_all([prompt], chat.params, tenant, req.timeout, req.user)
+        (stream,) = await ingress.open_all([prompt], chat.params, tenant, req.timeout, req.user, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return sse(chat_chunks(ingress, stream, rid, req, arrival, calls),

@@ -26,7 +26,7 @@ from cluster.frontend.http.metrics import IngressMetrics
 from cluster.frontend.http.protocol import ApiError
 from cluster.frontend.http.served_model import ServedModel
 from cluster.frontend.inbox import Inbox
-from cluster.frontend.request_stream import RequestStream, StreamEvent
+from cluster.frontend.request_stream import DELIVERY_S, RequestStream, StreamEvent
 
 log = logging.getLogger("tandem.ingress")
 
@@ -53,17 +53,21 @@ class Ingress:
     # ---- one cluster request ----
 
     async def open(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None,
-                   until: float, own_deadline: bool) -> RequestStream:
+                   until: float, own_deadline: bool, arrival: float | None = None) -> RequestStream:
         """Admit one cluster request that ends TIMED_OUT at `until` (time.monotonic()), wherever it is:
-        the stream keeps that deadline, the scheduler (maybe on another host) gets it on the wall clock."""
+        the stream keeps that deadline, the scheduler (maybe on another host) gets it on the wall clock.
+        `arrival` (time.perf_counter()): when its HTTP request reached the ingress (None: now)."""
         started = time.monotonic()
         # The tenant is the cache salt: no request body can choose another tenant's.
         request = self.client.request(prompt_ids, params, tenant, kv_share=self.gate.kv_share(tenant),
                                       deadline=time.time() + (until - started))
+        # Its admission is part of the progress bound, counted from its arrival here: no answer within it is a
+        # clean 503, decided a moment before the bound (as a stream's end is) so that it reaches the client in it.
+        spent_s = time.perf_counter() - arrival if arrival is not None else 0.0
+        admission_s = max(self.client.progress_timeout_s - DELIVERY_S - spent_s, 0.0)
         try:
-            # Its admission is part of the progress bound: no answer within it is a clean 503.
             submitted = await self.client.asubmit(request, Inbox(asyncio.get_running_loop(), self.queue_size),
-                                                  self.client.progress_timeout_s, until, own_deadline)
+                                                  admission_s, until, own_deadline)
         except asyncio.TimeoutError:
             self.metrics.rejected.labels("unavailable").inc()
             raise ApiError(503, f"no admission answer within the progress bound ({self.client.progress_timeout_s:.0f}s, "
@@ -129,9 +133,11 @@ class Ingress:
             self.metrics.finished.labels(r.finish_reason or "abort").inc()
 
     async def open_all(self, prompts: list[list[int]], params: SamplingParams, tenant: str | None,
-                       timeout_s: float | None = None, user: str | None = None) -> list:
+                       timeout_s: float | None = None, user: str | None = None,
+                       arrival: float | None = None) -> list:
         """Pass the gate, then open one cluster request per prompt; all or nothing. `user`: the client's
-        end-user id, named in each request's usage record."""
+        end-user id, named in each request's usage record; `arrival` (time.perf_counter()): when the HTTP
+        request reached the ingress."""
         try:
             params.validate_token_ids(self.model.vocab_size)
         except ValueError as exc:
@@ -147,7 +153,7 @@ class Ingress:
         opened = []
         try:
             for p in prompts:
-                opened.append(await self.open(p, params, tenant, until, own))
+                opened.append(await self.open(p, params, tenant, until, own, arrival))
                 if user is not None:
                     self._users[opened[-1].request_id] = user
         except BaseException:

@@ -52,7 +52,7 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
         tenant = tenant_of(request)
         try:  # the chat request's checks, its errors naming this request's fields
             chat = await prepare_chat(ingress, as_chat(req, ingress.model.caps.accept_unknown_fields))
-            (stream,) = await ingress.open_all([chat.prompt], chat.params, tenant, user=req.user)
+            (stream,) = await ingress.open_all([chat.prompt], chat.params, tenant, user=req.user, arrival=arrival)
         except ApiError as exc:
             raise renamed(exc) from None
         rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
