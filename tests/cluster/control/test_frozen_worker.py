@@ -46,7 +46,7 @@ PULSE_SLACK_S = 2.0
 NOTICE_S = 10.0
 # The prefill worker's next step waits this long before it computes (the `slow_step` fault), as a long
 # prefill on a slow CPU does: the stop, a moment after the prompt is placed, comes before its prefill ends.
-PREFILL_HOLD_S = 1.0
+PREFILL_HOLD_S = 3.0
 
 
 @pytest.fixture(scope="module")
