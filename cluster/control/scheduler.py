@@ -192,7 +192,9 @@ class Scheduler:
         for tracked in self._table.touching(worker_id):
             prefill_only = (tracked.prefill is not None and tracked.prefill.worker_id == worker_id
                             and tracked.phase is not Phase.HANDED_OFF)
-            self._reclaim(tracked.attempt, failed=not prefill_only, skip=worker_id)
+            # Either way the attempt failed (a re-routed one is counted so as well, as a moved one is: its
+            # request finishes once, with its next attempt).
+            self._reclaim(tracked.attempt, failed=True, skip=worker_id)
             if prefill_only:
                 # Nothing has reached the client from a prefill that never handed off: run it again. The client
                 # is told the old attempt is stale: its worker may only be stalled, and finish it when it wakes.

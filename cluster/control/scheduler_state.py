@@ -81,6 +81,9 @@ class Tracked:
 
 @dataclass(frozen=True)
 class SchedulerCounters:
+    """Counted per attempt: every submit (a move or a re-route is another) ends finished, failed (an attempt
+    moved or placed again failed first) or cancelled, or is rejected."""
+
     submitted: int
     rejected: int
     finished: int

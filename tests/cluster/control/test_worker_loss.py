@@ -52,6 +52,9 @@ def test_lost_prefill_worker_is_rerouted(cluster):
     # Found on the lost worker before any handoff (whether Ray's death notice or the restarted worker's
     # registration told the scheduler first), the request was placed again exactly once.
     assert after["counters"]["rerouted"] == before.counters.rerouted + 1, (before.counters, after["counters"])
+    # Counted per attempt: the one on the lost worker failed, the request finished once.
+    assert (after["counters"]["failed"], after["counters"]["finished"]) == (
+        before.counters.failed + 1, before.counters.finished + 1), (before.counters, after["counters"])
     (again,) = client.generate([prompt[::-1]], GREEDY, timeout_s=60)[0]
     assert again.finish_reason == "length"
     wait_until_idle(cluster)
