@@ -18,6 +18,7 @@ from cluster.frontend.http.chat_template import TemplateOptions, render, templat
 from cluster.frontend.http.fields import REFUSED
 from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from cluster.frontend.http.server import make_server
+from tests.helpers.field_probe import FieldProbe
 from tests.helpers.http_server import MODEL, running
 
 PROMPT = "The quick brown fox"
@@ -26,7 +27,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"enum": [1]}}, "required": ["a"
 EOS, BOS = 1, 0  # the tiny model's tokenizer
 
 
-class Api:
+class Api(FieldProbe):
     """One endpoint through the official client, greedy with `ignore_eos` unless a call says otherwise."""
 
     def __init__(self, client: openai.OpenAI, tokenizer, chat: bool):
@@ -54,22 +55,6 @@ class Api:
         text = self.tok.apply_chat_template(options.pop("messages", ASK), tokenize=False,
                                             **{"add_generation_prompt": True, **options})
         return self.tok.encode(text, add_special_tokens=bool(add_special_tokens))
-
-    def refused(self, param: str, **body) -> bool:
-        with pytest.raises(openai.BadRequestError) as bad:
-            self.call(**body)
-        assert bad.value.body["param"] == param and param in bad.value.body["message"], bad.value.body
-        return True
-
-    def fails(self, error: type[Exception], **body) -> bool:
-        with pytest.raises(error):
-            self.call(**body)
-        return True
-
-    def logged(self, caplog, words: str, level=logging.INFO, **body) -> bool:
-        with caplog.at_level(level, logger="tandem.ingress"):
-            self.call(**body)
-        return any(words in r.getMessage() for r in caplog.records if r.levelno >= level)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from cluster.frontend.http.responses_request import (
 )
 from cluster.frontend.http.server import make_server
 from tests.cluster.frontend.http.test_request_fields import SCHEMA, _asking
+from tests.helpers.field_probe import FieldProbe
 from tests.helpers.http_server import MODEL, running
 
 ASK = "Hello there"
@@ -36,7 +37,7 @@ def _format(kind: str, **keys) -> dict:
     return {"format": {"type": kind, **({"name": "a", "schema": SCHEMA} if kind == "json_schema" else {}), **keys}}
 
 
-class Api:
+class Api(FieldProbe):
     """`/v1/responses` through the official client, greedy unless a call says otherwise; `chat` the chat
     route on the same server, for what the same conversation is there."""
 
@@ -61,22 +62,6 @@ class Api:
     def chat_tokens(self, messages: list[dict]) -> int:
         """Prompt tokens of `messages` on the chat route."""
         return self.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens
-
-    def refused(self, param: str, **body) -> bool:
-        with pytest.raises(openai.BadRequestError) as bad:
-            self.call(**body)
-        assert bad.value.body["param"] == param and param in bad.value.body["message"], bad.value.body
-        return True
-
-    def fails(self, error: type[Exception], **body) -> bool:
-        with pytest.raises(error):
-            self.call(**body)
-        return True
-
-    def logged(self, caplog, words: str, **body) -> bool:
-        with caplog.at_level(logging.INFO, logger="tandem.ingress"):
-            self.call(**body)
-        return any(words in r.getMessage() for r in caplog.records)
 
 
 @pytest.fixture(scope="module")
