@@ -3,6 +3,7 @@ and engine, against transformers reading the same file."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 
@@ -34,12 +35,14 @@ def _greedy(model, prompt: list[int]) -> list[int]:
     """transformers' greedy continuation, end-of-text tokens included: `generate(min_new_tokens=...)`
     would mask them instead, which is not what `ignore_eos` does. One token a step on transformers' own KV
     cache (recomputing the whole sequence each step took minutes of the slow tier)."""
+    # transformers 5 names the cache `cache` (in and out), 4 `past_key_values`.
+    cache = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     out: list[int] = []
     with torch.no_grad():
         step = model(torch.tensor([prompt]), use_cache=True)
         for _ in range(TOKENS):
             out.append(int(step.logits[0, -1].argmax()))
-            step = model(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
+            step = model(torch.tensor([out[-1:]]), use_cache=True, **{cache: step[cache]})
     return out
 
 
