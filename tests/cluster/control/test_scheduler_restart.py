@@ -97,11 +97,15 @@ def test_streams_lost_with_the_scheduler_and_their_worker_are_migrated(cluster, 
     """The scheduler and the decode worker die in the same moment: no scheduler sees the worker go, and
     the restarted one never hears of its requests (the worker comes back empty). The client's audit
     finds them once the new scheduler has settled, and they migrate: the fault-free output, no hang."""
+    lose_the_scheduler_and_a_decode_worker(cluster, config)
+
+
+def lose_the_scheduler_and_a_decode_worker(cluster: Cluster, config: TandemConfig, timeout_s: float = 60) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
     prompts = [list(range(500 + i, 530 + i)) for i in range(2)]
     expected = [r.outputs[0].token_ids for r in Engine(config.engine_config()).generate(prompts, params)]
     client = cluster.client()
-    streams = [client.stream(p, params, timeout_s=60) for p in prompts]
+    streams = [client.stream(p, params, timeout_s=timeout_s) for p in prompts]
     events = [[next(s)] for s in streams]
     ray.kill(cluster.scheduler, no_restart=False)  # first: the old scheduler must not see the worker die
     ray.kill(cluster.workers["decode-0"], no_restart=False)
