@@ -58,13 +58,19 @@ def _steps(cluster: Cluster, worker_id: str) -> int:
     return ray.get(cluster.workers[worker_id].step_log.remote(0), timeout=30)[0]
 
 
-def test_a_held_compile_does_not_stop_the_worker(cluster):
+def _submit_with_its_compile_held(cluster: Cluster, prompt: list[int], params: SamplingParams):
+    """The client, and its request waiting on prefill-0 for a grammar compile held until the fault clears."""
     ray.get(cluster.workers["prefill-0"].inject_fault.remote("slow_grammar", HOLD_MAX_S), timeout=10)
     client = cluster.client()
-    prompt = [5, 6, 7, 8]
-    constrained = client.submit(prompt, JSON)
-    assert constrained.route.prefill == "prefill-0" and not constrained.route.local, constrained.route
+    submitted = client.submit(prompt, params)
+    assert submitted.route.prefill == "prefill-0" and not submitted.route.local, submitted.route
     _wait_until_compiling(cluster, prompt)
+    return client, submitted
+
+
+def test_a_held_compile_does_not_stop_the_worker(cluster):
+    prompt = [5, 6, 7, 8]
+    client, constrained = _submit_with_its_compile_held(cluster, prompt, JSON)
     lost_before = ray.get(cluster.scheduler.state.remote(), timeout=10).counters.workers_lost
     steps_before = _steps(cluster, "prefill-0")
     for i in range(3):  # on the same prefill worker, one after another, while the grammar compiles
@@ -91,12 +97,8 @@ def test_a_held_compile_does_not_stop_the_worker(cluster):
 
 
 def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(cluster):
-    ray.get(cluster.workers["prefill-0"].inject_fault.remote("slow_grammar", HOLD_MAX_S), timeout=10)
-    client = cluster.client()
     prompt = [9, 10, 11, 12]
-    submitted = client.submit(prompt, CHOICE)
-    assert submitted.route.prefill == "prefill-0" and not submitted.route.local, submitted.route
-    _wait_until_compiling(cluster, prompt)
+    client, submitted = _submit_with_its_compile_held(cluster, prompt, CHOICE)
     cancelled = ray.get(cluster.scheduler.state.remote(), timeout=10).counters.cancelled
     client.abort(submitted.request_id)
     # The abort reaches the worker (its engine thread drops the waiting request: nothing queued there now).
