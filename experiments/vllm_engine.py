@@ -20,6 +20,25 @@ sampling and ``ignore_eos=True`` so every request yields exactly
     {"elapsed_s", "num_requests", "output_tokens", "output_tokens_per_s",
      "prompt_tokens", "token_ids": [[...] per request], "vllm_version", ...}
 
+``--steps S.json`` (instead of ``--workload``) times single engine steps at
+given shapes, for ``tandem bench engine --workloads context``. ``S.json``::
+
+    {"prompts": [[...]], "chunk_prompts": [[...]], "points": [{"name", "batch",
+     "context", "chunk"}], "dtype", "warmup_steps", "timed_steps",
+     "max_num_batched_tokens", "block_size", "kv_cache_gib"}
+
+A point's sequences are the first ``batch`` prompts cut to ``context``
+tokens. Its engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+so one ``llm.llm_engine.step()`` is one scheduler step (schedule, forward,
+sample, outputs) and is timed alone: after every prompt has its first token
+and ``warmup_steps`` more, ``timed_steps`` decode steps; for a point with a
+``chunk``, each chunk prompt (one output token) joins the decodes and the step
+that starts it is timed. Prefix caching is on so that the prompts' KV stays
+between points (none of them is prefilled twice). Each point reports the
+median and best step and ``exact``: whether every timed step gave each
+decoding sequence exactly one token (and, mixed, finished the chunk prompt),
+i.e. whether a timed call was exactly one step of that shape.
+
 Environment defaults set here when the variable is unset:
 
 * ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache).
@@ -41,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -72,7 +92,9 @@ def _load_workload(path: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="local HF model directory")
-    ap.add_argument("--workload", required=True, help="workload JSON")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--workload", help="workload JSON (one timed generate)")
+    what.add_argument("--steps", help="step-shape JSON (single engine steps timed; see the module docstring)")
     ap.add_argument("--out", required=True, help="result JSON to write")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="vLLM max_num_seqs (default: vLLM's CPU default, 256)")
@@ -85,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="max_tokens of each of the 2 warm-up requests")
     args = ap.parse_args(argv)
 
+    if args.steps:
+        return _steps_main(args)
     _set_env_defaults(args.omp_bind)
     reqs = _load_workload(args.workload)
 
@@ -169,6 +193,112 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: expected {result['expected_output_tokens']} output tokens, "
               f"got {output_tokens}", file=sys.stderr)
     return 0
+
+
+def _steps_main(args) -> int:
+    with open(args.steps) as f:
+        spec = json.load(f)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(spec["kv_cache_gib"])))
+    _set_env_defaults(args.omp_bind)
+
+    import vllm
+    from vllm import LLM
+
+    engine_kwargs = dict(
+        model=args.model,
+        dtype=spec.get("dtype", "float32"),
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        skip_tokenizer_init=True,
+        max_num_batched_tokens=int(spec["max_num_batched_tokens"]),
+        max_num_seqs=max(256, max(p["batch"] for p in spec["points"]) + 1),
+        block_size=int(spec["block_size"]),
+        seed=0,
+    )
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs)
+    startup_s = time.perf_counter() - t0
+    stepper = _Stepper(llm.llm_engine, llm.llm_engine.model_config.max_model_len)
+    points = {}
+    for point in spec["points"]:
+        points[point["name"]] = stepper.point(point, spec)
+        print(f"vllm {point['name']}: {points[point['name']]['step_s'] * 1e3:.1f} ms/step "
+              f"(exact: {points[point['name']]['exact']})", flush=True)
+    result = {
+        "vllm_version": vllm.__version__,
+        "points": points,
+        "startup_s": startup_s,
+        "engine_kwargs": {k: v for k, v in engine_kwargs.items() if k != "model"},
+        "env": {k: os.environ.get(k) for k in (
+            "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING",
+            "OMP_NUM_THREADS")},
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+class _Stepper:
+    """Drives one vLLM LLMEngine step by step, counting each request's new tokens (delta outputs)."""
+
+    def __init__(self, engine, max_model_len: int):
+        self.engine = engine
+        self.max_model_len = max_model_len
+        self.tokens: dict[str, int] = {}
+        self.finished: set[str] = set()
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+        self.tokens[request_id] = 0
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params)
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter() - t0
+        for out in outputs:
+            if out.request_id in self.tokens:
+                self.tokens[out.request_id] += len(out.outputs[0].token_ids)
+                if out.finished:
+                    self.finished.add(out.request_id)
+        return elapsed
+
+    def step_until(self, done, limit: int, what: str) -> None:
+        for _ in range(limit):
+            if done():
+                return
+            self.step()
+        raise RuntimeError(f"vLLM: {what} not done after {limit} steps")
+
+    def point(self, point: dict, spec: dict) -> dict:
+        name, batch, context = point["name"], point["batch"], point["context"]
+        ids = [f"{name}-{i}" for i in range(batch)]
+        for rid, prompt in zip(ids, spec["prompts"]):
+            self.add(rid, prompt[:context], self.max_model_len - context)
+        limit = batch * context + 8
+        self.step_until(lambda: all(self.tokens[r] for r in ids), limit, f"{name}'s prompts")
+        for _ in range(int(spec["warmup_steps"])):
+            self.step()
+        steps, exact = [], True
+        chunks = spec["chunk_prompts"] if point["chunk"] else [None] * int(spec["timed_steps"])
+        for rep, chunk in enumerate(chunks):
+            before = [self.tokens[r] for r in ids]
+            if chunk is not None:
+                cid = f"{name}-chunk-{rep}"
+                self.add(cid, chunk[:point["chunk"]], 1)
+            steps.append(self.step())
+            exact &= all(self.tokens[r] == b + 1 for r, b in zip(ids, before))
+            if chunk is not None:
+                exact &= cid in self.finished
+                self.step_until(lambda: cid in self.finished, point["chunk"] + 8, f"{cid}'s prompt")
+        self.engine.abort_request(ids)
+        return {"step_s": statistics.median(steps), "best_step_s": min(steps), "steps_s": steps, "exact": exact}
 
 
 if __name__ == "__main__":
