@@ -256,6 +256,10 @@ def bench(args: argparse.Namespace) -> dict:
                   f"median of {context.TIMED_STEPS} steps after {context.WARMUP_STEPS} warm-up):")
             for point_name, point in ctx["points"].items():
                 print("    " + context.describe(point_name, point))
+            if "vllm" in ctx:
+                v = ctx["vllm"]
+                print(f"  vLLM {v['vllm_version']} ran the same points: engine core in this process, each step() timed "
+                      f"alone, {v['torch_threads']} torch threads, {v['engine_kwargs']}")
         for w in workloads:
             if w.name not in args.workloads:
                 continue

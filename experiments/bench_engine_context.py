@@ -325,7 +325,8 @@ def run_vllm_points(python: str, model_dir: Path, points: list[StepPoint], promp
         spec, result = Path(tmp) / "steps.json", Path(tmp) / "result.json"
         spec.write_text(json.dumps({
             "prompts": prompts, "chunk_prompts": chunks, "dtype": dtype, "warmup_steps": WARMUP_STEPS,
-            "timed_steps": TIMED_STEPS, "max_num_batched_tokens": _BUDGET, "block_size": _BLOCK,
+            "timed_steps": TIMED_STEPS, "max_num_batched_tokens": _BUDGET,
+            "threads": torch.get_num_threads(),
             "kv_cache_gib": -(-kv_cache_bytes // (1 << 30)),
             "points": [{"name": p.name, "batch": p.batch, "context": p.context, "chunk": p.chunk} for p in points]}))
         cmd = [python, str(VLLM_SCRIPT), "--model", str(model_dir), "--steps", str(spec), "--out", str(result)]

@@ -25,10 +25,11 @@ given shapes, for ``tandem bench engine --workloads context``. ``S.json``::
 
     {"prompts": [[...]], "chunk_prompts": [[...]], "points": [{"name", "batch",
      "context", "chunk"}], "dtype", "warmup_steps", "timed_steps",
-     "max_num_batched_tokens", "block_size", "kv_cache_gib"}
+     "max_num_batched_tokens", "kv_cache_gib", "threads"}
 
 A point's sequences are the first ``batch`` prompts cut to ``context``
-tokens. Its engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+tokens (KV blocks of vLLM's own CPU size: its CPU attention takes multiples
+of 32 tokens, tandem's are 16). Its engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 so one ``llm.llm_engine.step()`` is one scheduler step (schedule, forward,
 sample, outputs) and is timed alone: after every prompt has its first token
 and ``warmup_steps`` more, ``timed_steps`` decode steps; for a point with a
@@ -37,7 +38,8 @@ that starts it is timed. Prefix caching is on so that the prompts' KV stays
 between points (none of them is prefilled twice). Each point reports the
 median and best step and ``exact``: whether every timed step gave each
 decoding sequence exactly one token (and, mixed, finished the chunk prompt),
-i.e. whether a timed call was exactly one step of that shape.
+i.e. whether a timed call was exactly one step of that shape. ``threads``
+sets ``OMP_NUM_THREADS`` (unless set), vLLM's torch threads in this process.
 
 Environment defaults set here when the variable is unset:
 
@@ -199,9 +201,12 @@ def _steps_main(args) -> int:
     with open(args.steps) as f:
         spec = json.load(f)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if spec.get("threads"):  # the same torch threads as the tandem engine it is compared with
+        os.environ.setdefault("OMP_NUM_THREADS", str(int(spec["threads"])))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(spec["kv_cache_gib"])))
     _set_env_defaults(args.omp_bind)
 
+    import torch
     import vllm
     from vllm import LLM
 
@@ -213,7 +218,6 @@ def _steps_main(args) -> int:
         skip_tokenizer_init=True,
         max_num_batched_tokens=int(spec["max_num_batched_tokens"]),
         max_num_seqs=max(256, max(p["batch"] for p in spec["points"]) + 1),
-        block_size=int(spec["block_size"]),
         seed=0,
     )
     t0 = time.perf_counter()
@@ -228,6 +232,7 @@ def _steps_main(args) -> int:
     result = {
         "vllm_version": vllm.__version__,
         "points": points,
+        "torch_threads": torch.get_num_threads(),
         "startup_s": startup_s,
         "engine_kwargs": {k: v for k, v in engine_kwargs.items() if k != "model"},
         "env": {k: os.environ.get(k) for k in (

