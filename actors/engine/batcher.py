@@ -19,6 +19,15 @@ wherever batching makes steps slower at all (on a CPU; rarely on a GPU).
 
 A prompt cap (`max_prefill_tokens`, a decode worker's): with chunked prefill, no step computes more
 prompt tokens than it, whatever the token budget; decodes and adopted requests do not count against it.
+
+TPOT (`step_budget_s`, engine.step_budget_ms): decodes go first in every step (running ones, then adopted
+ones waiting), prompt work after. A step that carries decodes takes only the prompt tokens that keep its
+predicted seconds (`StepCost`, by the step's total tokens) within the budget, and never fewer than
+`MIN_PREFILL_TOKENS` (so a prompt always progresses, however many decodes share its steps); a step with no
+decode (nobody waits on a token) takes the whole token budget. Until two sizes of step were measured, the
+token budget alone. vLLM's scheduler caps a step by tokens only (`max_num_batched_tokens`, and a long
+prompt's share by `long_prefill_token_threshold`): the right token count for a TPOT differs by model, batch
+and machine; this asks the worker's own measured step cost for it.
 """
 
 from __future__ import annotations
@@ -31,6 +40,11 @@ from actors.engine.kv.cache_manager import KVCacheManager
 from actors.engine.sequence import Sequence
 from actors.engine.step_cost import StepCost
 from actors.protocol.request_status import RequestStatus
+
+# The fewest prompt tokens a step with decodes computes (when a prompt is there): the budget never starves a
+# prompt, at worst it advances this much a step. Two KV blocks of 16; on SmolLM2 on a CPU core about as long
+# as a step of 8 decodes at 600 tokens of context.
+MIN_PREFILL_TOKENS = 32
 
 
 @dataclass
@@ -52,6 +66,7 @@ class Batcher:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool,
         tenant_slowdown: float | None = None,
+        step_budget_s: float | None = None,
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -63,6 +78,9 @@ class Batcher:
         self.tenant_slowdown = tenant_slowdown
         self.cost = StepCost()  # the engine reports every step's tokens and seconds
         self.capped_steps = 0  # steps cut below the token budget because several tenants shared them
+        # The seconds a step carrying decodes may take (chunked prefill only); None: the token budget alone.
+        self.step_budget_s = step_budget_s
+        self.budgeted_steps = 0  # steps whose prompt tokens the step budget cut
         # The most prompt tokens one step computes (chunked prefill only); None: the token budget alone. A
         # decode worker's cap (Worker sets it): a prompt of any length prefilled there then slows its
         # decodes by one such chunk a step at most.
@@ -95,11 +113,11 @@ class Batcher:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [], [])
-        prompt_left = self._prompt_cap()
+        prompt_left = self._prompt_room()
         # Only with chunked prefill: a prompt bigger than the cut could never be scheduled otherwise.
         if self.tenant_slowdown is not None and self.enable_chunked_prefill and self._tenants() > 1:
             return self._schedule_shared(batch, prompt_left)
-        for seq in list(self.running):
+        for seq in self._decodes_first(self.running):
             if budget <= 0:
                 break
             allowed = self._allowed(seq, budget, prompt_left)
@@ -111,7 +129,7 @@ class Batcher:
             budget -= n
             prompt_left = self._spent(seq, n, prompt_left)
         # Admit new work only when nothing had to be preempted this step: room is tight.
-        for seq in list(self.waiting):
+        for seq in self._decodes_first(self.waiting):
             allowed = self._allowed(seq, budget, prompt_left)
             if allowed == 0 and budget > 0:
                 continue  # its prompt waits for a step with prompt room; an adopted one behind it need not
@@ -121,6 +139,37 @@ class Batcher:
             budget -= n
             prompt_left = self._spent(seq, n, prompt_left)
         return batch
+
+    def _decodes_first(self, seqs) -> list[Sequence]:
+        """Decodes before prompt work, each in queue order: a prompt chunk never takes a decode's budget."""
+        seqs = list(seqs)
+        return [s for s in seqs if not self._is_prompt_work(s)] + [s for s in seqs if self._is_prompt_work(s)]
+
+    def _prompt_room(self) -> int | None:
+        """The most prompt tokens this step computes: the prompt cap, and with a step budget and decodes to
+        run, what the measured step cost leaves beside them (at least MIN_PREFILL_TOKENS); None: no limit."""
+        cap = self._prompt_cap()
+        if not self.enable_chunked_prefill or self.step_budget_s is None:
+            return cap
+        decodes = self._ready_decodes()
+        if decodes == 0:
+            return cap  # nothing waits on a token: the whole budget
+        fit = self.cost.tokens_within(self.step_budget_s, self.max_num_batched_tokens)
+        if fit is None:
+            return cap  # not measured yet
+        room = max(fit - decodes, MIN_PREFILL_TOKENS)
+        if room >= (cap if cap is not None else self.max_num_batched_tokens - decodes):
+            return cap
+        self.budgeted_steps += self.queued_prefill_tokens() > room
+        return room
+
+    def _ready_decodes(self) -> int:
+        """The decodes this step will run: running ones whose next input is known, and adopted ones waiting
+        that fit the batch."""
+        running = sum(1 for s in self.running if not self._is_prompt_work(s) and not s.waits_for_token
+                      and s.status is not RequestStatus.PREEMPTED)
+        adopted = sum(1 for s in self.waiting if not self._is_prompt_work(s) and not s.num_pending)
+        return running + min(adopted, max(self.max_num_seqs - len(self.running), 0))
 
     def _schedule_shared(self, batch: ScheduledBatch, prompt_left: int | None) -> ScheduledBatch:
         """A step several tenants share: cut to what the measured step cost allows, one sequence of each

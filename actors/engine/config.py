@@ -23,6 +23,7 @@ class EngineConfig:
     model_id: str | None = None  # part of the first block's hash; None: the model directory's name
     detokenize: bool = True  # False: token ids only; text and stop strings are the caller's (the ingress)
     tenant_slowdown: float | None = 2.0  # several tenants share a step: its cost cap x a one-token step's
+    step_budget_ms: float | None = 100.0  # a step with decodes: its prompt tokens cut to this measured time (batcher.py)
     attention_backend: str = "auto"  # "sdpa", "flashinfer", "triton" or "auto" (backend_choice.py)
     cuda_graphs: bool = True  # decode steps from CUDA graphs where they can run (decode_graphs.py)
     fused_kernels: bool = True  # RMSNorm, rope, silu-and-mul as Triton kernels on CUDA (triton_fused.py)
@@ -36,6 +37,8 @@ class EngineConfig:
                 raise ValueError(f"engine config {name}={value!r}: must be a positive integer")
         if self.tenant_slowdown is not None and not self.tenant_slowdown > 1.0:
             raise ValueError(f"engine config tenant_slowdown={self.tenant_slowdown!r}: must be above 1 or null")
+        if self.step_budget_ms is not None and not self.step_budget_ms > 0:
+            raise ValueError(f"engine config step_budget_ms={self.step_budget_ms!r}: must be positive or null")
         if self.attention_backend not in ("auto", "sdpa", "flashinfer", "triton"):
             raise ValueError(f"engine config attention_backend={self.attention_backend!r}: must be auto, sdpa, "
                              "flashinfer or triton")

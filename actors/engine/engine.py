@@ -60,8 +60,9 @@ class Engine:
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
             model_id=config.model_id or model_dir.name,
         )
+        step_budget_s = None if config.step_budget_ms is None else config.step_budget_ms / 1000
         self.batcher = Batcher(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
-                               config.tenant_slowdown)
+                               config.tenant_slowdown, step_budget_s)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
         self._make = SequenceMaker(self.tokenizer, config.detokenize, self.vocab_size, self.sampler)
         self._requests = RequestMap()  # the one record of each request, in every phase

@@ -4,7 +4,8 @@ within a slowdown of the cheapest one.
 Why: tenants share a worker's steps. On a GPU a decode step costs about the same for 1 or 64 sequences,
 so one tenant's flood barely slows another's tokens; on a CPU (or with long prefill chunks) the step
 time grows with its tokens, and a tenant with 32 sequences would make another's every token several
-times slower. The batcher caps a step shared by several tenants at `max_tokens(slowdown)`.
+times slower. The batcher caps a step shared by several tenants at `max_tokens(slowdown)`, and the prompt
+tokens of a step that carries decodes at what `tokens_within(step budget)` leaves beside them (TPOT).
 
 Steps are bucketed by token count (powers of two) with an exponential average of their seconds per
 bucket; between buckets the cost is interpolated, past the largest one extrapolated from the last two.
@@ -49,12 +50,21 @@ class StepCost:
         """The most tokens (up to `limit`) whose step takes at most `slowdown` x a one-token step, from
         what was measured; `limit` while too little is known to tell."""
         base = self.seconds(1)
-        if base is None or self.seconds(limit) <= slowdown * base:
+        if base is None:
             return limit
-        lo, hi = 1, limit  # seconds() never decreases with tokens
+        return max(self.tokens_within(slowdown * base, limit), 1)
+
+    def tokens_within(self, seconds: float, limit: int) -> int | None:
+        """The most tokens (0 to `limit`) whose step is expected to take at most `seconds`; None until two
+        sizes of step were seen."""
+        if self.seconds(1) is None:
+            return None
+        if self.seconds(limit) <= seconds:
+            return limit
+        lo, hi = 0, limit  # seconds() never decreases with tokens
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.seconds(mid) <= slowdown * base:
+            if self.seconds(mid) <= seconds:
                 lo = mid
             else:
                 hi = mid - 1

@@ -40,6 +40,11 @@ class EngineSection(_Strict):
         2.0, gt=1, description="while several tenants' sequences share a worker, each step is cut to the tokens "
         "that keep it within this factor of a one-token step's measured time (one tenant's flood then slows "
         "another's tokens at most that much); null: steps take the whole token budget")
+    step_budget_ms: float | None = Field(
+        100.0, gt=0, description="TPOT: a step that carries decodes computes only the prompt tokens that keep it "
+        "within this many milliseconds by the worker's measured step cost (at least 32 a step, so a prompt always "
+        "progresses); decodes go first in every step, and a step with none takes the whole token budget; null: "
+        "the token budget alone")
     attention_backend: Literal["auto", "sdpa", "flashinfer", "triton"] = Field(
         "auto", description="attention kernels: flashinfer (FlashInfer's paged kernels on CUDA; pip install "
         "flashinfer-python flashinfer-cubin), triton (tandem's paged decode kernel on CUDA, SDPA for prefill), sdpa "
@@ -387,6 +392,7 @@ class TandemConfig(_Strict):
             enable_chunked_prefill=e.enable_chunked_prefill,
             seed=e.seed,
             tenant_slowdown=e.tenant_slowdown,
+            step_budget_ms=e.step_budget_ms,
             attention_backend=e.attention_backend,
             cuda_graphs=e.cuda_graphs,
             fused_kernels=e.fused_kernels,
