@@ -6,14 +6,15 @@ Points (every count and length times `--scale`; `--context-batches` / `--context
   (what a colocated worker's step looks like when a request arrives during decoding). If the engine
   cuts the prompt into smaller chunks, the first step (the one timed) is recorded with its real shape.
 
-The context is a real prefill through the same engine (distinct random prompts per sequence; the
-512-token prompts are the prefixes of the 2,048-token ones and prefix caching keeps them between points,
-so the largest batch's prompts are prefilled once); it is not timed. Then each point's engine steps are
-timed one by one, `engine.step()` whole (schedule, forward, sample, post-process): `WARMUP_STEPS` first,
-untimed, then `TIMED_STEPS`; the headline is the median step (the best is kept too). The mixed point
-is timed `MIXED_REPS` times, each with a fresh prompt. Sequences whose prompts were computed first decode
-while the later ones prefill, so their contexts run a few tokens (at most one per prefill step) past the
-nominal one; each step's floor counts the context it really attended to (the engine's `last_step_shape`).
+The context is a real prefill through the same engine, untimed: distinct random prompts, first computed
+alone to their first token (`generate`, one output token) so that prefix caching holds them; then the
+point's requests are seated on them (each recomputes only its last prompt token, so no sequence decodes
+far past its context while others prefill) and stepped `WARMUP_STEPS` times. The 512-token prompts are the
+prefixes of the 2,048-token ones: the largest batch's prompts are prefilled once for every point. Each
+step is timed alone, `engine.step()` whole (schedule, forward, sample, post-process): `TIMED_STEPS` decode
+steps, or for the mixed point `MIXED_REPS` reps (decodes seated afresh, a fresh prompt added, the step
+that starts it timed); the headline is the median (the best is kept too). Each step's floor counts the
+context it really attended to and the prompt tokens it really computed (the engine's `last_step_shape`).
 
 With `--vllm-python`, vLLM's engine runs the same points on the same prompts (experiments/vllm_engine.py
 `--steps`): its engine core in this process, `LLMEngine.step()` timed one by one the same way.
@@ -32,6 +33,7 @@ be bound by compute instead.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import math
 import statistics
@@ -50,7 +52,7 @@ from actors.protocol.sampling_params import SamplingParams
 
 CONTEXT_LENS = (512, 2048)
 CONTEXT_BATCHES = (1, 16, 64)
-MIXED = (16, 512, 512)  # decodes, their context, the fresh prompt's tokens
+MIXED = (16, 512, 512)  # decodes, their context, the fresh prompt's tokens (the engine may cut it in chunks)
 WARMUP_STEPS = 2
 TIMED_STEPS = 8
 MIXED_REPS = 5
@@ -96,6 +98,7 @@ def bench_context(model_dir: Path, points: list[StepPoint], dtype: str, read_rat
               "points": run_points(engine, points, prompts, chunks, read_rate, flops_per_s)}
     kv_cache_bytes = engine.num_kv_blocks * engine.bytes_per_block
     del engine  # its KV cache (GBs at 64 x 2,048) is freed before vLLM allocates its own
+    gc.collect()
     if vllm_python:
         vllm = run_vllm_points(vllm_python, model_dir, points, prompts, chunks, dtype, kv_cache_bytes)
         for name, theirs in vllm.pop("points").items():
@@ -215,10 +218,9 @@ def chunk_prompts(points: list[StepPoint], vocab_size: int, seed: int = 3) -> li
 
 
 def _growth(point: StepPoint) -> int:
-    """Tokens a sequence of this point may generate: while the later prompts prefill (at most one step per
-    prompt plus one per budget's worth of prompt tokens), then the warm-up and timed steps."""
-    prefill_steps = point.batch + -(-point.batch * point.context // (_BUDGET - point.batch)) + 8
-    return prefill_steps + WARMUP_STEPS + TIMED_STEPS + MIXED_REPS * 8
+    """Tokens a sequence of this point may generate: while the batch is seated (at worst one step per
+    sequence), then the warm-up and timed steps."""
+    return point.batch + 8 + WARMUP_STEPS + TIMED_STEPS
 
 
 def fit_context(points: list[StepPoint], max_model_len: int) -> list[StepPoint]:
@@ -230,10 +232,10 @@ def fit_context(points: list[StepPoint], max_model_len: int) -> list[StepPoint]:
 
 def kv_blocks_needed(points: list[StepPoint], block_size: int = _BLOCK) -> int:
     """Blocks for the largest batch's prompts (cached between points), what its sequences generate, and
-    the mixed point's prompts."""
+    the mixed point's prompt."""
     batch, context = max(p.batch for p in points), max(p.context for p in points)
     blocks = batch * (-(-context // block_size) + -(-max(map(_growth, points)) // block_size) + 1)
-    blocks += MIXED_REPS * (-(-max(p.chunk for p in points) // block_size) + 1)
+    blocks += -(-max(p.chunk for p in points) // block_size) + 1
     return blocks + 64
 
 
@@ -256,18 +258,14 @@ def run_points(engine: Engine, points: list[StepPoint], prompts: list[list[int]]
 
 
 def _run_point(engine: Engine, point: StepPoint, prompts, chunks, read_rate: float, flops_per_s: float) -> dict:
-    ids = [f"{point.name}-{i}" for i in range(point.batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len, ignore_eos=True)  # ends at the model's length
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, prompt[:point.context], params)
-    try:
-        _prefill(engine, point.batch * point.context)
-        for _ in range(WARMUP_STEPS):
-            engine.step()
-        timed = _time_mixed(engine, point, chunks) if point.chunk else _time_decode(engine, point)
-    finally:
-        for rid in ids:
-            engine.abort(rid)
+    prompts = [p[:point.context] for p in prompts[:point.batch]]
+    # The prompts into the prefix cache first, each alone to its first token: seated afterwards, every
+    # sequence recomputes only its last prompt token, so none decodes far past its context while others prefill.
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    if point.chunk:
+        timed = [_time_mixed(engine, point, prompts, chunk, rep) for rep, chunk in enumerate(chunks)]
+    else:
+        timed = _time_decode(engine, point, prompts)
     steps = [s for s, _ in timed]
     floors = [floor_of(engine, shape, read_rate, flops_per_s) for _, shape in timed]
     median, floor = statistics.median(steps), statistics.median(f["floor_s"] for f in floors)
@@ -280,42 +278,57 @@ def _run_point(engine: Engine, point: StepPoint, prompts, chunks, read_rate: flo
             "shape": floors[0]["shape"], "decode_tokens_per_s": point.batch / median}
 
 
-def _prefill(engine: Engine, tokens: int) -> None:
-    """Step until every prompt is computed (each then has its first token); bounded by one step per token."""
-    for _ in range(tokens + 8):
+def _seat(engine: Engine, point: StepPoint, prompts: list[list[int]], tag: str) -> list[str]:
+    """The batch's requests added (their prompts cached), stepped until each decodes, then warmed up."""
+    ids = [f"{point.name}-{tag}-{i}" for i in range(point.batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len, ignore_eos=True)  # ends at the model's length
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    bound = point.batch * point.context + 8  # one step per prompt token at worst
+    for _ in range(bound):
         if not engine.prompts_pending():
-            return
+            break
         engine.step()
-    raise RuntimeError(f"prompts still pending after {tokens + 8} steps")
+    else:
+        raise RuntimeError(f"{point.name}: prompts still pending after {bound} steps")
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    return ids
 
 
-def _time_decode(engine: Engine, point: StepPoint) -> list[tuple[float, StepShape]]:
+def _time_decode(engine: Engine, point: StepPoint, prompts) -> list[tuple[float, StepShape]]:
+    ids = _seat(engine, point, prompts, "decode")
     timed = []
-    for _ in range(TIMED_STEPS):
-        start = time.perf_counter()
-        engine.step()
-        timed.append((time.perf_counter() - start, engine.last_step_shape))
+    try:
+        for _ in range(TIMED_STEPS):
+            start = time.perf_counter()
+            engine.step()
+            timed.append((time.perf_counter() - start, engine.last_step_shape))
+    finally:
+        for rid in ids:
+            engine.abort(rid)
     wrong = [shape for _, shape in timed if shape.decode_seqs != point.batch or shape.prefill_tokens]
     if wrong:
         raise RuntimeError(f"{point.name}: a timed step was not {point.batch} decodes: {wrong[0]}")
     return timed
 
 
-def _time_mixed(engine: Engine, point: StepPoint, chunks: list[list[int]]) -> list[tuple[float, StepShape]]:
-    """Each rep: a fresh prompt (one output token) joins the decodes; the step that starts it is timed,
-    then the engine steps (untimed) until it is computed."""
-    timed = []
-    for rep, prompt in enumerate(chunks):
-        engine.add_request(f"{point.name}-chunk-{rep}", prompt[:point.chunk],
-                           SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+def _time_mixed(engine: Engine, point: StepPoint, prompts, chunk: list[int], rep: int) -> tuple[float, StepShape]:
+    """One rep: the decodes seated afresh (so their context stays the point's), a fresh prompt added, and
+    the step that starts computing it timed."""
+    ids = _seat(engine, point, prompts, f"rep{rep}")
+    ids.append(f"{point.name}-rep{rep}-chunk")
+    engine.add_request(ids[-1], chunk[:point.chunk], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    try:
         start = time.perf_counter()
         engine.step()
-        timed.append((time.perf_counter() - start, engine.last_step_shape))
-        _prefill(engine, point.chunk)
-    wrong = [shape for _, shape in timed if shape.decode_seqs != point.batch or not shape.prefill_tokens]
-    if wrong:
-        raise RuntimeError(f"{point.name}: a timed step was not {point.batch} decodes and a prompt: {wrong[0]}")
-    return timed
+        elapsed, shape = time.perf_counter() - start, engine.last_step_shape
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+    if shape.decode_seqs != point.batch or not shape.prefill_tokens:
+        raise RuntimeError(f"{point.name}: the timed step was not {point.batch} decodes and a prompt: {shape}")
+    return elapsed, shape
 
 
 def run_vllm_points(python: str, model_dir: Path, points: list[StepPoint], prompts: list[list[int]],

@@ -29,13 +29,16 @@ given shapes, for ``tandem bench engine --workloads context``. ``S.json``::
 
 A point's sequences are the first ``batch`` prompts cut to ``context``
 tokens (KV blocks of vLLM's own CPU size: its CPU attention takes multiples
-of 32 tokens, tandem's are 16). Its engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-so one ``llm.llm_engine.step()`` is one scheduler step (schedule, forward,
-sample, outputs) and is timed alone: after every prompt has its first token
-and ``warmup_steps`` more, ``timed_steps`` decode steps; for a point with a
-``chunk``, each chunk prompt (one output token) joins the decodes and the step
-that starts it is timed. Prefix caching is on so that the prompts' KV stays
-between points (none of them is prefilled twice). Each point reports the
+of 32 tokens, tandem's are 16). Its engine core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so one ``llm.llm_engine.step()`` is
+one scheduler step (schedule, forward, sample, outputs) and is timed alone.
+The prompts are first computed alone to one output token, so that prefix
+caching holds them; then the point's requests are added on them (each
+recomputes only its last tokens, so none decodes far past its context while
+others prefill) and stepped ``warmup_steps`` times; then ``timed_steps``
+decode steps are timed, or for a point with a ``chunk``, once per chunk
+prompt: the decodes seated afresh, the chunk prompt (one output token) added,
+and the step that starts it timed. Each point reports the
 median and best step and ``exact``: whether every timed step gave each
 decoding sequence exactly one token (and, mixed, finished the chunk prompt),
 i.e. whether a timed call was exactly one step of that shape. ``threads``
@@ -281,28 +284,40 @@ class _Stepper:
             self.step()
         raise RuntimeError(f"vLLM: {what} not done after {limit} steps")
 
+    def seat(self, name: str, prompts: list[list[int]], warmup_steps: int) -> list[str]:
+        """The prompts first computed alone to their first token (so the prefix cache holds them), then
+        added again and stepped until each decodes, then `warmup_steps` more."""
+        warm = [f"{name}-cache-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(warm, prompts):
+            self.add(rid, prompt, 1)
+        limit = sum(map(len, prompts)) + 8  # one step per prompt token at worst
+        self.step_until(lambda: all(r in self.finished for r in warm), limit, f"{name}'s prompts")
+        ids = [f"{name}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.add(rid, prompt, self.max_model_len - len(prompt))
+        self.step_until(lambda: all(self.tokens[r] for r in ids), limit, f"{name}'s seated prompts")
+        for _ in range(warmup_steps):
+            self.step()
+        return ids
+
     def point(self, point: dict, spec: dict) -> dict:
         name, batch, context = point["name"], point["batch"], point["context"]
-        ids = [f"{name}-{i}" for i in range(batch)]
-        for rid, prompt in zip(ids, spec["prompts"]):
-            self.add(rid, prompt[:context], self.max_model_len - context)
-        limit = batch * context + 8
-        self.step_until(lambda: all(self.tokens[r] for r in ids), limit, f"{name}'s prompts")
-        for _ in range(int(spec["warmup_steps"])):
-            self.step()
+        prompts = [p[:context] for p in spec["prompts"][:batch]]
         steps, exact = [], True
-        chunks = spec["chunk_prompts"] if point["chunk"] else [None] * int(spec["timed_steps"])
-        for rep, chunk in enumerate(chunks):
-            before = [self.tokens[r] for r in ids]
-            if chunk is not None:
-                cid = f"{name}-chunk-{rep}"
-                self.add(cid, chunk[:point["chunk"]], 1)
-            steps.append(self.step())
-            exact &= all(self.tokens[r] == b + 1 for r, b in zip(ids, before))
-            if chunk is not None:
-                exact &= cid in self.finished
-                self.step_until(lambda: cid in self.finished, point["chunk"] + 8, f"{cid}'s prompt")
-        self.engine.abort_request(ids)
+        reps = spec["chunk_prompts"] if point["chunk"] else [None]
+        for rep, chunk in enumerate(reps):
+            ids = self.seat(f"{name}-rep{rep}", prompts, int(spec["warmup_steps"]))
+            for _ in range(int(spec["timed_steps"]) if chunk is None else 1):
+                before = [self.tokens[r] for r in ids]
+                if chunk is not None:
+                    cid = f"{name}-rep{rep}-chunk"
+                    self.add(cid, chunk[:point["chunk"]], 1)
+                steps.append(self.step())
+                exact &= all(self.tokens[r] == b + 1 for r, b in zip(ids, before))
+                if chunk is not None:
+                    exact &= cid in self.finished
+                    ids.append(cid)
+            self.engine.abort_request(ids)
         return {"step_s": statistics.median(steps), "best_step_s": min(steps), "steps_s": steps, "exact": exact}
 
 
