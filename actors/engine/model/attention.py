@@ -90,15 +90,7 @@ def build_attention_batch(
             decode_lens.append(ctx_len)
             decode_tables.append(table[:num_blocks])
         else:
-            # A fresh prefill attends only to its own new K/V (a window only masks some): no gather needed.
-            whole = done == 0
-            last = prefills[-1] if prefills else None
-            if (whole and last is not None and last.context_blocks is None and last.query_len == q_len
-                    and last.token_start + last.count * q_len == start):
-                last.count += 1
-            else:
-                blocks = None if whole else tensor_on(table[:num_blocks], torch.long, device)
-                prefills.append(PrefillSlice(start, q_len, ctx_len, blocks))
+            add_prefill(prefills, start, q_len, done, table[:num_blocks], device)
         start += q_len
 
     decode_token_idx = decode_blocks = decode_masks = None
@@ -128,6 +120,21 @@ def build_attention_batch(
     )
 
 
+def add_prefill(prefills: list[PrefillSlice], start: int, q_len: int, done: int, blocks: list[int],
+                device: torch.device) -> None:
+    """Append a sequence running `q_len` query tokens after `done` cached ones, from flat row `start`; a
+    fresh prompt of the same length as the fresh one before it joins that one's batched call."""
+    # A fresh prefill attends only to its own new K/V (a window only masks some): no gather needed.
+    whole = done == 0
+    last = prefills[-1] if prefills else None
+    if (whole and last is not None and last.context_blocks is None and last.query_len == q_len
+            and last.token_start + last.count * q_len == start):
+        last.count += 1
+    else:
+        context_blocks = None if whole else tensor_on(blocks, torch.long, device)
+        prefills.append(PrefillSlice(start, q_len, done + q_len, context_blocks))
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
@@ -143,9 +150,27 @@ def paged_attention(
     `softcap`: scores become tanh(s / softcap) * softcap before the mask (Gemma 2)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     write_new_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+    out = attend_prefills(q, k, v, k_cache, v_cache, batch.prefills, scale, sliding_window, softcap)
+    if batch.decode_token_idx is not None:
+        qd = q[batch.decode_token_idx].unsqueeze(2)  # [B, H, 1, D]
+        # Whole blocks are gathered (contiguous copies), then viewed as one padded context per sequence.
+        b = batch.decode_blocks.shape[0]
+        kd = k_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        vd = v_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        o = _attend(qd, kd, vd, batch.decode_masks[sliding_window], scale, softcap)
+        out[batch.decode_token_idx] = o.squeeze(2)
+    return out
 
-    out = torch.empty_like(q)  # untouched (no pages faulted in) when the prefill loop returns early
-    for p in batch.prefills:
+
+def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    prefills: list[PrefillSlice], scale: float, sliding_window: int | None,
+                    softcap: float | None) -> torch.Tensor:
+    """The output rows of the step's prefill slices with SDPA (their new K/V already in the cache): a new
+    [T, H, D] tensor whose other rows are for the caller to fill, or, when fresh prompts fill the whole
+    batch, their output itself (no copy: a prefill's 16 MB a layer)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)  # untouched (no pages faulted in) when the loop returns early
+    for p in prefills:
         rows = slice(p.token_start, p.token_start + p.count * p.query_len)
         qs = q[rows].unflatten(0, (p.count, p.query_len)).transpose(1, 2)  # [n, H, q, D]
         if p.context_blocks is None:
@@ -158,17 +183,8 @@ def paged_attention(
         mask = _prefill_mask(p.query_len, p.context_len, sliding_window, q.device)
         o = _attend(qs, ks, vs, mask, scale, softcap).transpose(1, 2).flatten(0, 1)
         if o.shape[0] == q.shape[0]:
-            return o  # fresh prompts that fill the batch: no copy into `out` (a prefill's 16 MB a layer)
+            return o
         out[rows] = o
-
-    if batch.decode_token_idx is not None:
-        qd = q[batch.decode_token_idx].unsqueeze(2)  # [B, H, 1, D]
-        # Whole blocks are gathered (contiguous copies), then viewed as one padded context per sequence.
-        b = batch.decode_blocks.shape[0]
-        kd = k_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        vd = v_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        o = _attend(qd, kd, vd, batch.decode_masks[sliding_window], scale, softcap)
-        out[batch.decode_token_idx] = o.squeeze(2)
     return out
 
 

@@ -1,9 +1,10 @@
 """Which attention backend a runner uses (attention_backend.py), from the engine config's
-`attention_backend` ("auto", "sdpa", "flashinfer" or "triton"), the device, the dtype and the layers.
+`attention_backend` ("auto", "sdpa", "cpu", "flashinfer" or "triton"), the device, the dtype and the layers.
 
-auto: on CUDA, FlashInfer when it is installed and serves at least one layer, else tandem's Triton
-kernel when triton is importable (it ships with CUDA builds of torch), else SDPA, with a log line
-saying why; on a CPU, SDPA. An explicit choice that cannot run is an error naming the reason, never a
+auto: on a CPU, tandem's CPU kernel (cpu_paged_backend.py) when it builds here and fits the model, else
+SDPA with a log line saying why; on CUDA, FlashInfer when it is installed and serves at least one layer,
+else tandem's Triton kernel when triton is importable (it ships with CUDA builds of torch), else SDPA,
+with a log line saying why. An explicit choice that cannot run is an error naming the reason, never a
 silent fallback. Layers FlashInfer refuses attend with SDPA inside the same step, logged once here.
 "triton" on a CPU runs in Triton's interpreter only when TRITON_INTERPRET=1 (tests and dry runs).
 """
@@ -18,11 +19,12 @@ import torch
 
 from actors.engine.model.attention import SdpaBackend
 from actors.engine.model.attention_backend import AttentionBackend, LayerAttention
+from actors.engine.model.cpu_paged_backend import CpuPagedBackend, why_not_cpu
 from actors.engine.model.flashinfer_backend import FlashInferBackend, refusal
 from actors.engine.model.triton_backend import TritonBackend
 
 log = logging.getLogger(__name__)
-CHOICES = ("auto", "sdpa", "flashinfer", "triton")
+CHOICES = ("auto", "sdpa", "cpu", "flashinfer", "triton")
 
 
 def installed(module: str) -> bool:
@@ -33,7 +35,17 @@ def choose_attention_backend(choice: str, layers: tuple[LayerAttention, ...], wi
                              block_size: int, dtype: torch.dtype, device: torch.device) -> AttentionBackend:
     if choice not in CHOICES:
         raise ValueError(f"engine attention_backend={choice!r}: must be one of {', '.join(CHOICES)}")
-    if choice == "sdpa" or (choice == "auto" and device.type != "cuda"):
+    if choice == "sdpa":
+        return SdpaBackend(block_size, windows, device)
+    if choice == "cpu" or (choice == "auto" and device.type == "cpu"):
+        why_not = why_not_cpu(layers, dtype, device)
+        if why_not is None:
+            return CpuPagedBackend(block_size)
+        if choice == "cpu":
+            raise ValueError(f"engine attention_backend='cpu' cannot run here: {why_not}")
+        log.warning("attention runs on SDPA: not the CPU kernel: %s", why_not)
+        return SdpaBackend(block_size, windows, device)
+    if choice == "auto" and device.type != "cuda":
         return SdpaBackend(block_size, windows, device)
     reasons = {}
     for name in ("flashinfer", "triton") if choice == "auto" else (choice,):

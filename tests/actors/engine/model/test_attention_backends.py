@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from actors.engine.config import EngineConfig
-from actors.engine.model.attention import AttentionBatch, SdpaBackend
+from actors.engine.model.attention import SdpaBackend
 from actors.engine.model.attention_backend import LayerAttention, positions_and_slots
 from actors.engine.model.backend_choice import choose_attention_backend
+from actors.engine.model.cpu_paged_backend import CpuPagedBackend, CpuPagedStep
 from actors.engine.model.decode_graphs import bucket_for, graph_buckets, pad_decode
 from actors.engine.model.flashinfer_backend import paged_kv_indexes, refusal
 from actors.engine.model.loader import load_model
@@ -34,10 +35,11 @@ def test_refusal_names_what_flashinfer_cannot_serve():
     assert refusal(LayerAttention(8, 4, 256, 0.06, 4096, 50.0), torch.bfloat16) is None
 
 
-def test_cpu_runs_sdpa_and_an_explicit_gpu_backend_is_an_error(caplog, monkeypatch):
+def test_cpu_runs_its_kernel_and_an_explicit_gpu_backend_is_an_error(caplog, monkeypatch):
     layers = (LLAMA_LAYER,)
     with caplog.at_level(logging.WARNING):
-        assert isinstance(choose_attention_backend("auto", layers, (None,), 16, torch.float32, CPU), SdpaBackend)
+        assert isinstance(choose_attention_backend("auto", layers, (None,), 16, torch.float32, CPU), CpuPagedBackend)
+        assert isinstance(choose_attention_backend("cpu", layers, (None,), 16, torch.bfloat16, CPU), CpuPagedBackend)
     assert not caplog.records  # auto on a CPU is no surprise: nothing to warn about
     assert isinstance(choose_attention_backend("sdpa", layers, (None,), 16, torch.bfloat16, CPU), SdpaBackend)
     with pytest.raises(ValueError, match="flashinfer.*CUDA device.*cpu"):
@@ -45,7 +47,7 @@ def test_cpu_runs_sdpa_and_an_explicit_gpu_backend_is_an_error(caplog, monkeypat
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (test_triton_attention.py sets it)
     with pytest.raises(ValueError, match="'triton' cannot run here: .*CUDA device.*TRITON_INTERPRET=1"):
         choose_attention_backend("triton", layers, (None,), 16, torch.float32, CPU)
-    with pytest.raises(ValueError, match="attention_backend='xformers': must be one of auto, sdpa, flashinfer, triton"):
+    with pytest.raises(ValueError, match="attention_backend='xformers': must be one of auto, sdpa, cpu, flashinfer, triton"):
         choose_attention_backend("xformers", layers, (None,), 16, torch.bfloat16, CPU)
     with pytest.raises(ValueError, match="attention_backend='xformers'"):
         EngineConfig(model="m", attention_backend="xformers")
@@ -57,7 +59,7 @@ def test_the_config_reaches_the_runner(tmp_path, caplog):
         ModelRunner.from_config(EngineConfig(model=str(model_dir), num_kv_blocks=8, attention_backend="flashinfer"))
     with caplog.at_level(logging.INFO, logger="actors.engine.model.runner"):
         runner = ModelRunner.from_config(EngineConfig(model=str(model_dir), num_kv_blocks=8))
-    assert runner.attention.name == "sdpa" and runner.graphs is None
+    assert runner.attention.name == "cpu" and runner.graphs is None
     assert any("CUDA graphs skipped: this engine runs on cpu" in r.getMessage() for r in caplog.records)
     assert runner.kv_caches[0][0].shape[0] == 8  # no padding block without graphs
     off = ModelRunner.from_config(EngineConfig(model=str(model_dir), num_kv_blocks=8, cuda_graphs=False))
@@ -121,7 +123,7 @@ def test_a_padded_decode_step_leaves_the_real_rows_as_they_were(tmp_path):
     padded = pad_decode(*step, bucket_for(3, graph_buckets(8)), pad_block)
     assert (padded.real, len(padded.token_ids), padded.block_tables[3:]) == (3, 4, [[pad_block]])
     batch = runner.attention.prepare(padded.query_lens, padded.computed_lens, padded.block_tables)
-    assert isinstance(batch, AttentionBatch) and batch.decode_token_idx.tolist() == [0, 1, 2, 3]
+    assert isinstance(batch, CpuPagedStep) and batch.query_starts.tolist() == [0, 1, 2, 3]  # 4 decodes
     logits = runner.execute(padded.token_ids, padded.query_lens, padded.computed_lens, padded.block_tables,
                             list(range(4)))
     torch.testing.assert_close(logits[:3], alone, rtol=1e-5, atol=1e-5)

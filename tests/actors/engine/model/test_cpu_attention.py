@@ -1,0 +1,138 @@
+"""tandem's CPU paged-attention kernel (csrc/paged_attention_cpu.c through cpu_paged_backend.py) against the
+reference SDPA path on the same mixed steps: decodes at many context lengths, short runs after a cached
+context, fresh prompts beside them, sliding windows, Gemma 2's softcap, GQA from 1 to 8 query heads per
+kv head, block tables in scattered order; float32 to 2e-6, bfloat16 to its rounding. And the backend
+choice when the kernel cannot be built."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from actors.engine.model.attention import SdpaBackend
+from actors.engine.model.attention_backend import LayerAttention
+from actors.engine.model.cpu_paged_backend import KERNEL_MAX_QUERY, CpuPagedBackend, why_not_cpu
+
+CPU = torch.device("cpu")
+# Worst output difference seen against SDPA over these cases: 1.2e-6 (float32; the kernel's exp is a
+# polynomial to ~2e-7 and its sums run in another order) and one bfloat16 rounding step of outputs of
+# magnitude up to ~2 (2^-6 = 0.016).
+F32_TOLERANCE, BF16_TOLERANCE = 2e-6, 0.02
+
+
+def _step(query_lens, computed_lens, *, heads=9, kv_heads=3, head_dim=64, block_size=16, window=None,
+          softcap=None, dtype=torch.float32, threads=1, seed=0):
+    """Both backends' output for one step on the same caches; the caches after each step, too."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_needed = [-(-(q + d) // block_size) for q, d in zip(query_lens, computed_lens)]
+    free = list(range(sum(blocks_needed) + 5))
+    rng.shuffle(free)  # a sequence's blocks anywhere in the cache, in any order
+    tables = [[free.pop() for _ in range(n)] for n in blocks_needed]
+    tokens = sum(query_lens)
+    num_blocks = sum(blocks_needed) + 5
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    q, k, v = randn(tokens, heads, head_dim), randn(tokens, kv_heads, head_dim), randn(tokens, kv_heads, head_dim)
+    k_cache, v_cache = randn(num_blocks, block_size, kv_heads, head_dim), randn(num_blocks, block_size, kv_heads, head_dim)
+    layer = LayerAttention(heads, kv_heads, head_dim, head_dim**-0.5, window, softcap)
+    outputs, caches = [], []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for backend in (SdpaBackend(block_size, (window,), CPU), CpuPagedBackend(block_size)):
+            kc, vc = k_cache.clone(), v_cache.clone()
+            step = backend.prepare(query_lens, computed_lens, tables)
+            outputs.append(step.attend(q, k, v, kc, vc, layer).float())
+            caches.append((kc, vc))
+    finally:
+        torch.set_num_threads(previous)
+    return outputs, caches
+
+
+MIXED = [
+    ([1] * 16, [2047 - 37 * i for i in range(16)]),  # decodes at 16 context lengths, block edges among them
+    ([1, 3, 40, 1, 2, 100], [5, 900, 200, 16, 31, 0]),  # decodes, short runs, a long chunk, a fresh prompt
+    ([4, 4], [1, 4000]),
+    ([1], [0 + 1]),  # the second token of a sequence
+]
+
+
+@pytest.mark.parametrize("query_lens,computed_lens", MIXED)
+@pytest.mark.parametrize("window,softcap", [(None, None), (100, None), (None, 30.0), (7, 50.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_attends_as_sdpa_does(query_lens, computed_lens, window, softcap, dtype):
+    (reference, kernel), caches = _step(query_lens, computed_lens, window=window, softcap=softcap, dtype=dtype)
+    tolerance = F32_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE
+    assert (reference - kernel).abs().max().item() <= tolerance
+    for (k_ref, v_ref), (k_cpu, v_cpu) in zip(caches[:1], caches[1:]):
+        assert torch.equal(k_ref, k_cpu) and torch.equal(v_ref, v_cpu)  # the new K/V land in the same slots
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (8, 8, 64, 16),  # no GQA
+    (32, 4, 128, 16),  # 8 query heads per kv head, Llama's head size
+    (16, 2, 256, 32),  # Gemma's head size, bigger blocks
+    (12, 4, 80, 16),  # a head size the unrolled paths do not cover
+    (64, 1, 16, 8),  # every head on one kv head: one work item's rows at the limit
+])
+def test_head_layouts(heads, kv_heads, head_dim, block_size):
+    (reference, kernel), _ = _step([1, 1, 2, 1], [300, 17, 64, 1000], heads=heads, kv_heads=kv_heads,
+                                   head_dim=head_dim, block_size=block_size)
+    assert (reference - kernel).abs().max().item() <= F32_TOLERANCE
+
+
+@pytest.mark.parametrize("query_lens", [[1], [1] * 2, [1] * 40])
+def test_threads_split_the_work_without_changing_it(query_lens):
+    """One sequence splits into an item per kv head across threads; many take all heads each."""
+    computed = [500 + 13 * i for i in range(len(query_lens))]
+    (_, one), _ = _step(query_lens, computed, threads=1)
+    (_, two), _ = _step(query_lens, computed, threads=2)
+    assert torch.equal(one, two)
+
+
+def test_only_decodes_and_short_runs_go_to_the_kernel():
+    step = CpuPagedBackend(16).prepare([1, KERNEL_MAX_QUERY, KERNEL_MAX_QUERY + 1, 20], [30, 30, 30, 0],
+                                       [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11]])
+    assert step.query_lens.tolist() == [1, KERNEL_MAX_QUERY]
+    assert step.query_starts.tolist() == [0, 1]
+    assert step.context_lens.tolist() == [31, 30 + KERNEL_MAX_QUERY]
+    assert [(p.query_len, p.context_len) for p in step.prefills] == [(KERNEL_MAX_QUERY + 1, 35), (20, 20)]
+
+
+def test_shapes_the_kernel_cannot_take_are_named():
+    odd = LayerAttention(12, 4, 72, 72**-0.5, None, None)
+    assert "head_dim 72" in why_not_cpu((odd,), torch.float32, CPU)
+    assert "float16" in why_not_cpu((LayerAttention(8, 8, 64, 0.125, None, None),), torch.float16, CPU)
+
+
+def test_without_a_compiler_auto_falls_back_to_sdpa_and_cpu_is_an_error(tmp_path):
+    """A fresh process with no usable C compiler and an empty kernel cache: auto warns and runs SDPA; an
+    explicit `cpu` names why it cannot."""
+    script = """
+import logging, torch
+from actors.engine.model.attention_backend import LayerAttention
+from actors.engine.model.backend_choice import choose_attention_backend
+logging.basicConfig(level=logging.WARNING)
+layers = (LayerAttention(8, 8, 64, 0.125, None, None),)
+print("auto:", choose_attention_backend("auto", layers, (None,), 16, torch.float32, torch.device("cpu")).name)
+try:
+    choose_attention_backend("cpu", layers, (None,), 16, torch.float32, torch.device("cpu"))
+except ValueError as e:
+    print("cpu:", e)
+"""
+    env = {**os.environ, "CC": "/bin/false", "TANDEM_KERNEL_CACHE": str(tmp_path / "kernels")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+                              os.path.abspath(__file__)))))))
+    assert done.returncode == 0, done.stderr
+    assert "auto: sdpa" in done.stdout
+    assert "attention runs on SDPA: not the CPU kernel: /bin/false failed to build" in done.stderr
+    assert "cpu: engine attention_backend='cpu' cannot run here: /bin/false failed to build" in done.stdout
