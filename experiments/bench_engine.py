@@ -356,7 +356,8 @@ def summarize(report: dict) -> str:
             parts.append(f"{model}/{workload} {row['tandem']['output_tokens_per_s']:.0f} tok/s"
                          + (f" ({ratios})" if ratios else ""))
         for point_name, point in entry.get("context", {}).get("points", {}).items():
-            vllm = f", {point['ratio_vs_vllm']:.2f}x vLLM" if "ratio_vs_vllm" in point else ""
+            vllm = (f", {point['ratio_vs_vllm']:.2f}x vLLM{'' if point['vllm_same_work'] else ' (not the same work)'}"
+                    if "ratio_vs_vllm" in point else "")
             parts.append(f"{model} {point_name} {point['step_s'] * 1e3:.1f} ms/step "
                          f"({point['ratio_to_floor']:.2f}x its bandwidth floor{vllm})")
         if "prefill" in entry:

@@ -106,6 +106,8 @@ def bench_context(model_dir: Path, points: list[StepPoint], dtype: str, read_rat
             ours["vllm"] = theirs
             ours["vllm_step_s"] = theirs["step_s"]
             ours["ratio_vs_vllm"] = ours["step_s"] / theirs["step_s"]
+            # vLLM's mixed step computes the whole prompt (exact says so); tandem's may have computed a chunk.
+            ours["vllm_same_work"] = theirs["exact"] and ours["shape"]["prefill_tokens"] == ours["chunk"]
         report["vllm"] = vllm
     return report
 
@@ -363,6 +365,8 @@ def describe(name: str, point: dict) -> str:
     vllm = ""
     if "vllm" in point:
         inexact = "" if point["vllm"]["exact"] else ", NOT exact: a timed call was not one step of this shape"
+        if point["vllm"]["exact"] and not point["vllm_same_work"]:
+            inexact = f", NOT the same work: vLLM computed all {point['chunk']} prompt tokens in its step"
         vllm = f"; vLLM {point['vllm_step_s'] * 1e3:.1f} ms (tandem takes {point['ratio_vs_vllm']:.2f}x its time{inexact})"
     decodes = f"{point['batch']} decode{'s' if point['batch'] > 1 else ''}"
     return (f"{name}: {decodes} at {point['context']} tokens of context (mean {point['mean_context']:.0f}){chunk}: "

@@ -137,3 +137,4 @@ def test_context_workload_against_vllm_steps(tmp_path):
         assert point["vllm"]["exact"], name
         assert len(point["vllm"]["steps_s"]) == len(point["steps_s"])
         assert point["ratio_vs_vllm"] == pytest.approx(point["step_s"] / point["vllm"]["step_s"])
+        assert point["vllm_same_work"] == (point["shape"]["prefill_tokens"] == point["chunk"])
