@@ -25,7 +25,8 @@ def add_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: float32")
+    gen.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                     help="default: the config's model.dtype (configs/default.yaml: auto)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of plain text")
     gen.add_argument("--address", default=None,
                      help="send the request to the cluster that `tandem serve` runs at this Ray address ('auto' finds it)")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from actors.engine.model.dtype_choice import DTYPE_NAMES
+
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # Hugging Face checkpoint directory
     model_source: str | None = None  # what `model` was resolved from (builtin name, GGUF file), if anything
-    dtype: str = "float32"
+    dtype: str = "float32"  # or bfloat16, float16, auto (dtype_choice.py); float32 here: exact parity by default
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derive from kv_cache_memory_bytes
@@ -35,6 +37,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"engine config {name}={value!r}: must be a positive integer")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"engine config dtype={self.dtype!r}: must be one of {', '.join(DTYPE_NAMES)}")
         if self.tenant_slowdown is not None and not self.tenant_slowdown > 1.0:
             raise ValueError(f"engine config tenant_slowdown={self.tenant_slowdown!r}: must be above 1 or null")
         if self.step_budget_ms is not None and not self.step_budget_ms > 0:

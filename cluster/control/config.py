@@ -23,7 +23,10 @@ class _Strict(BaseModel):
 class ModelSection(_Strict):
     path: str = Field(DEFAULT_MODEL, description=f"Hugging Face checkpoint directory, a GGUF file, {DEFAULT_MODEL!r} (a tiny "
                                                  f"random model, for tests) or {SMOLLM2_MODEL!r} (SmolLM2-135M-Instruct)")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weight and KV cache dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weight, activation and KV cache dtype; auto: bfloat16 on a CPU with AVX512-BF16 or AMX "
+        "and on CUDA GPUs of compute capability 8.0 on, float32 on other CPUs (float16 on older GPUs), each worker "
+        "choosing on its own machine (actors/engine/model/dtype_choice.py); float32 for exact parity with transformers")
     max_model_len: int | None = Field(None, gt=0, description="context length; null uses the model's max_position_embeddings")
 
 

@@ -1,9 +1,17 @@
-"""CPU fast path: linear layers whose weights are pre-packed once for MKL's GEMM.
+"""CPU fast path: linear layers whose weights are pre-packed once for the CPU's GEMM library.
 
 A plain `F.linear` on CPU re-packs the weight matrix on every call; at decode batch sizes that packing
 is a large part of the step. Packing once at load makes small-batch matmuls about 2x faster, and each
-row's result no longer depends on how many rows share the call (batch-invariant outputs). The cost is
-memory: the packed copy sits beside the original weight, which the op also takes.
+row's result no longer depends on how many rows share the call (batch-invariant outputs).
+
+- float32: MKL's packed GEMM (`torch.ops.mkl`). The packed copy sits beside the original weight, which
+  the op also takes.
+- bfloat16: oneDNN's (`torch.ops.mkldnn`), bfloat16 products summed in float32, on a CPU whose oneDNN
+  has a bfloat16 path (AVX512-BF16 or AMX). The op reads only the packed copy; the original is dropped
+  unless another module shares it (tied embeddings). Measured on a 2-core AVX512-BF16 Xeon at SmolLM2's
+  shapes (one thread): 1.2-3.7x faster than the packed float32 GEMM at 1-64 rows, 2.3-3.3x at 512-2048,
+  and faster than bfloat16 `F.linear` by up to 2x at 1-16 rows (equal at prefill sizes).
+- anything else (float16, CUDA): the module is left as it is.
 """
 
 from __future__ import annotations
@@ -11,21 +19,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-_PACK_BATCH_HINT = 64  # the batch size MKL tunes the packed layout for; any batch size works
+_PACK_BATCH_HINT = 64  # the batch size the libraries tune the packed layout for; any batch size works
 
 
-def mkl_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and torch.backends.mkl.is_available()
-        and hasattr(torch.ops.mkl, "_mkl_linear")
-    )
+def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Which packed GEMM serves this device and dtype: "mkl", "onednn", or None (plain F.linear)."""
+    if device.type != "cpu":
+        return None
+    if dtype == torch.float32 and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+        return "mkl"
+    if (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return "onednn"
+    return None
 
 
 class PackedLinear(nn.Module):
+    """float32, MKL: the op takes the packed weight and the original."""
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
+        self.out_features = linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         packed = torch.ops.mkl._mkl_reorder_linear_weight(linear.weight.detach(), _PACK_BATCH_HINT)
@@ -34,15 +48,40 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] == 0:
-            return x.new_empty(*x.shape[:-1], self.weight.shape[0])
+            return x.new_empty(*x.shape[:-1], self.out_features)
         out = torch.ops.mkl._mkl_linear(rows, self.packed_weight, self.weight, self.bias, rows.shape[0])
         return out.view(*x.shape[:-1], -1)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear in the model by a PackedLinear; returns how many were replaced."""
+class OneDnnLinear(nn.Module):
+    """bfloat16, oneDNN: the op takes only the packed weight (an opaque oneDNN tensor)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.out_features = linear.out_features
+        self.bias = linear.bias
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _PACK_BATCH_HINT)
+        self.register_buffer("packed_weight", packed, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [None], "")
+        return out.view(*x.shape[:-1], -1)
+
+
+_PACKED = {"mkl": PackedLinear, "onednn": OneDnnLinear}
+
+
+def pack_linears(model: nn.Module, packing: str = "mkl") -> int:
+    """Replace every nn.Linear in the model by its packed module for `packing` (linear_packing's answer);
+    returns how many were replaced."""
+    cls = _PACKED[packing]
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, cls(child))
     return len(targets)

@@ -219,7 +219,7 @@ class MLP(nn.Module):
         # A prefill's gate/up activations (tokens x 2 x intermediate) outgrow the caches: row blocks keep
         # them cache-sized (the GEMMs ran ~20% faster on 1024-row blocks than on 8192 rows here). Each
         # row's result is the same bits whatever block it is in (cpu_linear.py's packed GEMM).
-        out = x.new_empty(x.shape[0], self.down.weight.shape[0])
+        out = x.new_empty(x.shape[0], self.down.out_features)
         for start in range(0, x.shape[0], _MLP_ROWS_PER_PASS):
             rows = slice(start, start + _MLP_ROWS_PER_PASS)
             out[rows] = self._forward(x[rows])

@@ -23,11 +23,12 @@ import torch
 from actors.engine.model.attention_backend import GraphableBackend
 from actors.engine.model.backend_choice import choose_attention_backend, installed
 from actors.engine.model.cpu_allocator import keep_freed_memory
-from actors.engine.model.cpu_linear import mkl_packing_available, pack_linears
+from actors.engine.model.cpu_linear import linear_packing, pack_linears
 from actors.engine.model.decode_graphs import DecodeGraphs, graph_buckets
+from actors.engine.model.dtype_choice import resolve_dtype
 from actors.engine.model.host_to_device import tensor_on, to_device
 from actors.engine.model.llama import LlamaModel
-from actors.engine.model.loader import DTYPES, load_model
+from actors.engine.model.loader import DTYPES, load_model, read_hf_config
 from actors.engine.model.parallel import SINGLE, StepPlan, TPComm
 
 log = logging.getLogger(__name__)
@@ -56,13 +57,14 @@ class ModelRunner:
         self.device = torch.device(device)
         self.comm = comm
         self._led_at = time.monotonic()  # when rank 0 last sent its followers a plan
+        dtype = resolve_dtype(dtype, self.device.type, read_hf_config(model_dir).get("model_type"))
         self.model: LlamaModel = load_model(model_dir, dtype, self.device, context_len=max_model_len, shard=comm.shard)
         self.model.attach(comm)
         self.cfg = self.model.cfg
         self.block_size = block_size
         self.dtype = DTYPES[dtype]
-        if mkl_packing_available(self.device, self.dtype):
-            pack_linears(self.model)
+        if packing := linear_packing(self.device, self.dtype):
+            pack_linears(self.model, packing)
         if self.device.type == "cpu":
             keep_freed_memory()
         elif fused_kernels and self.device.type == "cuda" and installed("triton"):
