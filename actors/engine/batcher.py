@@ -42,8 +42,7 @@ from actors.engine.step_cost import StepCost
 from actors.protocol.request_status import RequestStatus
 
 # The fewest prompt tokens a step with decodes computes (when a prompt is there): the budget never starves a
-# prompt, at worst it advances this much a step. Two KV blocks of 16; on SmolLM2 on a CPU core about as long
-# as a step of 8 decodes at 600 tokens of context.
+# prompt, at worst it advances this much a step (two KV blocks of 16), however slow the decodes alone are.
 MIN_PREFILL_TOKENS = 32
 
 
