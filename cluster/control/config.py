@@ -48,11 +48,12 @@ class EngineSection(_Strict):
         "within this many milliseconds by the worker's measured step cost (at least 32 a step, so a prompt always "
         "progresses); decodes go first in every step, and a step with none takes the whole token budget; null: "
         "the token budget alone")
-    attention_backend: Literal["auto", "sdpa", "flashinfer", "triton"] = Field(
-        "auto", description="attention kernels: flashinfer (FlashInfer's paged kernels on CUDA; pip install "
-        "flashinfer-python flashinfer-cubin), triton (tandem's paged decode kernel on CUDA, SDPA for prefill), sdpa "
-        "(torch's scaled_dot_product_attention over gathered blocks; every device), auto (on CUDA flashinfer if "
-        "installed, else triton; sdpa elsewhere)")
+    attention_backend: Literal["auto", "sdpa", "cpu", "flashinfer", "triton"] = Field(
+        "auto", description="attention kernels: cpu (tandem's C kernel reading KV blocks in place, built with the "
+        "machine's C compiler on first use, for decodes and runs of up to 4 tokens; SDPA for prompts), flashinfer (FlashInfer's paged kernels on CUDA; "
+        "pip install flashinfer-python flashinfer-cubin), triton (tandem's paged decode kernel on CUDA, SDPA for "
+        "prefill), sdpa (torch's scaled_dot_product_attention over gathered blocks; every device), auto (cpu on a "
+        "CPU, sdpa if it cannot build; on CUDA flashinfer if installed, else triton)")
     cuda_graphs: bool = Field(
         True, description="replay decode steps from CUDA graphs captured per batch-size bucket (CUDA, flashinfer "
         "or triton attention, no tensor parallelism; skipped with a log line elsewhere)")
