@@ -4,10 +4,10 @@ process, no Ray), with and without the budget, same model and load:
 - mixed: `--decodes` requests decoding when a `--long`-token prompt arrives; the seconds of every step that
   carries decodes until the long prompt's first token (those are the decodes' inter-token gaps), and that
   first token's wait.
-- closed loop: `--clients` requests in flight at all times (a new one when one ends), `--requests` in all,
-  random `--prompt`-token prompts and out/2 to 3 out/2 tokens each (ignore_eos: varied, so requests end apart
-  and new prompts meet running decodes); TPOT p50 (per request: (last token -
-  first) / (tokens - 1)) and TTFT p50, timed from when the request was added.
+- load: `--clients` requests in flight at all times (a new one when one ends), or with `--rate` Poisson
+  arrivals (open loop, TTFT from when each was due); `--requests` in all, random `--prompt`-token prompts
+  and out/2 to 3 out/2 tokens each (ignore_eos; varied, so requests end apart and new prompts meet running
+  decodes); TPOT p50 (per request: (last token - first) / (tokens - 1)) and TTFT p50.
 
 Prints one line per point and the ratios budget / none. Timing on a shared machine is noisy: compare runs of
 one invocation only.
@@ -69,29 +69,45 @@ def mixed(engine: Engine, decodes: int, long: int, seed: int) -> dict:
             "long_ttft_s": first}
 
 
-def closed_loop(engine: Engine, clients: int, requests: int, prompt: int, out: int, seed: int) -> dict:
+def load(engine: Engine, requests: int, prompt: int, out: int, seed: int, clients: int, rate: float | None) -> dict:
+    """Closed loop (`clients` in flight) or, with `rate`, open loop (Poisson arrivals, timed from when each was
+    due, as vLLM's client times them)."""
     rng = random.Random(seed)
     _warm(engine, rng)
     added: dict[str, float] = {}
     times: dict[str, list[float]] = {}
+    due = []  # open loop: when each request arrives
     started = 0
+    t0 = time.perf_counter()
+    if rate is not None:
+        at = t0
+        for _ in range(requests):
+            at += rng.expovariate(rate)
+            due.append(at)
 
-    def add() -> None:
+    def add(when: float) -> None:
         nonlocal started
         rid = f"r{started}"
         started += 1
         params = SamplingParams(temperature=0.0, max_tokens=rng.randint(out // 2, out * 3 // 2), ignore_eos=True)
         engine.add_request(rid, _prompt(rng, prompt, engine.vocab_size), params)
-        added[rid], times[rid] = time.perf_counter(), []
+        added[rid], times[rid] = when, []
 
-    for _ in range(min(clients, requests)):
-        add()
-    while engine.has_unfinished():
+    if rate is None:
+        for _ in range(min(clients, requests)):
+            add(time.perf_counter())
+    while started < requests or engine.has_unfinished():
+        if rate is not None:
+            while started < requests and due[started] <= time.perf_counter():
+                add(due[started])
+            if not engine.has_unfinished():
+                time.sleep(max(due[started] - time.perf_counter(), 0.0))  # idle until the next one is due
+                continue
         for o in engine.step():
             now = time.perf_counter()
             times[o.request_id] += [now] * len(o.new_token_ids)
-            if o.finished and started < requests:
-                add()
+            if rate is None and o.finished and started < requests:
+                add(now)
     ttft = [times[r][0] - added[r] for r in times]
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in times.values() if len(t) > 1]
     return {"requests": len(times), "tpot_p50_ms": 1e3 * statistics.median(tpot),
@@ -105,7 +121,8 @@ def main(argv=None) -> None:
     ap.add_argument("--budget-ms", default="100", help="step budgets to compare with none, comma-separated (ms)")
     ap.add_argument("--decodes", type=int, default=8)
     ap.add_argument("--long", type=int, default=1024)
-    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--clients", type=int, default=4, help="closed loop: requests in flight")
+    ap.add_argument("--rate", type=float, default=None, help="open loop instead: Poisson arrivals, requests/s")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--out", type=int, default=64)
@@ -125,9 +142,10 @@ def main(argv=None) -> None:
                   f"{r['long_ttft_s']:.2f} s", flush=True)
         if args.skip != "loop":
             engine = _engine(model, budget)
-            results[("loop", name)] = r = closed_loop(engine, args.clients, args.requests, args.prompt, args.out,
-                                                      args.seed)
-            print(f"loop  {name:6} {args.clients} clients x {args.prompt} in / {args.out} out, {r['requests']} requests: "
+            results[("loop", name)] = r = load(engine, args.requests, args.prompt, args.out, args.seed, args.clients,
+                                               args.rate)
+            how = f"{args.clients} clients" if args.rate is None else f"{args.rate:g} req/s"
+            print(f"loop  {name:6} {how} x {args.prompt} in / {args.out} out, {r['requests']} requests: "
                   f"TPOT p50 {r['tpot_p50_ms']:.0f} ms, TTFT p50 {r['ttft_p50_s']:.2f} s, budget cut "
                   f"{r['budgeted_steps']} steps", flush=True)
     for budget in budgets:

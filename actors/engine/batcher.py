@@ -25,9 +25,11 @@ ones waiting), prompt work after. A step that carries decodes takes only the pro
 predicted seconds (`StepCost`, by the step's total tokens) within the budget, and never fewer than
 `MIN_PREFILL_TOKENS` (so a prompt always progresses, however many decodes share its steps); a step with no
 decode (nobody waits on a token) takes the whole token budget. Until two sizes of step were measured, the
-token budget alone. vLLM's scheduler caps a step by tokens only (`max_num_batched_tokens`, and a long
-prompt's share by `long_prefill_token_threshold`): the right token count for a TPOT differs by model, batch
-and machine; this asks the worker's own measured step cost for it.
+token budget alone. Off by default: on a CPU the small prompt chunks it makes compute less efficiently, and
+a shared 2-core box measured TTFT and TPOT p50 worse with it (experiments/bench_step_budget.py); what it
+buys is a bound on the longest step beside decodes. vLLM's scheduler caps a step by tokens only
+(`max_num_batched_tokens`, and a long prompt's share by `long_prefill_token_threshold`): the right token
+count for a TPOT differs by model, batch and machine; this asks the worker's own measured step cost.
 """
 
 from __future__ import annotations

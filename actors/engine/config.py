@@ -25,7 +25,7 @@ class EngineConfig:
     model_id: str | None = None  # part of the first block's hash; None: the model directory's name
     detokenize: bool = True  # False: token ids only; text and stop strings are the caller's (the ingress)
     tenant_slowdown: float | None = 2.0  # several tenants share a step: its cost cap x a one-token step's
-    step_budget_ms: float | None = 100.0  # a step with decodes: its prompt tokens cut to this measured time (batcher.py)
+    step_budget_ms: float | None = None  # a step with decodes: its prompt tokens cut to this measured time (batcher.py)
     attention_backend: str = "auto"  # "sdpa", "cpu", "flashinfer", "triton" or "auto" (backend_choice.py)
     cuda_graphs: bool = True  # decode steps from CUDA graphs where they can run (decode_graphs.py)
     fused_kernels: bool = True  # RMSNorm, rope, silu-and-mul as Triton kernels on CUDA (triton_fused.py)

@@ -44,10 +44,11 @@ class EngineSection(_Strict):
         "that keep it within this factor of a one-token step's measured time (one tenant's flood then slows "
         "another's tokens at most that much); null: steps take the whole token budget")
     step_budget_ms: float | None = Field(
-        100.0, gt=0, description="TPOT: a step that carries decodes computes only the prompt tokens that keep it "
-        "within this many milliseconds by the worker's measured step cost (at least 32 a step, so a prompt always "
-        "progresses); decodes go first in every step, and a step with none takes the whole token budget; null: "
-        "the token budget alone")
+        None, gt=0, description="a step that carries decodes computes only the prompt tokens that keep it within "
+        "this many milliseconds by the worker's measured step cost (at least 32 a step, so a prompt always "
+        "progresses); a step with no decode takes the whole token budget; null (the default): the token budget "
+        "alone. Decodes go first in every step either way. It bounds the longest gap between tokens; on a CPU it "
+        "costs TTFT and TPOT p50 (small prompt chunks compute less efficiently), so it is off unless asked for")
     attention_backend: Literal["auto", "sdpa", "cpu", "flashinfer", "triton"] = Field(
         "auto", description="attention kernels: cpu (tandem's C kernel reading KV blocks in place, built with the "
         "machine's C compiler on first use, for decodes and runs of up to 4 tokens; SDPA for prompts), flashinfer (FlashInfer's paged kernels on CUDA; "

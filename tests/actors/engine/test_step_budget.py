@@ -172,7 +172,9 @@ def test_the_setting_has_one_default_and_reaches_the_batcher(hf_models):
 
     with pytest.raises(ValueError, match="step_budget_ms"):
         EngineConfig(model=str(hf_models["llama"]), step_budget_ms=0)
-    assert EngineConfig(model=str(hf_models["llama"])).step_budget_ms == EngineSection().step_budget_ms == 100.0
+    assert EngineConfig(model=str(hf_models["llama"])).step_budget_ms is None  # off unless asked for (measured)
+    assert EngineSection().step_budget_ms is None
+    assert Engine(EngineConfig(model=str(hf_models["llama"]))).batcher.step_budget_s is None
     config = TandemConfig.model_validate({"model": {"path": str(hf_models["llama"])}, "engine": {"step_budget_ms": 40}})
     engine = Engine(config.engine_config())
     assert engine.batcher.step_budget_s == 0.040
