@@ -22,7 +22,7 @@ import torch
 
 from actors.engine.model.attention_backend import GraphableBackend
 from actors.engine.model.backend_choice import choose_attention_backend, installed
-from actors.engine.model.cpu_allocator import keep_freed_memory
+from actors.engine.model.cpu_allocator import keep_freed_memory, zeros_on_huge_pages
 from actors.engine.model.cpu_linear import linear_packing, pack_linears
 from actors.engine.model.decode_graphs import DecodeGraphs, graph_buckets
 from actors.engine.model.dtype_choice import resolve_dtype
@@ -80,7 +80,7 @@ class ModelRunner:
         shape = (num_kv_blocks + graphs, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         # The model's caches (with the graphs' padding block, if any) and everyone else's view of them.
         self._caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (self._cache_tensor(shape), self._cache_tensor(shape))
             for _ in range(self.cfg.num_layers)
         ]
         self.kv_caches = [(k[:num_kv_blocks], v[:num_kv_blocks]) for k, v in self._caches]
@@ -90,6 +90,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self._caches, self.attention, graph_buckets(max_num_seqs),
                                        -(-context // block_size), num_kv_blocks, self.device)
             self.graphs.capture()
+
+    def _cache_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return zeros_on_huge_pages(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @classmethod
     def from_config(cls, config, comm: TPComm = SINGLE) -> ModelRunner:

@@ -136,3 +136,19 @@ except ValueError as e:
     assert "auto: sdpa" in done.stdout
     assert "attention runs on SDPA: not the CPU kernel: /bin/false failed to build" in done.stderr
     assert "cpu: engine attention_backend='cpu' cannot run here: /bin/false failed to build" in done.stdout
+
+
+def test_the_cache_on_huge_pages_is_zeroed_and_huge_where_the_kernel_allows():
+    from pathlib import Path
+
+    from actors.engine.model.cpu_allocator import zeros_on_huge_pages
+
+    def huge_kb() -> int:
+        return int(Path("/proc/self/smaps_rollup").read_text().split("AnonHugePages:")[1].split()[0])
+
+    before = huge_kb()
+    cache = zeros_on_huge_pages((1024, 16, 4, 64), torch.float32)  # 16 MiB
+    assert cache.shape == (1024, 16, 4, 64) and not cache.any()
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    if "[never]" not in thp:
+        assert huge_kb() - before >= 8 * 1024  # most of it on 2 MiB pages
