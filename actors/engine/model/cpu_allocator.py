@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import mmap
 
 import torch
 
 log = logging.getLogger("tandem.engine")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _KEEP_BYTES = 1 << 30
-_MADV_HUGEPAGE = 14
-_PAGE = 4096
+_HUGE_PAGE = 2 << 20
 _done = False
 
 
@@ -45,14 +46,19 @@ def keep_freed_memory() -> bool:
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory was advised to use transparent huge pages before it was first
-    touched; where the advice is refused (no THP, not Linux) it is an ordinary zeroed tensor."""
-    tensor = torch.empty(shape, dtype=dtype)
-    start = -(-tensor.data_ptr() // _PAGE) * _PAGE  # madvise takes page-aligned ranges
-    length = (tensor.data_ptr() + tensor.nbytes - start) // _PAGE * _PAGE
-    if length > 0:
-        try:
-            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE)
-        except (OSError, AttributeError):
-            pass
-    return tensor.zero_()
+    """A zeroed CPU tensor in a fresh anonymous mapping of its own (not the heap, which keeps_freed_memory
+    makes serve allocations under 1 GiB from memory already touched), advised to use transparent huge pages
+    before any page is touched; where the advice is refused it is an ordinary zeroed tensor."""
+    count = math.prod(shape)
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # Private: a shared anonymous mapping is shmem, whose huge pages are a separate, usually disabled, setting.
+    # One huge page more than needed, so the tensor can start on a huge-page boundary.
+    buffer = mmap.mmap(-1, count * dtype.itemsize + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # not Linux, or a kernel without THP
+        pass
+    offset = -torch.frombuffer(buffer, dtype=torch.uint8, count=1).data_ptr() % _HUGE_PAGE
+    # Zero-filled by the kernel, page by page on first touch; the tensor keeps the mapping alive.
+    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)

@@ -34,7 +34,20 @@ def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-class PackedLinear(nn.Module):
+class _Packed(nn.Module):
+    """A linear layer over a weight packed once; subclasses say how the library multiplies a [rows, in] matrix."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        return self._matmul(rows).view(*x.shape[:-1], -1)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PackedLinear(_Packed):
     """float32, MKL: the op takes the packed weight and the original."""
 
     def __init__(self, linear: nn.Linear):
@@ -45,15 +58,11 @@ class PackedLinear(nn.Module):
         packed = torch.ops.mkl._mkl_reorder_linear_weight(linear.weight.detach(), _PACK_BATCH_HINT)
         self.register_buffer("packed_weight", packed, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] == 0:
-            return x.new_empty(*x.shape[:-1], self.out_features)
-        out = torch.ops.mkl._mkl_linear(rows, self.packed_weight, self.weight, self.bias, rows.shape[0])
-        return out.view(*x.shape[:-1], -1)
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkl._mkl_linear(rows, self.packed_weight, self.weight, self.bias, rows.shape[0])
 
 
-class OneDnnLinear(nn.Module):
+class OneDnnLinear(_Packed):
     """bfloat16, oneDNN: the op takes only the packed weight (an opaque oneDNN tensor)."""
 
     def __init__(self, linear: nn.Linear):
@@ -63,14 +72,8 @@ class OneDnnLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _PACK_BATCH_HINT)
         self.register_buffer("packed_weight", packed, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] == 0:
-            return x.new_empty(*x.shape[:-1], self.out_features)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [None], "")
-        return out.view(*x.shape[:-1], -1)
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed_weight, self.bias, "none", [None], "")
 
 
 _PACKED = {"mkl": PackedLinear, "onednn": OneDnnLinear}
