@@ -35,16 +35,14 @@ def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 class _Packed(nn.Module):
-    """A linear layer over a weight packed once; subclasses say how the library multiplies a [rows, in] matrix."""
+    """A linear layer over a weight packed once; each subclass's `_matmul` is its library's product of a
+    [rows, in] matrix with the packed weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
         return self._matmul(rows).view(*x.shape[:-1], -1)
-
-    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
 
 
 class PackedLinear(_Packed):
