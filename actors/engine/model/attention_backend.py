@@ -11,8 +11,9 @@ reads them (a query attends to its own token), and the output is `[T, num_heads,
 token order of the step. A backend may not serve every layer (`refuses`): a step then attends those
 layers with the reference implementation (attention.py, SDPA) and says so once, at selection.
 
-Backends: `sdpa` (attention.py: torch's scaled_dot_product_attention over gathered blocks; the CPU
-path and the reference), `flashinfer` (flashinfer_backend.py: FlashInfer's paged kernels on CUDA
+Backends: `sdpa` (attention.py: torch's scaled_dot_product_attention over gathered blocks; every device,
+and the reference), `cpu` (cpu_paged_backend.py: tandem's C kernel reading the blocks in place for
+decodes, SDPA for prompts), `flashinfer` (flashinfer_backend.py: FlashInfer's paged kernels on CUDA
 reading the block tables directly) and `triton` (triton_backend.py: tandem's own paged decode kernel,
 SDPA for prefill). `backend_choice.py` picks one.
 """

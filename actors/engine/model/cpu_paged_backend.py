@@ -2,7 +2,7 @@
 context) attend with tandem's CPU kernel (cpu_kernel.py), which reads K/V in their cache blocks; prompts
 and longer chunks attend with SDPA as in the reference path. Measured on this 2-core box, one thread,
 SmolLM2's heads, 8 sequences at 2,000 tokens of context: the kernel took 0.55x SDPA's time for runs of
-4 tokens, about the same for 8 to 16 and 1.6x for 64 (SDPA's blocked matmuls win once a K/V row serves
+4 tokens, about the same for 8 to 16 and 1.6-4x for 64 (SDPA's blocked matmuls win once a K/V row serves
 enough queries to pay for the gather); for decodes it took 0.1-0.4x.
 
 Why: the reference path gathers each decode sequence's blocks into a padded copy per layer and step; at
