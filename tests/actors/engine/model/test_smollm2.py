@@ -73,8 +73,9 @@ def test_greedy_equals_transformers_on_the_same_gguf(smollm2_dir, reference):
 def test_tandem_generate_on_the_gguf_file(smollm2_dir, reference):
     """The CLI on the file itself (converted already: the cache is keyed by the file's content)."""
     model, tokenizer = reference
-    done = subprocess.run(["tandem", "generate", "--model", str(smollm2_gguf()), "--prompt", PROMPTS[0],
-                           "--max-tokens", str(TOKENS), "--ignore-eos", "--json"],
+    # float32: the exact-parity dtype (the command's default, auto, is bfloat16 on a CPU that has it).
+    done = subprocess.run(["tandem", "generate", "--model", str(smollm2_gguf()), "--dtype", "float32", "--prompt",
+                           PROMPTS[0], "--max-tokens", str(TOKENS), "--ignore-eos", "--json"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
