@@ -27,6 +27,7 @@ from kv_transfer.curve import CurveKeys, rejected_handshakes
 from kv_transfer.page_format import PageSpec, TransferError, TransferHeader, encode_header
 from kv_transfer.zmq_transport import ZmqKVSender
 from tests.helpers.cluster import load, wait_until_idle, workload
+from tests.helpers.sockets import offer, stranger
 
 
 def tcp_config():
@@ -46,16 +47,6 @@ def _spray(endpoint: str) -> None:
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as raw:
         raw.sendall(b"\xc1 not msgpack" * 1000)
-
-
-def _stranger(endpoint: str, server_key: bytes, kind: int = zmq.PUSH) -> zmq.Socket:
-    """A socket that knows the server's public key (no secret) but holds a key pair of its own."""
-    sock = zmq.Context.instance().socket(kind)
-    own = CurveKeys.generate()
-    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_key, own.public, own.secret
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    return sock
 
 
 def _collect(client, handle) -> list[int]:
@@ -78,14 +69,14 @@ def test_strangers_cannot_inject_tokens_or_pages(cluster, expected):
     attempts = [AttemptId(s.request_id, a) for s in submitted for a in ("0", "1", "a")]
     forged = [TokenDelta(a, 0, 0, (66,), RequestStatus.FINISHED_STOPPED, error="attacker") for a in attempts]
     publishers = [TokenPublisher(), TokenPublisher(keys=CurveKeys.generate())]
-    strangers = [_stranger(client.sink, cluster.keys.public), _stranger(kv_endpoint, cluster.keys.public)]
+    strangers = [stranger(client.sink, cluster.keys.public), stranger(kv_endpoint, cluster.keys.public)]
     pages = ZmqKVSender()  # a plain zmq peer at the KV socket
     try:
         for publisher in publishers:
             publisher.publish(client.sink, forged)
         header = TransferHeader("forged", "forged", PageSpec("float32", 16, 1, 1, 1), (0,), b"")
-        strangers[0].send(encode(forged))
-        strangers[1].send_multipart([encode_header(header), b"\x00" * 64, b"\x00" * 64])
+        offer(strangers[0], encode(forged))
+        offer(strangers[1], encode_header(header), b"\x00" * 64, b"\x00" * 64)
         src = [(torch.zeros(4, 16, 1, 1), torch.zeros(4, 16, 1, 1))]
         with pytest.raises(TransferError, match="no receiver"):  # nothing is queued for an unadmitted peer
             pages.send(kv_endpoint, TransferHeader("forged", "forged", PageSpec.from_caches(src), (0,)),
@@ -116,16 +107,16 @@ def test_strangers_cannot_submit_or_abort_at_the_scheduler(cluster, expected):
     port = ray.get(cluster.scheduler.client_port.remote(), timeout=30).endpoint
     before = ray.get(cluster.scheduler.state.remote(), timeout=30).counters.submitted
     submitted = [client.submit(p, sp) for p, sp in zip(prompts, params)]
-    stranger = _stranger(port, cluster.keys.public, zmq.DEALER)
+    attacker = stranger(port, cluster.keys.public, zmq.DEALER)
     try:
         # A flood of admissions for the attacker, and aborts of every request it saw the id of.
         flood = tuple(Submit(i, GenerateRequest(f"attacker-{i}", (5,) * 64, params[0], client.sink)) for i in range(50))
-        stranger.send(encode(SubmitBatch(flood)))
-        stranger.send(encode(AbortRequests(0, tuple(s.request_id for s in submitted))))
+        offer(attacker, encode(SubmitBatch(flood)))
+        offer(attacker, encode(AbortRequests(0, tuple(s.request_id for s in submitted))))
         _spray(port)
         outputs = [_collect(client, handle) for handle in submitted]
     finally:
-        stranger.close(linger=0)
+        attacker.close(linger=0)
 
     assert outputs == expected  # none was aborted
     state = wait_until_idle(cluster)  # (the refused handshakes are counted in the scheduler's process)

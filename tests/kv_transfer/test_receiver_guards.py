@@ -12,13 +12,12 @@ import tempfile
 import time
 
 import pytest
-import zmq
 
 from kv_transfer.curve import CurveKeys, rejected_handshakes
 from kv_transfer.page_format import TransferError, encode_header
 from kv_transfer.zmq_transport import ZmqKVSender
 from tests.kv_transfer import WAIT_S, apply_transfer, bit_equal, clone_caches, header_for, make_caches
-from tests.helpers.sockets import raw_push
+from tests.helpers.sockets import offer, raw_push, stranger
 
 
 def _host_port(endpoint: str) -> tuple[str, int]:
@@ -50,13 +49,9 @@ def test_only_holders_of_the_cluster_keys_get_a_transfer_in(make_receiver):
     finally:
         plain.close()
     # One that knows the server's public key (public keys are no secret) but holds a pair of its own.
-    with zmq.Context.instance().socket(zmq.PUSH) as stranger:
-        own = CurveKeys.generate()
-        stranger.curve_serverkey, stranger.curve_publickey, stranger.curve_secretkey = keys.public, own.public, own.secret
-        stranger.setsockopt(zmq.LINGER, 0)
-        stranger.connect(recv.rx.endpoint)
+    with stranger(recv.rx.endpoint, keys.public) as sock:
         header = header_for(src, [3], "forged")
-        stranger.send_multipart([encode_header(header)] + [bytes(header.spec.page_nbytes)] * 4)
+        offer(sock, encode_header(header), *[bytes(header.spec.page_nbytes)] * 4)
         deadline = time.monotonic() + 10
         while rejected_handshakes() == refused_before and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -3,8 +3,11 @@
 newcomer that would wait behind requests the scheduler is not admitting gets 429 with Retry-After in a
 moment, not after waiting out the queue timeout as the requests ahead of it do.
 
-A 1P+1D cluster whose decode worker's KV (130 blocks here) is all but taken by one long stream: every
-request after it needs 5 blocks where 4 are free, so it waits for admission. Requests arrive one every
+A 1P+1D cluster whose decode worker's KV (1,005 blocks here) is all but taken by one long stream: every
+request after it needs 5 blocks where 4 are free, so it waits for admission. The stream is far longer
+than the test (16k tokens, ~1 min of decoding on this box; the default tiny model's 2k context decodes in
+~4 s since the CPU attention kernel, less than the door needs to see 8 waiting), and it is cancelled once
+the refusal was seen. Requests arrive one every
 half second (open loop) until the first refusal. It must come from the door (the admission rate the
 scheduler measured while they waited, times the requests waiting, past the limit), while every request
 sent before it is still waiting, and be answered in a small part of the queue timeout."""
@@ -21,9 +24,10 @@ from cluster.control.admission_door import _FLOOR
 from cluster.control.config import SchedulerSection
 from tests.helpers.cluster import load, wait_until_idle
 from tests.helpers.http_server import MODEL, serving
+from tests.helpers.models import make_hf_model
 
 SHIPPED = SchedulerSection()
-HOLDER = {"prompt": list(range(10, 26)), "max_tokens": 2000}  # 16 + 2000 tokens: 126 of the 130 blocks
+HOLDER = {"prompt": list(range(10, 26)), "max_tokens": 16_000}  # 16 + 16,000 tokens: 1,001 of the 1,005 blocks
 NEWCOMER = {"prompt": list(range(30, 46)), "max_tokens": 64}  # 16 + 64 tokens: 5 blocks
 ARRIVAL_S = 0.5  # one newcomer every half second
 # Newcomers sent at most: the door refuses once _FLOOR wait and the rate it measures is low enough (a few
@@ -32,8 +36,14 @@ MOST = 4 * _FLOOR
 
 
 @pytest.fixture(scope="module")
-def full_server(ray_session):
-    config = load("local.yaml", num_kv_blocks=130)
+def full_server(ray_session, tmp_path_factory):
+    """The default tiny model's shape with a 16k context, served under the default's name."""
+    model = make_hf_model(tmp_path_factory.mktemp("long-context"), "llama", with_tokenizer=True, vocab_size=2048,
+                          hidden_size=128, num_hidden_layers=4, intermediate_size=384, rope_scaling=None,
+                          max_position_embeddings=16_384)
+    config = load("local.yaml", num_kv_blocks=1005)
+    config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(model)}),
+                                       "ingress": config.ingress.model_copy(update={"served_model_name": MODEL})})
     limits = {"queue_timeout_s", "max_predicted_ttft_s", "progress_timeout_s", "max_queued"}
     shipped = SHIPPED.model_dump(include=limits)
     assert config.scheduler.model_dump(include=limits) == shipped  # the admission limits as shipped
@@ -46,7 +56,7 @@ class Sent:
 
     def __init__(self, url: str, body: dict, stream: bool = False):
         self.sent, self.answered, self.status, self.headers, self.body = time.monotonic(), None, None, {}, ""
-        self.first_token = threading.Event()
+        self.first_token, self._cancel = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, args=(url, body, stream), daemon=True)
         self._thread.start()
 
@@ -58,8 +68,13 @@ class Sent:
                 for line in resp.iter_lines():
                     if line.startswith("data: {"):
                         self.first_token.set()
+                    if self._cancel.is_set():
+                        break  # closing the connection aborts the request
             self.body = resp.read().decode() if not stream or resp.status_code != 200 else ""
             self.answered = time.monotonic()
+
+    def cancel(self) -> None:
+        self._cancel.set()
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
@@ -88,7 +103,8 @@ def test_a_newcomer_behind_requests_not_being_admitted_is_refused_at_once(full_s
     assert answer_s < SHIPPED.queue_timeout_s / 10, answer_s
     print(f"refused after {len(before)} waiting, answered in {answer_s:.3f} s; the first ahead of it had waited "
           f"{refused.answered - before[0].sent:.1f} s; Retry-After {refused.headers['retry-after']}")
-    holder.join(120)
+    holder.cancel()
+    holder.join(60)
     for n in newcomers:
         n.join(SHIPPED.queue_timeout_s + 60)
         assert n.status in (200, 429), (n.status, n.body)
