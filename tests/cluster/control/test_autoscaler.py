@@ -186,6 +186,13 @@ def test_mode_slo_flips_a_held_prefill_worker_into_the_short_decode_pool(ray_ses
         process = ray.get(cluster.workers["prefill-1"].__ray_call__.remote(lambda _: __import__("os").getpid()),
                           timeout=30)
         runner, out = _three_requests_one_waiting(cluster)
+        # The premise: the worker to flip holds no handoff (under load one can still be on its way to the
+        # decode worker when the third request starts waiting; a flip must then wait for its drain, and
+        # the scaler rightly starts a worker cold when that drain may outlast a cold start).
+        deadline = time.monotonic() + 60
+        while ray.get(cluster.workers["prefill-1"].drain_estimate_s.remote(), timeout=30) > 0:
+            assert time.monotonic() < deadline, "prefill-1 never let go of what it held"
+            time.sleep(0.1)
         moved = autoscaler.tick()  # prefill wants 1 but its window holds 2: the surplus flips to decode
         assert moved.decision.replicas == {"prefill": 1, "decode": 2}, moved
         assert moved.outcome == "resized (1 by role flips)", moved
