@@ -273,6 +273,16 @@ class IngressSection(_Strict):
     max_connections_per_client: int | None = Field(
         1024, gt=0, description="open connections one client address (the TCP peer) may hold; more are answered 503 "
         "and closed. Behind a proxy every client is the proxy: raise it or set null (no cap)")
+    max_connections: int = Field(
+        8192, gt=0, description="open HTTP connections in all (at most the process's open-file limit less a quarter, "
+        "up to 1,024, for its other files); a new one past it closes the longest-waiting connection with no request in "
+        "progress, or gets 503")
+    keyed_connection_reserve: int = Field(
+        1024, ge=0, description="with API keys, this many of max_connections are kept for connections that have sent a "
+        "valid key: keyless ones (which includes every connection before its first request head) hold the rest")
+    default_max_concurrency: int | None = Field(
+        512, gt=0, description="max_concurrency (requests in flight at once; more get 429) of a tenant that sets "
+        "none; null: no quota")
     metrics_tenant_labels: bool = Field(
         False, description="export per-tenant series (tandem:tenant_kv_blocks{tenant=...}) on /metrics, which has "
         "no authentication; off: tenant names and their load are not shown")
