@@ -49,6 +49,11 @@ class EngineSection(_Strict):
         "progresses); a step with no decode takes the whole token budget; null (the default): the token budget "
         "alone. Decodes go first in every step either way. It bounds the longest gap between tokens; on a CPU it "
         "costs TTFT and TPOT p50 (small prompt chunks compute less efficiently), so it is off unless asked for")
+    grammar_ms_per_token: float = Field(
+        1.0, gt=0, description="structured output: the engine-thread CPU milliseconds one sequence's grammar "
+        "(its token masks and accepts) may take per token it generated, on average, after a grace of 64 tokens; a "
+        "sequence past it ends with an error naming its grammar (one whose cost grows with the output, e.g. an "
+        "ambiguous one, would otherwise slow every stream of the worker). JSON schemas and regexes took 0.01-0.2 ms")
     attention_backend: Literal["auto", "sdpa", "cpu", "flashinfer", "triton"] = Field(
         "auto", description="attention kernels: cpu (tandem's C kernel reading KV blocks in place, built with the "
         "machine's C compiler on first use, for decodes and runs of up to 4 tokens; SDPA for prompts), flashinfer (FlashInfer's paged kernels on CUDA; "
@@ -408,6 +413,7 @@ class TandemConfig(_Strict):
             seed=e.seed,
             tenant_slowdown=e.tenant_slowdown,
             step_budget_ms=e.step_budget_ms,
+            grammar_ms_per_token=e.grammar_ms_per_token,
             attention_backend=e.attention_backend,
             cuda_graphs=e.cuda_graphs,
             fused_kernels=e.fused_kernels,
