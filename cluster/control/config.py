@@ -239,6 +239,11 @@ class IngressSection(_Strict):
     max_stop_strings: int = Field(16, gt=0, description="most stop strings (and stop token ids) in one request")
     max_stop_chars: int = Field(256, gt=0, description="longest stop string")
     max_logit_bias: int = Field(1024, gt=0, description="most logit_bias entries in one request")
+    max_allowed_token_ids: int = Field(4096, gt=0, description="most allowed_token_ids in one request")
+    max_response_logprobs: int = Field(
+        1_000_000, gt=0, description="most logprob entries one response may hold: (prompt tokens scored by echo or "
+        "prompt_logprobs + prompts x max_tokens when logprobs are asked) x n x (1 + top logprobs); more get 400. Each "
+        "is ~100 bytes of JSON")
     max_body_bytes: int = Field(1 << 20, gt=0, description="larger request bodies get 413")
     default_max_tokens: int = Field(
         1024, gt=0, description="max_tokens of a chat request that sets none (or the rest of the context, if less)")

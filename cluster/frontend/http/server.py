@@ -51,7 +51,8 @@ def build_ingress(cluster: Cluster, host: str = "127.0.0.1", ingress: IngressSec
     tenants = check_exposure(i, host)
     gate = Gate(tenant_limits(tenants, i.default_tokens_per_minute, i.default_max_concurrency))
     caps = RequestCaps(i.max_n, i.max_prompts, i.max_sequences, i.max_stop_strings, i.max_stop_chars, i.max_logit_bias,
-                       i.default_max_tokens, i.unknown_fields == "accept")
+                       i.default_max_tokens, i.unknown_fields == "accept", i.max_allowed_token_ids,
+                       i.max_response_logprobs)
     template = None
     if i.chat_template is not None:
         try:
