@@ -12,9 +12,12 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from cluster.control.config import IngressSection, TenantSection
 from cluster.frontend.http.connection_table import ConnectionTable
+from cluster.frontend.http.gate import Gate, tenant_limits
+from cluster.frontend.http.protocol import ApiError
 from cluster.frontend.http.server import connection_table, make_server
 from tests.helpers.http_server import MODEL, running
 
@@ -69,6 +72,22 @@ def test_the_global_cap_stays_below_the_open_file_limit_and_reserves_only_with_k
     assert table.max_open == soft - min(1024, soft // 4)
     assert table.keyless_max == table.max_open - IngressSection().keyed_connection_reserve
     assert connection_table(IngressSection(max_connections=100), keyed=False).keyless_max == 100
+
+
+def test_a_tenant_without_its_own_quota_gets_the_default_concurrency_cap():
+    sections = {"ka": TenantSection(tenant="a"), "kb": TenantSection(tenant="b", max_concurrency=5)}
+    default = IngressSection().default_max_concurrency
+    gate = Gate(tenant_limits(sections, None, default))
+    gate.admit("a", 1, requests=default)
+    with pytest.raises(ApiError) as over:
+        gate.admit("a", 1)
+    assert over.value.status == 429 and int(over.value.headers["Retry-After"]) >= 1, over.value
+    assert f"{default} requests in flight" in str(over.value)
+    gate.admit("b", 1, requests=5)  # its own quota, not the default
+    with pytest.raises(ApiError):
+        gate.admit("b", 1)
+    gate.release("a", requests=1)
+    gate.admit("a", 1)
 
 
 FLOOD_ADDRESSES = 20
