@@ -109,13 +109,27 @@ def new_name() -> str:
     return f"{PREFIX}{_pid_namespace()}-{pid}-{_start_time(pid) or 0}-{secrets.token_hex(16)}"
 
 
+def process_identity() -> tuple[int, int, int]:
+    """This process as `process_alive` judges it: (pid namespace, pid, start time)."""
+    pid = os.getpid()
+    return _pid_namespace(), pid, _start_time(pid) or 0
+
+
+def process_alive(namespace: int, pid: int, start: int) -> bool | None:
+    """Whether that process still runs; None when this process cannot tell (another or an unknown pid
+    namespace, an unknown start time)."""
+    if namespace == 0 or namespace != _pid_namespace() or start == 0:
+        return None
+    return _start_time(pid) == start
+
+
 def creator_alive(name: str) -> bool | None:
     """Whether the process that created segment `name` still runs; None when this process cannot tell
     (another pid namespace, no /proc, not one of our names)."""
     m = _NAME.fullmatch(name)
-    if m is None or int(m[1]) == 0 or int(m[1]) != _pid_namespace():
+    if m is None:
         return None
-    return _start_time(int(m[2])) == int(m[3])
+    return process_alive(int(m[1]), int(m[2]), int(m[3]))
 
 
 @dataclass(frozen=True)
