@@ -255,8 +255,8 @@ class IngressSection(_Strict):
     default_tokens_per_minute: float | None = Field(
         1_000_000, gt=0, description="tokens_per_minute of a tenant that sets none; null: no limit")
     admin_key: str | None = Field(
-        None, description="bearer token for the operator endpoints (POST /admin/scale); null: only loopback clients "
-        "of an ingress bound to loopback (one bound elsewhere then refuses them all)")
+        None, description="bearer token for the operator endpoints (/admin/*, sent as `Authorization: Bearer <key>`); "
+        "null (and no admin_key_file): the ingress generates one at start in ~/.cache/tandem/admin_key (0600)")
     trusted_proxies: list[str] = Field(
         default_factory=list, description="proxy addresses whose X-Forwarded-For is believed; empty: the client is "
         "the TCP peer, whatever headers it sends")
