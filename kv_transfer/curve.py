@@ -10,6 +10,11 @@ fails before any frame reaches the receiving loop. The rejected handshakes are c
 
 Sharing one pair between servers and clients is deliberate: every process that may send may also
 receive, and a per-socket pair would be handed to exactly the same processes.
+
+Every binding socket goes through `secure_server`, with keys or without, so every port also bounds its
+handshakes: a peer that connects and never finishes one (raw TCP, or a key the ZAP check refuses) holds a
+descriptor of the receiving process for `HANDSHAKE_TIMEOUT_S`, not zmq's default 30 s. zmq has no cap on
+a listening socket's connections, so what a stranger can hold is its connection rate times this bound.
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.auth.thread
+
+# Honest peers finish the handshake (greeting, CURVE hello/initiate, the ZAP check) in milliseconds; one that
+# misses it is dropped, and a connecting zmq socket simply reconnects. zmq's default, 30 s, let 4,000 idle
+# connections per port take 4,000 descriptors of the target for half a minute each (issue 52).
+HANDSHAKE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -36,7 +46,9 @@ class CurveKeys:
 
 
 def secure_server(sock: zmq.Socket, keys: CurveKeys | None) -> None:
-    """Make a socket that binds accept only holders of `keys`; None leaves it open (plain NULL)."""
+    """Make a socket that binds accept only holders of `keys`; None leaves it open (plain NULL). Either way
+    a peer gets `HANDSHAKE_TIMEOUT_S` to finish its handshake; before bind."""
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_TIMEOUT_S * 1000))
     if keys is None:
         return
     _gate(sock.context).allow(keys.public)

@@ -17,7 +17,10 @@ receiver's DONE word reaches the note's sequence number; it writes a span only w
 covers it. The receiver takes notes of a lane in order (one sender, one socket: zmq keeps their order),
 reads the span, and sets DONE to the note's number whatever the transfer's outcome (written, refused).
 A sender waits for room at most until its send's deadline, then fails the send (TransferError) and drops
-the lane: a receiver that died mid-copy never blocks it for longer.
+the lane: a receiver that died mid-copy never blocks it for longer. A sender also drops the lanes of
+receivers it sees dead (the identity file names the receiver's process; `drop_dead`, at most once a
+second, before each send): a decode worker killed and restarted gets a new endpoint, so no send to the old
+one ever fails, and its lane (unlinked, only mapped) stayed in the sender for good.
 
 Cleanup: the receiver removes a lane's name when it first maps it, so from then on the memory lives only
 in the two mappings and goes with the processes (SIGKILL included). A name no receiver opened is removed
@@ -48,7 +51,9 @@ import torch
 from kv_transfer.base import KVCaches
 from kv_transfer.page_copy import gather_transfer_into
 from kv_transfer.page_format import PageFormatError, TransferError, TransferHeader
-from kv_transfer.shm_segment import CLOSED, DONE, SENT, STATE, Segment, creator_alive, host_identity, sweep_stale
+from kv_transfer.shm_segment import (
+    CLOSED, CONTROL_BYTES, DONE, SENT, STATE, Segment, creator_alive, host_identity, process_alive, process_identity, sweep_stale,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,7 @@ _SWEEP_S = 1.0  # how often a receiver looks for lanes to unmap
 _STALE_SWEEP_S = 10.0  # ... and for names of dead senders in /dev/shm
 _GRACE_S = 30.0  # a closed (or orphaned) lane whose notes never all arrived is unmapped after this idle time
 _MAX_LANES = 64  # lanes a receiver keeps mapped; the least recently used goes first
+_PEER_CHECK_S = 1.0  # how often a sender looks for lanes whose receiver is dead
 
 
 @dataclass(frozen=True)
@@ -109,23 +115,40 @@ def advertise(socket_dir: str) -> bool:
     sweep_stale()
     fd = os.open(os.path.join(socket_dir, IDENTITY_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(identity)
+        f.write(identity + "\nprocess " + " ".join(map(str, process_identity())))
     return True
 
 
-def offers_shm(endpoint: str) -> bool:
-    """Whether the receiver at `endpoint` takes notes whose segments this process can make (see above)."""
+@dataclass(frozen=True)
+class Receiver:
+    """The process behind an endpoint that offers shared memory: (pid namespace, pid, start time)."""
+
+    namespace: int
+    pid: int
+    start: int
+
+    def alive(self) -> bool | None:
+        return process_alive(self.namespace, self.pid, self.start)
+
+
+def offers_shm(endpoint: str) -> Receiver | None:
+    """The receiver at `endpoint`, if it takes notes whose segments this process can make (see above)."""
     if not endpoint.startswith("ipc://"):
-        return False
+        return None
     try:
         with open(os.path.join(os.path.dirname(endpoint.removeprefix("ipc://")), IDENTITY_FILE)) as f:
             if os.fstat(f.fileno()).st_uid != os.geteuid():
-                return False
-            theirs = f.read(256)
+                return None
+            theirs = f.read(512).split("\n")
     except OSError:
-        return False
+        return None
     mine = host_identity()
-    return mine is not None and theirs == mine
+    if mine is None or len(theirs) != 2 or theirs[0] != mine:
+        return None
+    words = theirs[1].split()
+    if len(words) != 4 or words[0] != "process" or not all(w.isdigit() for w in words[1:]):
+        return None
+    return Receiver(*map(int, words[1:]))
 
 
 class _Lane:
@@ -177,6 +200,15 @@ class _Lane:
     def drained(self) -> bool:
         return self.seg.word(DONE) >= self._seq
 
+    def check_integrity(self) -> None:
+        spans = self._in_flight
+        bad = [s for s in spans if not 0 <= s[0] < s[1] <= self.seg.capacity or not 0 < s[2] <= self._seq]
+        overlaps = sum(a[1] > b[0] for a, b in zip(spans, spans[1:]))
+        if self.seg.data is None or bad or overlaps or len(spans) > _MAX_IN_FLIGHT or spans != sorted(spans):
+            raise RuntimeError(f"lane {self.seg.name}: {len(spans)} spans in flight (at most {_MAX_IN_FLIGHT}), "
+                               f"{len(bad)} outside [0, {self.seg.capacity}) or past seq {self._seq}, {overlaps} "
+                               f"overlapping, mapped {self.seg.data is not None}")
+
     def wait_drained(self, deadline: float) -> bool:
         while not self.drained() and time.monotonic() < deadline:
             time.sleep(1e-3)
@@ -189,19 +221,27 @@ class ShmLanes:
     def __init__(self, lane_bytes: int = LANE_BYTES):
         self._lane_bytes = -(-lane_bytes // _SPAN_ALIGN) * _SPAN_ALIGN
         self._lanes: dict[str, _Lane] = {}
-        self._offers: dict[str, bool] = {}
+        self._offers: dict[str, Receiver | None] = {}  # None: that endpoint gets frames
+        self._checked = time.monotonic()
 
     @property
     def endpoints(self) -> tuple[str, ...]:
         return tuple(self._lanes)
 
+    @property
+    def mapped_bytes(self) -> int:
+        """Shared memory this sender keeps mapped (its lanes' segments, control pages included)."""
+        return sum(CONTROL_BYTES + lane.seg.capacity for lane in self._lanes.values())
+
     def put(self, endpoint: str, header: TransferHeader, kv_caches: KVCaches, src: torch.Tensor,
             heads: tuple[int, int] | None, deadline: float) -> ShmNote | None:
         """Gather the transfer's pages into a span of `endpoint`'s lane; the note to send, or None if the
         pages must go as frames (no shared memory with that receiver, or none left)."""
+        if time.monotonic() - self._checked >= _PEER_CHECK_S:
+            self.drop_dead()
         if endpoint not in self._offers:
             self._offers[endpoint] = offers_shm(endpoint)
-        if not self._offers[endpoint]:
+        if self._offers[endpoint] is None:
             return None
         what = f"transfer {header.transfer_id} to {endpoint}"
         page_bytes = header.num_blocks * header.spec.page_nbytes
@@ -225,7 +265,7 @@ class ShmLanes:
                 lane = _Lane(Segment.create(max(self._lane_bytes, -(-nbytes // _SPAN_ALIGN) * _SPAN_ALIGN)))
             except OSError as e:
                 logger.warning("%s: cannot make a shared-memory segment (%s); frames to it from now on", what, e)
-                self._offers[endpoint] = False
+                self._offers[endpoint] = None
                 return None
             self._lanes[endpoint] = lane
         return lane
@@ -237,6 +277,24 @@ class ShmLanes:
             lane.seg.close()
         if not keep_offer:
             self._offers.pop(endpoint, None)
+
+    def drop_dead(self) -> list[str]:
+        """Drop the lanes (and forget the offers) of receivers whose process is gone; returns their
+        endpoints. A receiver this process cannot judge (another pid namespace) keeps its lane."""
+        self._checked = time.monotonic()
+        dead = [e for e, peer in self._offers.items() if peer is not None and peer.alive() is False]
+        for endpoint in dead:
+            self.drop(endpoint)
+        return dead
+
+    def check_integrity(self) -> None:
+        """Every lane goes to a receiver that offered shared memory, and its spans in flight are sane."""
+        offerless = [e for e in self._lanes if self._offers.get(e) is None]
+        if offerless:
+            raise RuntimeError(f"{len(self._lanes)} shared-memory lanes, {len(offerless)} to endpoints with no "
+                               f"offer: {offerless}")
+        for lane in self._lanes.values():
+            lane.check_integrity()
 
     def close(self, linger_s: float) -> None:
         """Give notes still in flight up to `linger_s` in all to be served, then close every lane."""

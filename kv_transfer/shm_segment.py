@@ -1,5 +1,11 @@
-"""One shared-memory segment of the one-host KV page path: a file in /dev/shm that a sender creates and
-one receiver maps, and the host facts that tell when two processes can share one.
+"""One shared-memory segment of the one-host KV page path: a file that a sender creates and one receiver
+maps, in this user's own directory of /dev/shm (`SHM_DIR`, /dev/shm/tandem-<uid>, 0700), and the host facts
+that tell when two processes can share one.
+
+Why a directory of our own: /dev/shm is writable by every user, and a sweep of it walks whatever anyone
+put there (300k empty files of another uid made every receiver's sweep cost 0.26 s of CPU a second).
+`segment_dir()` makes ours 0700 and refuses one that another user owns or others may enter (then the
+shared-memory path is off and pages go as frames); nothing here reads or removes files outside it.
 
 Layout: a control page of int64 words, then `capacity` bytes of page data. The words:
 - MAGIC, VERSION, CAPACITY: written once by the creator before the segment is named to anyone;
@@ -8,7 +14,7 @@ Layout: a control page of int64 words, then `capacity` bytes of page data. The w
 One writer per word, so no lock is needed: an aligned 8-byte store is seen whole.
 
 Names are "tandem-kvshm-<pid namespace>-<pid>-<start time>-<32 random hex digits>". The creator's
-process identity lets anyone on the host tell a dead creator's leftovers (`sweep_stale`); the 128 random
+process identity lets this user's processes tell a dead creator's leftovers (`sweep_stale`); the 128 random
 bits make a name unguessable. Files are created O_EXCL with mode 0600, so only their user can map them.
 
 Who calls what
@@ -18,7 +24,8 @@ Who calls what
   ours: a name of another form, a file of another user or mode, a symlink, a non-regular file, a wrong
   magic/version/capacity. It then removes the name at once: from there on the segment is only two
   mappings, which the kernel frees when both processes have unmapped it or died. `close()` unmaps.
-- Both: `sweep_stale()` removes names whose creator is gone (killed before any receiver opened them).
+- Both: `sweep_stale()` removes names in `SHM_DIR` whose creator is gone (killed before any receiver
+  opened them); it visits that directory only.
 """
 
 from __future__ import annotations
@@ -28,12 +35,14 @@ import os
 import re
 import secrets
 import stat
+from dataclasses import dataclass
 
 import torch
 
 from kv_transfer.page_format import PageFormatError
 
-SHM_DIR = "/dev/shm"
+SHM_ROOT = "/dev/shm"
+SHM_DIR = os.path.join(SHM_ROOT, f"tandem-{os.geteuid()}")  # this user's segments; see `segment_dir`
 PREFIX = "tandem-kvshm-"
 CONTROL_BYTES = 4096
 _NAME = re.compile(r"tandem-kvshm-(\d{1,20})-(\d{1,10})-(\d{1,20})-[0-9a-f]{32}")
@@ -50,12 +59,30 @@ def host_identity() -> str | None:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
-        st = os.stat(SHM_DIR)
+        st = os.stat(SHM_ROOT)
+        segment_dir()
     except OSError:
         return None
     if not stat.S_ISDIR(st.st_mode):
         return None
     return f"{boot} {st.st_dev} {st.st_ino} {os.geteuid()}"
+
+
+def segment_dir() -> str:
+    """`SHM_DIR`, made now (0700) if missing; raises OSError if it is not a directory of this user's that
+    only this user may enter (another user made it first, or loosened it): it is never used then."""
+    try:
+        os.mkdir(SHM_DIR, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(SHM_DIR)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
+            os.chmod(SHM_DIR, 0o700)  # ours and closed to others, only made under a stricter umask
+            return SHM_DIR
+        raise PermissionError(f"{SHM_DIR} is not a private directory of this user (mode "
+                              f"{stat.filemode(st.st_mode)}, uid {st.st_uid}): shared-memory KV pages are off")
+    return SHM_DIR
 
 
 def _pid_namespace() -> int:
@@ -82,25 +109,46 @@ def new_name() -> str:
     return f"{PREFIX}{_pid_namespace()}-{pid}-{_start_time(pid) or 0}-{secrets.token_hex(16)}"
 
 
+def process_identity() -> tuple[int, int, int]:
+    """This process as `process_alive` judges it: (pid namespace, pid, start time)."""
+    pid = os.getpid()
+    return _pid_namespace(), pid, _start_time(pid) or 0
+
+
+def process_alive(namespace: int, pid: int, start: int) -> bool | None:
+    """Whether that process still runs; None when this process cannot tell (another or an unknown pid
+    namespace, an unknown start time)."""
+    if namespace == 0 or namespace != _pid_namespace() or start == 0:
+        return None
+    return _start_time(pid) == start
+
+
 def creator_alive(name: str) -> bool | None:
     """Whether the process that created segment `name` still runs; None when this process cannot tell
     (another pid namespace, no /proc, not one of our names)."""
     m = _NAME.fullmatch(name)
-    if m is None or int(m[1]) == 0 or int(m[1]) != _pid_namespace():
+    if m is None:
         return None
-    return _start_time(int(m[2])) == int(m[3])
+    return process_alive(int(m[1]), int(m[2]), int(m[3]))
 
 
-def sweep_stale() -> list[str]:
-    """Remove this user's segment names whose creator is gone; returns them. Names of live processes, of
-    other pid namespaces and of other users stay."""
+@dataclass(frozen=True)
+class Swept:
+    visited: int  # directory entries looked at: only this user's directory's
+    removed: tuple[str, ...]
+
+
+def sweep_stale() -> Swept:
+    """Remove segment names in this user's directory whose creator is gone. Names of live processes and of
+    other pid namespaces stay; nothing outside `SHM_DIR` is looked at."""
     try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)]
+        with os.scandir(segment_dir()) as entries:
+            names = [e.name for e in entries]
     except OSError:
-        return []
+        return Swept(0, ())
     removed = []
     for name in names:
-        if creator_alive(name) is not False:
+        if not name.startswith(PREFIX) or creator_alive(name) is not False:
             continue
         try:
             if os.lstat(os.path.join(SHM_DIR, name)).st_uid == os.geteuid():
@@ -108,7 +156,7 @@ def sweep_stale() -> list[str]:
                 removed.append(name)
         except OSError:
             pass  # gone meanwhile
-    return removed
+    return Swept(len(names), tuple(removed))
 
 
 class Segment:
@@ -129,7 +177,7 @@ class Segment:
     def create(cls, capacity: int) -> Segment:
         """A fresh segment of `capacity` data bytes (a multiple of the page size); raises OSError."""
         name = new_name()
-        path = os.path.join(SHM_DIR, name)
+        path = os.path.join(segment_dir(), name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.fchmod(fd, 0o600)  # exactly, whatever the umask
@@ -149,7 +197,10 @@ class Segment:
         """Map the segment a note names, then remove its name; raises PageFormatError for anything else."""
         if not isinstance(name, str) or _NAME.fullmatch(name) is None:
             raise PageFormatError(f"shared-memory segment {name!r} is not a tandem segment name")
-        path = os.path.join(SHM_DIR, name)
+        try:  # the directory first: a segment of ours lies in ours, which no one else may enter
+            path = os.path.join(segment_dir(), name)
+        except OSError as e:
+            raise PageFormatError(f"shared-memory segment {name}: {e}") from None
         try:  # O_NONBLOCK: a FIFO planted under this name must not block the receiving thread
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:

@@ -14,7 +14,8 @@ def add_arguments(scale: argparse.ArgumentParser) -> None:
     scale.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     # The key never goes on the command line, where `ps` and shell history would show it.
     scale.add_argument("--admin-key-file", default=None,
-                       help="a file holding the server's admin key (default: $TANDEM_ADMIN_KEY, if set)")
+                       help="a file holding the server's admin key (default: $TANDEM_ADMIN_KEY, if set, else the "
+                       "key a server with no ingress.admin_key generated: ~/.cache/tandem/admin_key)")
     scale.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the resize to finish")
     scale.set_defaults(func=run)
 
@@ -32,6 +33,10 @@ def run(args: argparse.Namespace) -> int:
             key = Path(args.admin_key_file).read_text().strip()
         except OSError as exc:
             raise ValueError(f"cannot read --admin-key-file {args.admin_key_file}: {exc.strerror}") from None
+    if not key:
+        from cluster.frontend.admin_key import read_generated_key
+
+        key = read_generated_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         resp = httpx.post(args.url.rstrip("/") + "/admin/scale", json=body, headers=headers, timeout=args.timeout)

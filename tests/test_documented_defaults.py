@@ -26,6 +26,7 @@ REQUIRED = {
     "ingress.body_timeout_s", "ingress.keep_alive_timeout_s", "ingress.max_connections_per_client",
     "ingress.default_max_tokens", "ingress.default_tokens_per_minute", "engine.tenant_slowdown",
     "scheduler.local_prefill_max_tokens", "scheduler.local_prefill_overflow_s", "autoscaler.slo.react_s",
+    "ingress.max_connections", "ingress.keyed_connection_reserve", "ingress.default_max_concurrency",
 }
 # "`key` (N unit" followed by the end of the parenthesis or of its first clause.
 MENTION = re.compile(r"`([a-z_][a-z0-9_.]*)`\s+\((?:default\s+)?(\d[\d,]*(?:\.\d+)?)(?:\s*(s|ms))?(?=[);:,])")
@@ -97,6 +98,13 @@ def test_the_shedding_limit_unset_is_half_the_progress_bound():
 def test_slow_connections_are_closed_at_the_header_timeout():
     (stated,) = re.findall(r"slowloris and idle connections are closed at (\d+) s", README.replace("\n", " "))
     assert float(stated) == DEFAULTS["ingress.header_timeout_s"]
+
+
+def test_zmq_handshakes_are_bounded_as_stated():
+    from kv_transfer.curve import HANDSHAKE_TIMEOUT_S
+
+    (stated,) = re.findall(r"finished its handshake within (\d+) s", README.replace("\n", " "))
+    assert float(stated) == HANDSHAKE_TIMEOUT_S
 
 
 def test_the_moves_and_the_audit_are_the_code_s():

@@ -26,6 +26,7 @@ class EngineConfig:
     detokenize: bool = True  # False: token ids only; text and stop strings are the caller's (the ingress)
     tenant_slowdown: float | None = 2.0  # several tenants share a step: its cost cap x a one-token step's
     step_budget_ms: float | None = None  # a step with decodes: its prompt tokens cut to this measured time (batcher.py)
+    grammar_ms_per_token: float = 1.0  # a sequence's structured-output matcher time per token (structured.py)
     attention_backend: str = "auto"  # "sdpa", "cpu", "flashinfer", "triton" or "auto" (backend_choice.py)
     cuda_graphs: bool = True  # decode steps from CUDA graphs where they can run (decode_graphs.py)
     fused_kernels: bool = True  # RMSNorm, rope, silu-and-mul as Triton kernels on CUDA (triton_fused.py)
@@ -43,6 +44,8 @@ class EngineConfig:
             raise ValueError(f"engine config tenant_slowdown={self.tenant_slowdown!r}: must be above 1 or null")
         if self.step_budget_ms is not None and not self.step_budget_ms > 0:
             raise ValueError(f"engine config step_budget_ms={self.step_budget_ms!r}: must be positive or null")
+        if not self.grammar_ms_per_token > 0:
+            raise ValueError(f"engine config grammar_ms_per_token={self.grammar_ms_per_token!r}: must be positive")
         if self.attention_backend not in ("auto", "sdpa", "cpu", "flashinfer", "triton"):
             raise ValueError(f"engine config attention_backend={self.attention_backend!r}: must be auto, sdpa, "
                              "cpu, flashinfer or triton")

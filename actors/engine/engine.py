@@ -63,7 +63,8 @@ class Engine:
         step_budget_s = None if config.step_budget_ms is None else config.step_budget_ms / 1000
         self.batcher = Batcher(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                                config.tenant_slowdown, step_budget_s)
-        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed,
+                               grammar_ms_per_token=config.grammar_ms_per_token)
         self._make = SequenceMaker(self.tokenizer, config.detokenize, self.vocab_size, self.sampler)
         self._requests = RequestMap()  # the one record of each request, in every phase
         self._stepper = Stepper(self.runner, self.kv, self.batcher, self.sampler, self._make, self._requests,

@@ -1,7 +1,8 @@
 """What one sampled token does to its sequence: the one place stop conditions are decided.
 
 In order: a stop string completed by the token's text (the detokenizer's matcher), a stop token id or
-end-of-sequence once `min_tokens` are out, then the length limits. When the sequence ends for any
+end-of-sequence once `min_tokens` are out, the structured-output grammar's end (or its spent budget: FAILED,
+structured.py), then the length limits. When the sequence ends for any
 reason but a stop string, the text the matcher held back is released.
 """
 
@@ -37,6 +38,8 @@ def append_token(seq: Sequence, token: int, eos_token_ids: set[int], max_model_l
             status = RequestStatus.FINISHED_STOPPED
     if status is None and seq.grammar is not None and seq.grammar.terminated:
         status = RequestStatus.FINISHED_STOPPED  # the output is complete: it took the grammar's stop token
+    if status is None and seq.grammar is not None and seq.grammar.failure is not None:
+        status, seq.stop_reason = RequestStatus.FAILED, seq.grammar.failure  # its grammar's budget is spent
     if status is None and (n_out >= params.max_tokens or seq.num_tokens >= max_model_len):
         status = RequestStatus.FINISHED_LENGTH
     if status is not None and seq.detokenizer is not None and not isinstance(seq.stop_reason, str):

@@ -71,5 +71,5 @@ class SequenceMaker:
             if self._sampler.grammars is None:
                 if self._tokenizer is None:
                     raise ValueError("structured output needs the model's tokenizer, and this model directory has none")
-                self._sampler.grammars = Grammars(self._tokenizer, self._vocab_size)
+                self._sampler.grammars = Grammars(self._tokenizer, self._vocab_size, self._sampler.grammar_ms_per_token)
             return self._sampler.grammars

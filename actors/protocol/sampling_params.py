@@ -95,13 +95,18 @@ class SamplingParams:
             raise bad("allowed_token_ids", "must not be empty when given")
 
     def validate_token_ids(self, vocab_size: int) -> None:
-        """Token ids named in the params must exist in the model's vocabulary."""
+        """Token ids named in the params must exist in the model's vocabulary; no list may name more ids
+        than the vocabulary holds (a longer one only repeats them, and every caller that reaches the engine
+        without the ingress's caps, e.g. the Python client, is bounded by this)."""
         named = {
             "stop_token_ids": self.stop_token_ids,
             "allowed_token_ids": self.allowed_token_ids or (),
             "logit_bias": tuple(self.logit_bias or {}),
         }
         for name, ids in named.items():
+            if len(ids) > vocab_size:
+                raise ValueError(f"invalid sampling parameter {name}: {len(ids)} token ids, more than the "
+                                 f"vocabulary's {vocab_size}")
             for tid in ids:
                 if not isinstance(tid, int) or not 0 <= tid < vocab_size:
                     raise ValueError(

@@ -5,6 +5,8 @@ a regular expression, one of a list of strings, or a grammar. Plain data here; t
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
@@ -16,6 +18,16 @@ MAX_SPEC_BYTES = 64 * 1024
 MAX_ALTERNATIVES = 5000  # enum values and choices, all told
 MAX_DEPTH = 32  # nesting of a JSON schema's objects and lists
 COMPILE_BUDGET_S = 10.0
+# Counted repetition: xgrammar builds one state per repetition a bound allows, so its compile time grows
+# faster than the bound (8 strings of maxLength 1,000: 1.6-2.8 s here; of 4,000: 72 s; of ~10^6: 12.4 s
+# and a minute of the ingress's compile threads). Each bound (a JSON schema's maxLength, minLength,
+# maxItems, minItems, maxProperties, minProperties, a regex's {m,n}) is capped, and so is their sum over
+# one spec (8 bounds of 256 together compiled in 0.45 s).
+MAX_REPEAT = 1024
+MAX_REPEAT_TOTAL = 4096
+COUNT_KEYWORDS = ("maxLength", "minLength", "maxItems", "minItems", "maxProperties", "minProperties")
+# {m}, {m,} and {m,n} not preceded by a backslash (an escaped brace is a literal one)
+_QUANTIFIER = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
 @dataclass(frozen=True)
@@ -34,6 +46,8 @@ class StructuredOutput:
         size = len(self.spec.encode())
         if size > MAX_SPEC_BYTES:
             return f"the {self.kind} is {size} bytes; at most {MAX_SPEC_BYTES} are compiled"
+        if self.kind in ("regex", "grammar"):
+            return _repeat_problem(self.kind, [("{m,n}", n) for n in _quantifier_bounds(self.spec)])
         if self.kind not in ("json_schema", "choice"):
             return None
         try:
@@ -48,7 +62,45 @@ class StructuredOutput:
             return f"the {self.kind} has {alternatives} enum values or choices; at most {MAX_ALTERNATIVES} are compiled"
         if depth > MAX_DEPTH:
             return f"the {self.kind} nests {depth} levels deep; at most {MAX_DEPTH} are compiled"
+        if self.kind == "json_schema":
+            return _repeat_problem(self.kind, _schema_bounds(value))
         return None
+
+
+def _repeat_problem(kind: str, bounds: list[tuple[str, int]]) -> str | None:
+    """Why a spec's counted repetitions are too many to compile (the keyword and the cap); None if not."""
+    for keyword, bound in bounds:
+        if bound > MAX_REPEAT:
+            return f"the {kind}'s {keyword} is {bound}; at most {MAX_REPEAT} is compiled"
+    total = sum(bound for _, bound in bounds)
+    if total > MAX_REPEAT_TOTAL:
+        named = ", ".join(sorted({keyword for keyword, _ in bounds}))
+        return f"the {kind}'s repetition bounds ({named}) add up to {total}; at most {MAX_REPEAT_TOTAL} are compiled"
+    return None
+
+
+def _quantifier_bounds(regex: str) -> list[int]:
+    """The largest count of each {m}, {m,} or {m,n} in a regex (or an EBNF grammar's repetitions)."""
+    return [max(int(low), int(high or 0)) for low, high in _QUANTIFIER.findall(regex)]
+
+
+def _schema_bounds(schema) -> list[tuple[str, int]]:
+    """(keyword, bound) of every count keyword and every pattern's quantifier in a parsed JSON schema,
+    without recursion (the depth check ran first, but a walk of its own costs nothing)."""
+    bounds, todo = [], [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            for keyword in COUNT_KEYWORDS:
+                value = node.get(keyword)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    bounds.append((keyword, int(min(value, 1 << 62)) if math.isfinite(value) else 1 << 62))
+            if isinstance(node.get("pattern"), str):
+                bounds += [("pattern {m,n}", n) for n in _quantifier_bounds(node["pattern"])]
+            todo += [v for v in node.values() if isinstance(v, (dict, list))]
+        elif isinstance(node, list):
+            todo += [v for v in node if isinstance(v, (dict, list))]
+    return bounds
 
 
 def _alternatives_and_depth(schema) -> tuple[int, int]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from actors.engine.outputs import RequestOutput
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import FirstTokenWait, StageTimes, TokenDelta, WorkerRequest
+from actors.protocol.request_status import RequestStatus
 from actors.worker.meter import WorkerMeter
 
 
@@ -36,8 +37,9 @@ class Running:
             if out.finished:
                 self.times = replace(self.times, finished=time.time())
             times = self.times
+        error = out.stop_reason if out.status == RequestStatus.FAILED else None  # the engine's reason (a grammar's budget)
         return TokenDelta(self.request.attempt, out.index, offset, tuple(out.new_token_ids), out.status,
-                          out.num_prompt_tokens, out.num_cached_tokens, None, logprobs, times,
+                          out.num_prompt_tokens, out.num_cached_tokens, error, logprobs, times,
                           prompt_logprobs=_wire(out.prompt_logprobs))
 
 

@@ -49,6 +49,11 @@ class EngineSection(_Strict):
         "progresses); a step with no decode takes the whole token budget; null (the default): the token budget "
         "alone. Decodes go first in every step either way. It bounds the longest gap between tokens; on a CPU it "
         "costs TTFT and TPOT p50 (small prompt chunks compute less efficiently), so it is off unless asked for")
+    grammar_ms_per_token: float = Field(
+        1.0, gt=0, description="structured output: the engine-thread CPU milliseconds one sequence's grammar "
+        "(its token masks and accepts) may take per token it generated, on average, after a grace of 64 tokens; a "
+        "sequence past it ends with an error naming its grammar (one whose cost grows with the output, e.g. an "
+        "ambiguous one, would otherwise slow every stream of the worker). JSON schemas and regexes took 0.01-0.2 ms")
     attention_backend: Literal["auto", "sdpa", "cpu", "flashinfer", "triton"] = Field(
         "auto", description="attention kernels: cpu (tandem's C kernel reading KV blocks in place, built with the "
         "machine's C compiler on first use, for decodes and runs of up to 4 tokens; SDPA for prompts), flashinfer (FlashInfer's paged kernels on CUDA; "
@@ -234,6 +239,11 @@ class IngressSection(_Strict):
     max_stop_strings: int = Field(16, gt=0, description="most stop strings (and stop token ids) in one request")
     max_stop_chars: int = Field(256, gt=0, description="longest stop string")
     max_logit_bias: int = Field(1024, gt=0, description="most logit_bias entries in one request")
+    max_allowed_token_ids: int = Field(4096, gt=0, description="most allowed_token_ids in one request")
+    max_response_logprobs: int = Field(
+        1_000_000, gt=0, description="most logprob entries one response may hold: (prompt tokens scored by echo or "
+        "prompt_logprobs + prompts x max_tokens when logprobs are asked) x n x (1 + top logprobs); more get 400. Each "
+        "is ~100 bytes of JSON")
     max_body_bytes: int = Field(1 << 20, gt=0, description="larger request bodies get 413")
     default_max_tokens: int = Field(
         1024, gt=0, description="max_tokens of a chat request that sets none (or the rest of the context, if less)")
@@ -245,8 +255,8 @@ class IngressSection(_Strict):
     default_tokens_per_minute: float | None = Field(
         1_000_000, gt=0, description="tokens_per_minute of a tenant that sets none; null: no limit")
     admin_key: str | None = Field(
-        None, description="bearer token for the operator endpoints (POST /admin/scale); null: only loopback clients "
-        "of an ingress bound to loopback (one bound elsewhere then refuses them all)")
+        None, description="bearer token for the operator endpoints (/admin/*, sent as `Authorization: Bearer <key>`); "
+        "null (and no admin_key_file): the ingress generates one at start in ~/.cache/tandem/admin_key (0600)")
     trusted_proxies: list[str] = Field(
         default_factory=list, description="proxy addresses whose X-Forwarded-For is believed; empty: the client is "
         "the TCP peer, whatever headers it sends")
@@ -273,6 +283,16 @@ class IngressSection(_Strict):
     max_connections_per_client: int | None = Field(
         1024, gt=0, description="open connections one client address (the TCP peer) may hold; more are answered 503 "
         "and closed. Behind a proxy every client is the proxy: raise it or set null (no cap)")
+    max_connections: int = Field(
+        8192, gt=0, description="open HTTP connections in all (at most the process's open-file limit less a quarter, "
+        "up to 1,024, for its other files); a new one past it closes the longest-waiting connection with no request in "
+        "progress, or gets 503")
+    keyed_connection_reserve: int = Field(
+        1024, ge=0, description="with API keys, this many of max_connections are kept for connections that have sent a "
+        "valid key: keyless ones (which includes every connection before its first request head) hold the rest")
+    default_max_concurrency: int | None = Field(
+        512, gt=0, description="max_concurrency (requests in flight at once; more get 429) of a tenant that sets "
+        "none; null: no quota")
     metrics_tenant_labels: bool = Field(
         False, description="export per-tenant series (tandem:tenant_kv_blocks{tenant=...}) on /metrics, which has "
         "no authentication; off: tenant names and their load are not shown")
@@ -398,6 +418,7 @@ class TandemConfig(_Strict):
             seed=e.seed,
             tenant_slowdown=e.tenant_slowdown,
             step_budget_ms=e.step_budget_ms,
+            grammar_ms_per_token=e.grammar_ms_per_token,
             attention_backend=e.attention_backend,
             cuda_graphs=e.cuda_graphs,
             fused_kernels=e.fused_kernels,

@@ -82,6 +82,11 @@ class Cluster:
             # the job, and at nice 15 any busy neighbour starves them (a worker took over 300 s to
             # import torch beside one `stress-ng --cpu 2`). The raylet reads this when ray.init starts it.
             os.environ.setdefault("RAY_worker_niceness", "0")
+            # Ray's own Prometheus exporter (the dashboard agent's) listens on every interface with no
+            # authentication, dashboard or not: actor names, node memory and CPU, the session name. tandem
+            # serves its own /metrics; set RAY_enable_metrics_collection=1 to have Ray's too.
+            os.environ.setdefault("RAY_enable_metrics_collection", "0")
+            _private_ray_token()  # ~/.ray made 0700 before Ray writes a new token into it
             needed = sum(p.replicas * p.num_cpus * p.tensor_parallel_size for p in config.pools().values()) + 1
             kwargs = {"namespace": NAMESPACE, "include_dashboard": False, "log_to_driver": True}
             if address:
@@ -92,6 +97,7 @@ class Cluster:
                 # later `--address auto` find them there through RAY_TMPDIR.
                 os.environ["RAY_TMPDIR"] = private_ray_root()
                 ray.init(num_cpus=max(4 * int(needed), os.cpu_count() or 1), **kwargs)
+            _private_ray_token()  # Ray writes ~/.ray/auth_token 0644
         engine = config.engine_config(detokenize=False)  # workers stream ids; text is the client's
         keys = CurveKeys.generate() if config.transfer.tokens_encrypted() else None
         settings = SchedulerSettings(
@@ -268,6 +274,24 @@ def private_ray_root() -> str:
         raise ValueError(f"{path} is not a directory of this user's: remove it, or start Ray yourself and use --address")
     path.chmod(0o700)
     return str(path)
+
+
+def _private_ray_token() -> None:
+    """Ray's default token file (~/.ray/auth_token, which `ray.init` writes 0644 in a 0755 directory when it
+    makes a token) and its directory made this user's alone; a token of another path is the user's to keep.
+    Anyone who reads the token can run code in the cluster."""
+    directory = Path.home() / ".ray"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    if directory.lstat().st_uid != os.getuid() or not directory.is_dir() or directory.is_symlink():
+        raise ValueError(f"{directory} is not a directory of this user's: remove it, or set RAY_AUTH_TOKEN_PATH")
+    directory.chmod(0o700)
+    token = directory / "auth_token"
+    try:
+        info = token.lstat()
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
+        token.chmod(0o600)
 
 
 def worker_index(worker_id: str) -> int:

@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prof.add_argument("--base", default=None, help="with --from-server: the profile JSON to refit")
     prof.add_argument("--role", default=None, choices=["prefill", "decode", "colocated"],
                       help="with --from-server: fit on this pool's workers only")
-    prof.add_argument("--admin-key", default=None, help="with --from-server: ingress.admin_key, if set")
+    prof.add_argument("--admin-key", default=None, help="with --from-server: ingress.admin_key, if set (default: the key a local server generated, ~/.cache/tandem/admin_key)")
     prof.add_argument("--out", required=True, help="profile JSON to write")
     prof.set_defaults(func=_profile, smoke={"model": "builtin:tiny-llama", "repeats": 1})
 

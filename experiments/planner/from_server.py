@@ -14,11 +14,14 @@ import httpx
 from actors.worker.step_log import FIELDS, StepRecord
 from cluster.control.capacity.fit import refit
 from cluster.control.capacity.profile import EngineProfile
+from cluster.frontend.admin_key import read_generated_key
 
 
 def fetch_steps(url: str, admin_key: str | None = None, role: str | None = None,
                 timeout_s: float = 60.0) -> list[StepRecord]:
-    """Every worker's logged steps (of `role` only, if given)."""
+    """Every worker's logged steps (of `role` only, if given). `admin_key`: the server's; None: the key a local
+    server with no ingress.admin_key generated (cluster/frontend/admin_key.py)."""
+    admin_key = admin_key or read_generated_key()
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     r = httpx.get(url.rstrip("/") + "/admin/steps", headers=headers, timeout=timeout_s)
     if r.status_code != 200:

@@ -3,17 +3,18 @@
 --from-server` to fit the cost model on).
 
 Who may call them is checked by the body guard (body_guard.py) with `AdminAccess.check`, from the headers
-and the peer before any byte of the body is read; the body then has the same size limit as any other.
-Guarded by `ingress.admin_key` (a bearer token) when set. Without one, only clients on this machine
-(loopback) may call them, and only when the ingress itself binds loopback: bound to a routable address,
-a same-host proxy would make every client look local. The client is the TCP peer; X-Forwarded-For
-counts only from `ingress.trusted_proxies` (the server is built that way).
+before any byte of the body is read; the body then has the same size limit as any other. They always need
+`Authorization: Bearer <key>`: `ingress.admin_key` (or `admin_key_file`), or, with neither, the key this
+user's ingress generates at start in ~/.cache/tandem/admin_key (0600 in a 0700 directory; admin_key.py),
+which `tandem scale` and `tandem plan profile --from-server` read. No client address counts: on loopback
+every local user looks the same.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 
 from dataclasses import dataclass
 
@@ -23,10 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from actors.worker.step_log import FIELDS as STEP_FIELDS
 from cluster.control.launch import Cluster, role_of
 from cluster.control.scaling import ResizeInProgress, scale
+from cluster.frontend.admin_key import ensure_generated_key, generated_key_path
 from cluster.frontend.http.body_guard import admitted_admin
 from cluster.frontend.http.protocol import ApiError
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+log = logging.getLogger("tandem.admin")
 STEPS_TIMEOUT_S = 30.0
 
 
@@ -39,22 +42,23 @@ class ScaleRequest(BaseModel):
 
 @dataclass(frozen=True)
 class AdminAccess:
+    """`admin_key`: the configured key; None: this user's generated one (made now if there is none).
+    `bind_host`: where the ingress listens (named in the start log line)."""
     admin_key: str | None
     bind_host: str
 
-    def check(self, authorization: str | None, client: str | None) -> None:
-        """Raises the 401/403 to answer; `client`: the peer's address (a trusted proxy's forwarded one)."""
+    def __post_init__(self) -> None:
         if self.admin_key is None:
-            if self.bind_host not in LOOPBACK:
-                raise ApiError(403, "admin endpoints need ingress.admin_key on an ingress that does not bind loopback",
-                               None, "permission_error")
-            if client is None or client not in LOOPBACK:
-                raise ApiError(403, "admin endpoints answer only local clients unless ingress.admin_key is set", None,
-                               "permission_error")
-            return
-        sent = (authorization or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(sent.encode(), self.admin_key.encode()):
-            raise ApiError(401, "a valid admin key is required", None, "authentication_error")
+            object.__setattr__(self, "admin_key", ensure_generated_key())
+            log.info("admin routes of the ingress on %s need the generated admin key in %s (no ingress.admin_key "
+                     "set; tandem scale reads it there)", self.bind_host, generated_key_path())
+
+    def check(self, authorization: str | None, client: str | None) -> None:
+        """Raises the 401 to answer; `client` (the peer's address) does not count: see the module docstring."""
+        scheme, _, sent = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent.strip().encode(), self.admin_key.encode()):
+            raise ApiError(401, "admin endpoints need Authorization: Bearer <admin key> (ingress.admin_key, or the "
+                           "key the server generated in ~/.cache/tandem/admin_key)", None, "authentication_error")
 
 
 def add_admin_routes(app: FastAPI, cluster: Cluster) -> None:

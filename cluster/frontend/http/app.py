@@ -155,6 +155,9 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
                                                      req.add_special_tokens is not False)
         max_tokens = ingress.model.fit_max_tokens(max_tokens, max(len(p) for p in prompts))
         params = req.sampling_params(max_tokens, req.logprobs, req.wanted_prompt_logprobs(), structured)
+        entries = responses.check_logprob_entries(
+            ingress.model.caps.max_response_logprobs, [len(p) for p in prompts], req.n,
+            0 if req.scores_only else max_tokens, req.logprobs, req.prompt_logprobs, req.echo and req.logprobs is not None)
         opened = await ingress.open_all(prompts, params, tenant, req.timeout, req.user, arrival)
         rid = f"cmpl-{uuid.uuid4().hex}"
         echo_texts = [ingress.model.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
@@ -162,16 +165,21 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
             return sse(completion_chunks(ingress, opened, rid, req, echo_texts, arrival),
                         lambda: [ingress.finish(st, arrival) for st in opened])
         await run_unless_disconnected(request, ingress, opened, arrival)
-        choices, completion_tokens, cached = [], 0, 0
-        for i, stream in enumerate(opened):
+        completion_tokens, cached = 0, 0
+        for stream in opened:
             for r in stream.results:
                 raise_if_failed(r, stream.own_deadline)
-                choices.append(responses.completion_choice(ingress.model.tokenizer, req, i * req.n + r.index, echo_texts[i],
-                                                           stream.prompt_token_ids, stream.results[0], r))
                 completion_tokens += 0 if req.scores_only else len(r.token_ids)
             cached += stream.results[0].num_cached_tokens
         usage = ingress.usage(sum(len(p) for p in prompts), completion_tokens, cached)
-        return responses.completion_body(rid, ingress.model.name, choices, usage)
+
+        def body() -> dict:
+            pieces = responses.PieceCache(ingress.model.tokenizer)
+            choices = [responses.completion_choice(pieces, req, i * req.n + r.index, echo_texts[i],
+                                                   stream.prompt_token_ids, stream.results[0], r)
+                       for i, stream in enumerate(opened) for r in stream.results]
+            return responses.completion_body(rid, ingress.model.name, choices, usage)
+        return await responses.json_response(body, entries)
 
     @app.post("/v1/chat/completions", response_model=None,
               responses=documented(ChatCompletionResponse, 400, 401, 404, 408, 413, 429, 500, 503, 504, streams=True))
@@ -180,24 +188,29 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
         tenant = tenant_of(request)
         chat = await prepare_chat(ingress, req)
         prompt, calls = chat.prompt, chat.calls
+        entries = responses.check_logprob_entries(ingress.model.caps.max_response_logprobs, [len(prompt)], req.n,
+                                                  chat.params.max_tokens, chat.params.logprobs, req.prompt_logprobs,
+                                                  echo_logprobs=False)
         (stream,) = await ingress.open_all([prompt], chat.params, tenant, req.timeout, req.user, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return sse(chat_chunks(ingress, stream, rid, req, arrival, calls),
                         lambda: ingress.finish(stream, arrival))
         await run_unless_disconnected(request, ingress, [stream], arrival)
-        choices = []
         for r in stream.results:
             raise_if_failed(r, stream.own_deadline)
-            lp = responses.chat_logprobs(ingress.model.tokenizer, r.logprobs, req.return_tokens_as_token_ids) \
-                if req.logprobs else None
-            message, finish = responses.chat_message(r.text, r.finish_reason, calls)
-            choices.append({"index": r.index, "message": message, "logprobs": lp, "finish_reason": finish})
-            if req.prompt_logprobs is not None:
-                choices[-1]["prompt_logprobs"] = responses.vllm_prompt_logprobs(ingress.model.tokenizer,
-                                                                                stream.results[0].prompt_logprobs)
         usage = ingress.usage(len(prompt), sum(len(r.token_ids) for r in stream.results), stream.results[0].num_cached_tokens)
-        return responses.chat_body(rid, ingress.model.name, choices, usage, chunk=False)
+
+        def body() -> dict:
+            pieces, choices = responses.PieceCache(ingress.model.tokenizer), []
+            for r in stream.results:
+                lp = responses.chat_logprobs(pieces, r.logprobs, req.return_tokens_as_token_ids) if req.logprobs else None
+                message, finish = responses.chat_message(r.text, r.finish_reason, calls)
+                choices.append({"index": r.index, "message": message, "logprobs": lp, "finish_reason": finish})
+                if req.prompt_logprobs is not None:
+                    choices[-1]["prompt_logprobs"] = responses.vllm_prompt_logprobs(pieces, stream.results[0].prompt_logprobs)
+            return responses.chat_body(rid, ingress.model.name, choices, usage, chunk=False)
+        return await responses.json_response(body, entries)
 
     return app
 

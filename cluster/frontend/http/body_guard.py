@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextvars import ContextVar
 from typing import Awaitable, Callable
 
 from cluster.control.config import IngressSection
@@ -27,6 +28,9 @@ AdminCheck = Callable[[str | None, str | None], None]
 
 API_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")  # the routes that serve the model
 ADMIN_PREFIX = "/admin/"
+# The tenant the guard authenticated this request as, for code that has no `request` (a compile's slot,
+# served_model.py): set in the request's own task before the route runs, so it reads the same.
+current_tenant: ContextVar[str | None] = ContextVar("tenant", default=None)
 
 
 class BodyGuard:
@@ -70,6 +74,7 @@ class BodyGuard:
             state["admin"] = True
         elif path.startswith(API_PREFIXES):
             state["tenant"] = self.gate.authenticate(authorization)
+            current_tenant.set(state["tenant"])
 
     async def _read(self, receive: Receive) -> tuple[bytes, bool]:
         """The whole body, counted as it arrives; `more` is False when the client left mid-body."""

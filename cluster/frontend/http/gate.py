@@ -24,15 +24,16 @@ class TenantLimits:
     kv_share: float | None = None  # of the pool's KV and admission queue; None: no limit
 
 
-def tenant_limits(sections: dict, default_tokens_per_minute: float | None) -> dict[str, TenantLimits]:
-    """API key -> limits, from the config's tenant sections: unset token rates take the default, unset
-    KV shares are equal shares (a lone tenant has no KV limit)."""
+def tenant_limits(sections: dict, default_tokens_per_minute: float | None,
+                  default_max_concurrency: int | None = None) -> dict[str, TenantLimits]:
+    """API key -> limits, from the config's tenant sections: unset token rates and concurrency quotas take
+    the defaults, unset KV shares are equal shares (a lone tenant has no KV limit)."""
     equal_share = 1.0 / max(1, len({t.tenant for t in sections.values()}))
     limits = {}
     for key, t in sections.items():
         share = t.kv_share if t.kv_share is not None else equal_share
         limits[key] = TenantLimits(t.tenant, t.requests_per_minute, t.tokens_per_minute or default_tokens_per_minute,
-                                   t.max_concurrency, share if share < 1.0 else None)
+                                   t.max_concurrency or default_max_concurrency, share if share < 1.0 else None)
     return limits
 
 

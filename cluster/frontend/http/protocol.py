@@ -40,6 +40,8 @@ class RequestCaps:
     max_logit_bias: int = 1024
     default_max_tokens: int = 1024  # a chat request that sets none (bounded by the rest of the context)
     accept_unknown_fields: bool = False
+    max_allowed_token_ids: int = 4096
+    max_response_logprobs: int = 1_000_000  # (scored prompt tokens + generated) x n x (1 + top): responses.py
 
 
 # What the OpenAPI document says of the request and parameter objects below: no other field (they keep
@@ -152,11 +154,16 @@ class _Common(BaseModel):
             raise ApiError(400, f"stop has {len(stop)} strings; at most {limits.max_stop_strings} are allowed", "stop")
         if any(len(s) > limits.max_stop_chars for s in stop):
             raise ApiError(400, f"every stop string must be at most {limits.max_stop_chars} characters", "stop")
-        if len(self.stop_token_ids or ()) > limits.max_stop_strings:
-            raise ApiError(400, f"stop_token_ids has more than {limits.max_stop_strings} ids", "stop_token_ids")
-        if len(self.logit_bias or {}) > limits.max_logit_bias:
-            raise ApiError(400, f"logit_bias has {len(self.logit_bias)} entries; at most {limits.max_logit_bias} "
-                           "are allowed", "logit_bias")
+        # Every list-valued sampling field is capped here, before any of it is looked at (the engine walks
+        # them per request, some per step): stop, stop_token_ids, logit_bias, allowed_token_ids.
+        for name, count, cap, key in (
+            ("stop_token_ids", len(self.stop_token_ids or ()), limits.max_stop_strings, "max_stop_strings"),
+            ("logit_bias", len(self.logit_bias or {}), limits.max_logit_bias, "max_logit_bias"),
+            ("allowed_token_ids", len(self.allowed_token_ids or ()), limits.max_allowed_token_ids,
+             "max_allowed_token_ids"),
+        ):
+            if count > cap:
+                raise ApiError(400, f"{name} has {count} entries; at most {cap} are allowed (ingress.{key})", name)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
                         structured: StructuredOutput | None = None) -> SamplingParams:

@@ -7,17 +7,15 @@ spec that does not compile is a 400 naming its field.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import threading
 
 from actors.engine.structured import GrammarError, Grammars
 from actors.protocol.structured_output import COMPILE_BUDGET_S, StructuredOutput
+from cluster.frontend.http.body_guard import current_tenant
 from cluster.frontend.http.chat_template import TemplateOptions, render, template_variables
+from cluster.frontend.http.compile_slots import CompileSlots, CompileSlotsBusy
 from cluster.frontend.http.fields import check_fields
 from cluster.frontend.http.protocol import ApiError, RequestCaps
-
-# Grammars compile on threads of their own (xgrammar releases the GIL), two at a time: a flood of slow
-# specs waits here, never in the event loop's default pool that tokenizing and templating use.
-_COMPILES = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check")
 
 
 class ServedModel:
@@ -31,6 +29,10 @@ class ServedModel:
         self.chat_template = chat_template  # None: the model's own
         self.tool_call_parser = tool_call_parser
         self._grammars: Grammars | None = None  # compiles structured outputs to check them (made on first use)
+        self._grammars_made = threading.Lock()
+        # Grammars compile on threads of their own (xgrammar releases the GIL), a few per tenant at a time:
+        # a flood of slow specs waits there, never in the event loop's default pool that tokenizing uses.
+        self.compiles = CompileSlots()
         self.template_variables = template_variables(chat_template or getattr(tokenizer, "chat_template", None))
         self.max_prompt_chars = _max_chars(tokenizer, max_model_len)
 
@@ -99,26 +101,35 @@ class ServedModel:
             return None
         return await self.check_structured(*asked)
 
-    async def check_structured(self, spec: StructuredOutput, param: str) -> StructuredOutput:
-        """Compile `spec` on the compile thread, within the budget; a 400 naming `param` when it is too large,
-        does not compile, or takes longer (that compile goes on, unseen, and is cached when it ends)."""
+    async def check_structured(self, spec: StructuredOutput, param: str, tenant: str | None = None) -> StructuredOutput:
+        """Compile `spec` on a compile thread of the tenant's (default: the one the request authenticated as),
+        within the budget; a 400 naming `param` when it is too large, does not compile, or takes longer (that
+        compile goes on, unseen, holding its tenant's slot, and is cached when it ends); a 429 when the
+        tenant's earlier compiles still hold every slot."""
         problem = spec.size_problem()
         if problem is not None:  # before any thread is taken
             raise ApiError(400, f"{param}: {problem}", param)
-        loop = asyncio.get_running_loop()
-        if self._grammars is None:
-            made = await loop.run_in_executor(_COMPILES, Grammars, self.tokenizer, self.vocab_size)
-            self._grammars = self._grammars or made  # another request may have made one meanwhile
-        compiling = loop.run_in_executor(_COMPILES, self._grammars.compile, spec)
-        compiling.add_done_callback(lambda done: done.cancelled() or done.exception())  # seen, if left behind
+        if self._grammars is not None and self._grammars.ready(spec):
+            return spec  # compiled before: no thread, no slot
+        tenant = tenant if tenant is not None else current_tenant.get()
         try:
-            await asyncio.wait_for(asyncio.shield(compiling), COMPILE_BUDGET_S)
+            await self.compiles.run(tenant, lambda: self._grammar_compiler().compile(spec), COMPILE_BUDGET_S)
         except GrammarError as exc:
             raise ApiError(400, f"{param}: {exc}", param) from None
         except asyncio.TimeoutError:
             raise ApiError(400, f"{param}: the {spec.kind} did not compile within {COMPILE_BUDGET_S:g} s; "
                            "make it smaller", param) from None
+        except CompileSlotsBusy as busy:
+            raise ApiError(429, f"{param}: {busy}; retry when they end", param, "rate_limit_error",
+                           headers={"Retry-After": str(int(COMPILE_BUDGET_S))}) from None
         return spec
+
+    def _grammar_compiler(self) -> Grammars:
+        """The ingress's compiler, made on first use (a compile thread: it reads the whole vocabulary)."""
+        with self._grammars_made:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab_size)
+            return self._grammars
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 from pathlib import Path
 
 import uvicorn
@@ -12,8 +13,10 @@ from cluster.control.launch import Cluster
 from cluster.frontend.http.admin import LOOPBACK, AdminAccess, add_admin_routes
 from cluster.frontend.http.autoscaler_metrics import AutoscalerCollector
 from cluster.frontend.http.app import create_app
+from cluster.frontend.http.connection_table import ConnectionCollector, ConnectionTable
 from cluster.frontend.http.connections import guarded_h11
 from cluster.frontend.http.gate import Gate, tenant_limits
+from cluster.frontend.http.protocol import ApiError
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.served_model import ServedModel
 from cluster.frontend.http.protocol import RequestCaps
@@ -46,9 +49,10 @@ def build_ingress(cluster: Cluster, host: str = "127.0.0.1", ingress: IngressSec
     max_len = config.model.max_model_len or hf["max_position_embeddings"]
     i = ingress or config.ingress
     tenants = check_exposure(i, host)
-    gate = Gate(tenant_limits(tenants, i.default_tokens_per_minute))
+    gate = Gate(tenant_limits(tenants, i.default_tokens_per_minute, i.default_max_concurrency))
     caps = RequestCaps(i.max_n, i.max_prompts, i.max_sequences, i.max_stop_strings, i.max_stop_chars, i.max_logit_bias,
-                       i.default_max_tokens, i.unknown_fields == "accept")
+                       i.default_max_tokens, i.unknown_fields == "accept", i.max_allowed_token_ids,
+                       i.max_response_logprobs)
     template = None
     if i.chat_template is not None:
         try:
@@ -75,7 +79,32 @@ def make_server(cluster: Cluster, host: str, port: int, ingress: IngressSection 
     # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: behind a same-host proxy every client
     # would then be whatever address it claims. Only the configured proxies are believed.
     trusted = ingress.trusted_proxies
-    protocol = guarded_h11(ingress.header_timeout_s, ingress.max_connections_per_client)
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                         proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
-                                         http=protocol, timeout_keep_alive=ingress.keep_alive_timeout_s))
+    table = connection_table(ingress, keyed=bool(ingress.tenants()))
+    front.metrics.registry.register(ConnectionCollector(table))
+    protocol = guarded_h11(ingress.header_timeout_s, table, lambda header: _valid_key(front.gate, header))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                           proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
+                                           http=protocol, timeout_keep_alive=ingress.keep_alive_timeout_s))
+    server.connection_table = table  # for check_integrity() in tests; its counts are on /metrics
+    return server
+
+
+def connection_table(ingress: IngressSection, keyed: bool) -> ConnectionTable:
+    """The ingress's connection limits. `max_connections` stays below the process's open-file limit, leaving
+    a quarter of it (up to 1,024) for the sockets to the cluster and files: past the limit `accept` fails
+    and uvicorn cannot even refuse. Without API keys nobody can show one, so nothing is reserved."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    max_open = ingress.max_connections
+    if soft != resource.RLIM_INFINITY:
+        max_open = max(1, min(max_open, soft - min(1024, soft // 4)))
+    reserve = min(ingress.keyed_connection_reserve, max_open // 2) if keyed else 0
+    return ConnectionTable(max_open, reserve, ingress.max_connections_per_client)
+
+
+def _valid_key(gate: Gate, authorization: bytes | None) -> bool:
+    if authorization is None:
+        return False
+    try:
+        return gate.authenticate(authorization.decode("latin-1")) is not None
+    except ApiError:
+        return False

@@ -14,6 +14,12 @@ from experiments.planner.from_server import fetch_steps
 from tests.helpers.cluster import load
 from tests.helpers.http_server import MODEL, serving
 
+def _generated_key() -> dict[str, str]:
+    from cluster.frontend.admin_key import read_generated_key
+
+    return {"Authorization": f"Bearer {read_generated_key()}"}
+
+
 PROMPTS = [f"step log prompt {i} " * (20 + 10 * i) for i in range(4)]
 
 
@@ -32,7 +38,7 @@ def test_the_workers_steps_come_back_by_role_and_fit(served):
         out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.0,
                                         extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 12
-    body = httpx.get(url + "/admin/steps", timeout=60).json()
+    body = httpx.get(url + "/admin/steps", headers=_generated_key(), timeout=60).json()
     roles = {w["worker_id"]: w["role"] for w in body["workers"]}
     assert sorted(roles.values()) == ["decode", "prefill"], body
     prefill, decode = fetch_steps(url, role="prefill"), fetch_steps(url, role="decode")
@@ -50,8 +56,9 @@ def test_the_workers_steps_come_back_by_role_and_fit(served):
 
 def test_steps_are_an_admin_route(served):
     cluster, url = served
-    local = httpx.get(url + "/admin/steps", headers={"X-Forwarded-For": "203.0.113.9"}, timeout=30)
-    assert local.status_code == 200  # no key: loopback peers only, and with no trusted proxy the header does not count
+    local = httpx.get(url + "/admin/steps", timeout=30)
+    assert local.status_code == 401  # no key configured: the generated one is needed, from loopback too
+    assert httpx.get(url + "/admin/steps", headers=_generated_key(), timeout=30).status_code == 200
     original = cluster.config
     try:
         cluster.config = original.model_copy(update={"ingress": original.ingress.model_copy(update={"admin_key": "k3y"})})
