@@ -225,7 +225,8 @@ class IngressSection(_Strict):
     port: int = Field(8000, gt=0, lt=65536, description="HTTP port")
     served_model_name: str | None = Field(None, description="the `model` clients send; null: the model directory's name")
     chat_template: str | None = Field(None, description="a Jinja chat template file used instead of the model's "
-                                      "(e.g. chat_templates/chatml-tools.jinja for tools on a ChatML model)")
+                                      "(e.g. chat_templates/chatml-tools.jinja for tools on a ChatML model); a "
+                                      "relative path is looked up from the working directory, then from tandem's")
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None, description="how tool calls are read back from the model's answer (tool_choice auto needs one)")
     max_n: int = Field(16, gt=0, description="largest `n` a request may ask for")
