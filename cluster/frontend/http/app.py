@@ -25,6 +25,7 @@ from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.lifecycle import ClientGone, raise_if_failed, run_unless_disconnected
 from cluster.frontend.http.openapi import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList, documented
 from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from cluster.frontend.http.request_hints import hints_of
 from cluster.frontend.http.responses_api import add_responses_route
 from cluster.frontend.http.streaming import chat_chunks, completion_chunks, sse
 from cluster.frontend.http.token_routes import add_token_routes
@@ -155,7 +156,7 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
                                                      req.add_special_tokens is not False)
         max_tokens = ingress.model.fit_max_tokens(max_tokens, max(len(p) for p in prompts))
         params = req.sampling_params(max_tokens, req.logprobs, req.wanted_prompt_logprobs(), structured)
-        opened = await ingress.open_all(prompts, params, tenant, req.timeout, req.user, arrival)
+        opened = await ingress.open_all(prompts, params, tenant, req.timeout, hints_of(req), arrival)
         rid = f"cmpl-{uuid.uuid4().hex}"
         echo_texts = [ingress.model.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         if req.stream:
@@ -180,7 +181,7 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
         tenant = tenant_of(request)
         chat = await prepare_chat(ingress, req)
         prompt, calls = chat.prompt, chat.calls
-        (stream,) = await ingress.open_all([prompt], chat.params, tenant, req.timeout, req.user, arrival)
+        (stream,) = await ingress.open_all([prompt], chat.params, tenant, req.timeout, hints_of(req), arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return sse(chat_chunks(ingress, stream, rid, req, arrival, calls),

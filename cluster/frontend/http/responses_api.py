@@ -22,6 +22,7 @@ from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.lifecycle import raise_if_failed, run_unless_disconnected
 from cluster.frontend.http.openapi import ResponseObject, documented
 from cluster.frontend.http.protocol import ApiError
+from cluster.frontend.http.request_hints import hints_of
 from cluster.frontend.http.responses_output import ResponseOutput
 from cluster.frontend.http.responses_request import ResponsesRequest, as_chat, renamed
 from cluster.frontend.http.tool_calls import CallReader
@@ -35,7 +36,9 @@ def _response(rid: str, req: ResponsesRequest, model: str, status: str, output: 
     return {"id": rid, "object": "response", "created_at": int(time.time()), "status": status, "model": model,
             "output": output, "output_text": text, "error": None, "incomplete_details": None, "usage": usage,
             "parallel_tool_calls": req.parallel_tool_calls is not False, "tool_choice": req.tool_choice or
-            ("auto" if req.tools else "none"), "tools": req.tools or []}
+            ("auto" if req.tools else "none"), "tools": req.tools or [], "metadata": req.metadata or {},
+            "service_tier": "default" if req.service_tier in (None, "auto") else req.service_tier,
+            "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key, "user": req.user}
 
 
 def _finished(rid: str, req: ResponsesRequest, model: str, result, output: ResponseOutput, usage: dict) -> dict:
@@ -62,7 +65,7 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
         tenant = tenant_of(request)
         try:  # the chat request's checks, its errors naming this request's fields
             chat = await prepare_chat(ingress, as_chat(req, ingress.model.caps.accept_unknown_fields))
-            (stream,) = await ingress.open_all([chat.prompt], chat.params, tenant, user=req.user, arrival=arrival)
+            (stream,) = await ingress.open_all([chat.prompt], chat.params, tenant, hints=hints_of(req), arrival=arrival)
         except ApiError as exc:
             raise renamed(exc) from None
         rid = f"resp_{uuid.uuid4().hex}"

@@ -9,16 +9,21 @@ which join the assistant message before them as chat's `tool_calls`; `function_c
 call's result, which become chat's `tool` messages), `instructions` (the system message),
 `max_output_tokens`, `temperature`, `top_p`, `seed`, `stream`, `text.format` (text, json_object,
 json_schema with the keys chat's response_format takes: name, description, schema, strict), `user`,
+`safety_identifier`, `metadata` (returned on the response), `service_tier`, `prompt_cache_key` (as chat
+takes them: request_hints.py), `reasoning.effort` and `text.verbosity` (chat's reasoning_effort and
+verbosity, for templates that read them),
 function `tools` (`name`, `description`, `parameters`, `strict`) with `tool_choice` (none, auto,
 required, or `{"type": "function", "name": ...}`) and `parallel_tool_calls`, as chat's. An output item of
 an earlier response, given back as input (the SDK's `input += response.output`), carries `id` and
 `status`, and its text parts `annotations` and `logprobs`: they describe that output and ask nothing of
 this one, so they pass. Refused by name: what the API defines and this server does not do: hosted tools
-(web search, file search, ...), stored responses and conversations, reasoning, other item and part
+(web search, file search, ...), stored responses and conversations, reasoning summaries, other item and part
 types, and the rest of `REFUSED`.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -42,6 +47,12 @@ class ResponsesRequest(BaseModel):
     tools: list[dict] | None = Field(None, max_length=128)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
+    # who the request is for and how to admit and route it, as on chat (request_hints.py)
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = Field(None, max_length=64)
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    prompt_cache_key: str | None = Field(None, max_length=256)
+    reasoning: dict | None = None  # {"effort": ...}: chat's reasoning_effort, for templates that read it
     # declared for the API's schema, refused unless empty or false (`_NOT_HERE`)
     previous_response_id: str | None = None
     store: bool | None = None
@@ -54,8 +65,7 @@ _NOT_HERE = ("previous_response_id", "store", "background")
 
 # Undeclared fields of OpenAI's Responses API this server does not honour -> their neutral values.
 REFUSED: dict[str, tuple] = {
-    **{name: fields.REFUSED[name] for name in ("metadata", "service_tier", "prompt_cache_key", "safety_identifier")},
-    "include": ([],), "reasoning": (), "truncation": ("disabled",), "conversation": (), "prompt": (),
+    "include": ([],), "truncation": ("disabled",), "conversation": (), "prompt": (),
     "max_tool_calls": (), "top_logprobs": (0,),
     "stream_options": ({}, {"include_obfuscation": False}),  # the stream is never obfuscated
     "prompt_cache_retention": (),
@@ -72,7 +82,8 @@ TOOL_KEYS: dict[str, tuple | None] = {"type": None, "name": None, "description":
                                       "strict": None}
 PART_KEYS: dict[str, tuple | None] = {"type": None, "text": None, "annotations": None, "logprobs": None,
                                       "prompt_cache_breakpoint": ()}
-TEXT_KEYS: dict[str, tuple | None] = {"format": None, "verbosity": ("medium",)}
+TEXT_KEYS: dict[str, tuple | None] = {"format": None, "verbosity": None}
+REASONING_KEYS: dict[str, tuple | None] = {"effort": None, "summary": (), "generate_summary": ()}
 FORMAT_KEYS: dict[str, dict[str, tuple | None]] = {  # by the format's type
     "text": {"type": None},
     "json_object": {"type": None},
@@ -82,7 +93,8 @@ ROLES = ("user", "assistant", "system", "developer")
 ITEM_STATUSES = ("in_progress", "completed", "incomplete")
 TEXT_PARTS = ("input_text", "output_text", "text")  # "text": chat's spelling, accepted here too
 # A chat parameter named in an error -> the Responses field that set it.
-_CHAT_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+_CHAT_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
+               "reasoning_effort": "reasoning.effort", "verbosity": "text.verbosity"}
 
 
 def as_chat(req: ResponsesRequest, accept_unknown: bool) -> ChatCompletionRequest:
@@ -99,12 +111,15 @@ def as_chat(req: ResponsesRequest, accept_unknown: bool) -> ChatCompletionReques
     response_format = _response_format(req.text, unknown)
     tools = [_chat_tool(tool, f"tools[{i}]", unknown) for i, tool in enumerate(req.tools or ())] or None
     tool_choice = _chat_tool_choice(req.tool_choice)
+    effort = _choice(req.reasoning, "reasoning", REASONING_KEYS, "effort", EFFORTS, unknown)
+    verbosity = _choice(req.text, "text", TEXT_KEYS, "verbosity", VERBOSITIES, unknown)
     check_fields(req, accept_unknown, REFUSED, unknown)
     try:
         return ChatCompletionRequest(model=req.model, messages=messages, max_tokens=req.max_output_tokens,
                                      temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                      response_format=response_format, user=req.user, tools=tools,
-                                     tool_choice=tool_choice, parallel_tool_calls=req.parallel_tool_calls)
+                                     tool_choice=tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+                                     reasoning_effort=effort, verbosity=verbosity)
     except ValueError as exc:
         raise ApiError(400, f"input: {exc.errors()[0]['msg'] if hasattr(exc, 'errors') else exc}", "input") from None
 
@@ -171,6 +186,22 @@ def _chat_tool(tool, where: str, unknown: list[str]) -> dict:
             raise ApiError(400, f"{where}.{key} must be {said}", f"{where}.{key}")
     function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None}
     return {"type": "function", "function": function}
+
+
+EFFORTS = ("minimal", "low", "medium", "high")
+VERBOSITIES = ("low", "medium", "high")
+
+
+def _choice(obj: dict | None, where: str, keys: dict, key: str, allowed: tuple, unknown: list[str]) -> str | None:
+    """`obj[key]`, one of `allowed` (the object's other keys checked against `keys`)."""
+    if obj is None:
+        return None
+    if where == "reasoning":  # `text` has its keys checked with its format
+        _check_keys(obj, where, keys, unknown)
+    value = obj.get(key)
+    if value is not None and value not in allowed:
+        raise ApiError(400, f"{where}.{key} must be one of {', '.join(allowed)}", f"{where}.{key}")
+    return value
 
 
 def _chat_tool_choice(choice):
