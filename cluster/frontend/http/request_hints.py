@@ -20,13 +20,17 @@ class AdmissionHints:
     user: str | None = None
     safety_identifier: str | None = None
     metadata: dict | None = None
+    service_tier: str | None = None
     priority: int = 0
     affinity: str | None = None
 
     @property
     def labels(self) -> dict:
-        """The usage record's fields for who the request is for (those it set)."""
-        named = {"user": self.user, "safety_identifier": self.safety_identifier, "metadata": self.metadata}
+        """The usage record's fields (those the request set): who it is for, and how it was admitted and
+        routed (a bill may depend on the tier, as OpenAI's does)."""
+        named = {"user": self.user, "safety_identifier": self.safety_identifier, "metadata": self.metadata,
+                 "service_tier": self.service_tier, "priority": self.priority or None,
+                 "prompt_cache_key": self.affinity}
         return {k: v for k, v in named.items() if v is not None}
 
 
@@ -37,7 +41,8 @@ def hints_of(req) -> AdmissionHints:
     if tier is not None and priority:
         raise ApiError(400, "service_tier and priority both order admission: set one", "priority")
     return AdmissionHints(req.user, getattr(req, "safety_identifier", None), check_metadata(getattr(req, "metadata", None)),
-                          TIER_PRIORITY[tier] if tier is not None else priority, getattr(req, "prompt_cache_key", None))
+                          tier, TIER_PRIORITY[tier] if tier is not None else priority,
+                          getattr(req, "prompt_cache_key", None))
 
 
 def check_metadata(metadata: dict | None) -> dict | None:

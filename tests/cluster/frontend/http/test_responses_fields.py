@@ -20,6 +20,7 @@ from cluster.frontend.http.responses_request import (
     FORMAT_KEYS,
     ITEM_KEYS,
     PART_KEYS,
+    REASONING_KEYS,
     REFUSED,
     TEXT_KEYS,
     ResponsesRequest,
@@ -150,6 +151,15 @@ FIELDS = {
     "store": lambda api, _: api.refused("store", store=True) and api.call(store=False).status == "incomplete",
     "background": lambda api, _: api.refused("background", background=True),
     "user": lambda api, caplog: api.logged(caplog, '"user": "end-user-7"', user="end-user-7"),
+    "safety_identifier": lambda api, caplog: api.logged(caplog, '"safety_identifier": "hash-7"',
+                                                        safety_identifier="hash-7"),
+    "metadata": lambda api, caplog: api.call(metadata={"run": "7"}).metadata == {"run": "7"} and api.logged(
+        caplog, '"metadata": {"run": "7"}', metadata={"run": "7"}),
+    "service_tier": lambda api, caplog: api.call(service_tier="flex").service_tier == "flex" and api.logged(
+        caplog, '"service_tier": "flex"', service_tier="flex"),
+    "prompt_cache_key": lambda api, caplog: api.logged(caplog, '"prompt_cache_key": "conv-7"',
+                                                       prompt_cache_key="conv-7"),
+    "reasoning": lambda api, _: REASONING["effort"](api),
 }
 ITEMS = {
     "type": lambda api: api.input_tokens(input=[{"type": "message", "role": "user", "content": ASK}])
@@ -174,8 +184,14 @@ PARTS = {
 }
 TEXT = {
     "format": lambda api: _schema_holds(api) and api.text(text=_format("text")) == api.text(),
-    "verbosity": lambda api: api.text(text={"verbosity": "medium"}) == api.text() and api.refused(
-        "text.verbosity", text={"verbosity": "high"}),
+    "verbosity": lambda api: api.refused("text.verbosity", text={"verbosity": "high"}),  # as reasoning.effort
+}
+REASONING = {
+    # a template variable this model's template never reads (test_template_fields.py: one that does)
+    "effort": lambda api: api.refused("reasoning.effort", reasoning={"effort": "low"}) and api.refused(
+        "reasoning.effort", reasoning={"effort": "extreme"}),
+    "summary": lambda api: api.refused("reasoning.summary", reasoning={"summary": "auto"}),
+    "generate_summary": lambda api: api.refused("reasoning.generate_summary", reasoning={"generate_summary": "auto"}),
 }
 FORMATS = {
     "type": lambda api: api.text(max_output_tokens=3, text=_format("json_object")).startswith("{") and not api.text(
@@ -197,7 +213,7 @@ def test_every_field_and_key_has_a_decision():
     """A field added to the request model, or a key to a table of responses_request.py, must get a row here."""
     assert set(ResponsesRequest.model_fields) == set(FIELDS)
     assert set(ITEM_KEYS) == set(ITEMS) and set(PART_KEYS) == set(PARTS) and set(TEXT_KEYS) == set(TEXT)
-    assert set().union(*FORMAT_KEYS.values()) == set(FORMATS)
+    assert set().union(*FORMAT_KEYS.values()) == set(FORMATS) and set(REASONING_KEYS) == set(REASONING)
 
 
 @pytest.mark.parametrize("field", FIELDS)
@@ -206,9 +222,11 @@ def test_each_field_is_honoured_or_refused(api, field, caplog):
 
 
 @pytest.mark.parametrize("where, key", [("item", k) for k in ITEMS] + [("part", k) for k in PARTS]
-                         + [("text", k) for k in TEXT] + [("format", k) for k in FORMATS])
+                         + [("text", k) for k in TEXT] + [("format", k) for k in FORMATS]
+                         + [("reasoning", k) for k in REASONING])
 def test_each_key_inside_is_honoured_or_refused(api, where, key):
-    assert {"item": ITEMS, "part": PARTS, "text": TEXT, "format": FORMATS}[where][key](api) is True
+    tables = {"item": ITEMS, "part": PARTS, "text": TEXT, "format": FORMATS, "reasoning": REASONING}
+    assert tables[where][key](api) is True
 
 
 def test_fields_not_served_are_refused_by_name(api):
@@ -249,4 +267,4 @@ def test_unknown_fields_and_keys_can_be_accepted_and_logged(server, caplog):
                             text={"format": {"type": "text", "bar": 2}}).usage.output_tokens == 2
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warned) == 1 and "foo_bar, input[0].foo, text.format.bar" in warned[0], warned
-        assert api.refused("reasoning", reasoning={"effort": "low"})
+        assert api.refused("include", include=["reasoning.encrypted_content"])
