@@ -236,6 +236,10 @@ class IngressSection(_Strict):
     max_stop_chars: int = Field(256, gt=0, description="longest stop string")
     max_logit_bias: int = Field(1024, gt=0, description="most logit_bias entries in one request")
     max_body_bytes: int = Field(1 << 20, gt=0, description="larger request bodies get 413")
+    stored_responses: int = Field(
+        1024, ge=0, description="responses (and chat completions with `store: true`) kept per tenant in the "
+        "ingress's memory for previous_response_id and GET /v1/responses/{id}, least recently used dropped first")
+    stored_response_bytes: int = Field(64 << 20, ge=0, description="most bytes (JSON) of stored responses per tenant")
     default_max_tokens: int = Field(
         1024, gt=0, description="max_tokens of a chat request that sets none (or the rest of the context, if less)")
     unknown_fields: Literal["reject", "accept"] = Field(

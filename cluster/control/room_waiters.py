@@ -47,7 +47,7 @@ class RoomWaiters:
         """A request of a more urgent class (lower `priority`) waits for room: freed room is its first."""
         return any(p < priority for p in self._classes)
 
-    async def wait(self, priority: int, arrived: float, timeout_s: float) -> None:
+    async def wait(self, arrived: float, timeout_s: float, priority: int = 0) -> None:
         """Until woken (by an event or the fallback poll) or `timeout_s`; (`priority`, `arrived`) orders the
         waiters (most urgent class first, then oldest first)."""
         future = asyncio.get_running_loop().create_future()

@@ -179,6 +179,8 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
     async def chat(req: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         tenant = tenant_of(request)
+        if req.store and req.stream:
+            raise ApiError(400, "store: true keeps whole answers here, not streamed ones", "store")
         chat = await prepare_chat(ingress, req)
         prompt, calls = chat.prompt, chat.calls
         (stream,) = await ingress.open_all([prompt], chat.params, tenant, req.timeout, hints_of(req), arrival)
@@ -198,7 +200,18 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
                 choices[-1]["prompt_logprobs"] = responses.vllm_prompt_logprobs(ingress.model.tokenizer,
                                                                                 stream.results[0].prompt_logprobs)
         usage = ingress.usage(len(prompt), sum(len(r.token_ids) for r in stream.results), stream.results[0].num_cached_tokens)
-        return responses.chat_body(rid, ingress.model.name, choices, usage, chunk=False)
+        body = responses.chat_body(rid, ingress.model.name, choices, usage, chunk=False)
+        if req.store:
+            ingress.stored.put(tenant, body)
+        return body
+
+    @app.get("/v1/chat/completions/{completion_id}", response_model=None,
+             responses=documented(ChatCompletionResponse, 401, 404))
+    async def stored_chat(completion_id: str, request: Request):
+        stored = ingress.stored.get(tenant_of(request), completion_id)
+        if stored is None or stored.body.get("object") != "chat.completion":
+            raise ApiError(404, f"no stored chat completion {completion_id!r}", "completion_id", "not_found_error")
+        return stored.body
 
     return app
 

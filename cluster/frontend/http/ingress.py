@@ -25,6 +25,7 @@ from cluster.frontend.http.gate import Gate
 from cluster.frontend.http.metrics import IngressMetrics
 from cluster.frontend.http.protocol import ApiError
 from cluster.frontend.http.request_hints import AdmissionHints
+from cluster.frontend.http.response_store import ResponseStore
 from cluster.frontend.http.served_model import ServedModel
 from cluster.frontend.inbox import Inbox
 from cluster.frontend.request_stream import DELIVERY_S, RequestStream, StreamEvent
@@ -35,8 +36,9 @@ log = logging.getLogger("tandem.ingress")
 class Ingress:
     def __init__(self, client: TandemClient, model: ServedModel, gate: Gate, max_body_bytes: int = 1 << 20,
                  queue_size: int = 4096, request_timeout_s: float = 600.0, hide_cache_hits: bool = False,
-                 tenant_metrics: bool = False):
+                 tenant_metrics: bool = False, stored: ResponseStore | None = None):
         self.client = client
+        self.stored = stored or ResponseStore(1024, 64 << 20)  # `store`: previous_response_id, GET by id
         self.model = model  # what is served, and how a request's prompt and fields are checked (served_model.py)
         # Anonymous users of a public ingress share one prefix cache: a reported hit would tell one
         # what another sent.

@@ -2,8 +2,9 @@
 the conversation, `instructions` as its system message, `text.format` as the structured output,
 `max_output_tokens` as max_tokens: responses_request.py, which decides every field and every key inside
 the request) and its answer output items (a message, function calls: responses_output.py), whole or
-streamed as the API's events. Not served: hosted tools, stored responses (`previous_response_id`,
-`store`), reasoning, background runs; asking for them is a 400 naming the field.
+streamed as the API's events. `store` and `previous_response_id` keep and continue responses in the
+ingress's memory (response_store.py), read back by `GET /v1/responses/{id}`. Not served: hosted tools,
+reasoning summaries, background runs; asking for them is a 400 naming the field.
 
 A streamed answer cut by `max_output_tokens` ends with `response.incomplete`, as OpenAI's API ends it
 (vLLM sends `response.completed`); the openai SDK's `responses.stream().get_final_response()` and the
@@ -24,7 +25,7 @@ from cluster.frontend.http.openapi import ResponseObject, documented
 from cluster.frontend.http.protocol import ApiError
 from cluster.frontend.http.request_hints import hints_of
 from cluster.frontend.http.responses_output import ResponseOutput
-from cluster.frontend.http.responses_request import ResponsesRequest, as_chat, renamed
+from cluster.frontend.http.responses_request import ResponsesRequest, as_chat, input_items, renamed
 from cluster.frontend.http.tool_calls import CallReader
 from cluster.frontend.http.streaming import sse
 from cluster.frontend.http.body_guard import tenant_of
@@ -38,7 +39,8 @@ def _response(rid: str, req: ResponsesRequest, model: str, status: str, output: 
             "parallel_tool_calls": req.parallel_tool_calls is not False, "tool_choice": req.tool_choice or
             ("auto" if req.tools else "none"), "tools": req.tools or [], "metadata": req.metadata or {},
             "service_tier": "default" if req.service_tier in (None, "auto") else req.service_tier,
-            "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key, "user": req.user}
+            "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key, "user": req.user,
+            "previous_response_id": req.previous_response_id, "store": req.store is not False}
 
 
 def _finished(rid: str, req: ResponsesRequest, model: str, result, output: ResponseOutput, usage: dict) -> dict:
@@ -63,8 +65,16 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
     async def create_response(req: ResponsesRequest, request: Request):
         arrival = time.perf_counter()
         tenant = tenant_of(request)
+        previous = ()
+        if req.previous_response_id is not None:
+            stored = ingress.stored.get(tenant, req.previous_response_id)
+            if stored is None or stored.body.get("object") != "response":
+                raise ApiError(400, f"previous_response_id: no stored response {req.previous_response_id!r} (kept "
+                               "in the ingress's memory, per tenant, up to ingress.stored_responses; a restart "
+                               "forgets them)", "previous_response_id")
+            previous = stored.conversation
         try:  # the chat request's checks, its errors naming this request's fields
-            chat = await prepare_chat(ingress, as_chat(req, ingress.model.caps.accept_unknown_fields))
+            chat = await prepare_chat(ingress, as_chat(req, ingress.model.caps.accept_unknown_fields, previous))
             (stream,) = await ingress.open_all([chat.prompt], chat.params, tenant, hints=hints_of(req), arrival=arrival)
         except ApiError as exc:
             raise renamed(exc) from None
@@ -78,6 +88,12 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
                     "output_tokens_details": {"reasoning_tokens": 0}}
 
         output, delta_of = ResponseOutput(eager_message=chat.calls is None), _deltas(chat.calls)
+
+        def finished(result) -> dict:
+            body = _finished(rid, req, model, result, output, usage())
+            if req.store is not False:
+                ingress.stored.put(tenant, body, [*previous, *input_items(req), *body["output"]])
+            return body
         if req.stream:
             async def events() -> AsyncIterator[dict]:
                 seq = iter(range(1 << 30))
@@ -97,7 +113,7 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
                     return
                 for event in output.finish():
                     yield {**event, "sequence_number": next(seq)}
-                final = _finished(rid, req, model, stream.results[0], output, usage())
+                final = finished(stream.results[0])
                 yield {"type": f"response.{final['status']}", "sequence_number": next(seq), "response": final}
             return sse(events(), lambda: ingress.finish(stream, arrival))
         await run_unless_disconnected(request, ingress, [stream], arrival)
@@ -106,4 +122,17 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
         output.start()
         output.feed(delta_of(result.text, True))
         output.finish()
-        return _finished(rid, req, model, result, output, usage())
+        return finished(result)
+
+    @app.get("/v1/responses/{response_id}", response_model=None, responses=documented(ResponseObject, 401, 404))
+    async def get_response(response_id: str, request: Request):
+        stored = ingress.stored.get(tenant_of(request), response_id)
+        if stored is None or stored.body.get("object") != "response":
+            raise ApiError(404, f"no stored response {response_id!r}", "response_id", "not_found_error")
+        return stored.body
+
+    @app.delete("/v1/responses/{response_id}", response_model=None)
+    async def delete_response(response_id: str, request: Request):
+        if not ingress.stored.drop(tenant_of(request), response_id):
+            raise ApiError(404, f"no stored response {response_id!r}", "response_id", "not_found_error")
+        return {"id": response_id, "object": "response", "deleted": True}

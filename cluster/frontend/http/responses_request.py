@@ -16,9 +16,11 @@ function `tools` (`name`, `description`, `parameters`, `strict`) with `tool_choi
 required, or `{"type": "function", "name": ...}`) and `parallel_tool_calls`, as chat's. An output item of
 an earlier response, given back as input (the SDK's `input += response.output`), carries `id` and
 `status`, and its text parts `annotations` and `logprobs`: they describe that output and ask nothing of
-this one, so they pass. Refused by name: what the API defines and this server does not do: hosted tools
-(web search, file search, ...), stored responses and conversations, reasoning summaries, other item and part
-types, and the rest of `REFUSED`.
+this one, so they pass. `store` (unless false, as OpenAI's default) keeps the response, and
+`previous_response_id` continues a stored one (its chain's items come before `input`; response_store.py).
+Refused by name: what the API defines and this server does not do: hosted tools (web search, file search,
+...), background runs, conversations, reasoning summaries, other item and part types, and the rest of
+`REFUSED`.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class ResponsesRequest(BaseModel):
 
 
 # Declared fields this server does not serve on this route: a 400 unless empty, false or null.
-_NOT_HERE = ("previous_response_id", "store", "background")
+_NOT_HERE = ("background",)
 
 # Undeclared fields of OpenAI's Responses API this server does not honour -> their neutral values.
 REFUSED: dict[str, tuple] = {
@@ -97,16 +99,23 @@ _CHAT_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response
                "reasoning_effort": "reasoning.effort", "verbosity": "text.verbosity"}
 
 
-def as_chat(req: ResponsesRequest, accept_unknown: bool) -> ChatCompletionRequest:
-    """The chat request `req` asks for; a 400 naming the first field or key refused, or every unknown one
-    (unless `accept_unknown`: then they are logged)."""
+def input_items(req: ResponsesRequest) -> list[dict]:
+    """The request's input as items (a string is one user message)."""
+    return [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+
+
+def as_chat(req: ResponsesRequest, accept_unknown: bool, previous: tuple[dict, ...] = ()) -> ChatCompletionRequest:
+    """The chat request `req` asks for, after the `previous` items of its stored chain (previous_response_id);
+    a 400 naming the first field or key refused, or every unknown one (unless `accept_unknown`: then they
+    are logged)."""
     for name in _NOT_HERE:
         if getattr(req, name):
             raise ApiError(400, f"{name} is not supported on /v1/responses here; use /v1/chat/completions", name)
     unknown: list[str] = []
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    for i, item in enumerate(items):
+    for i, item in enumerate(previous):
+        _add_item(messages, item, f"previous_response_id's item {i}", unknown)
+    for i, item in enumerate(input_items(req)):
         _add_item(messages, item, f"input[{i}]", unknown)
     response_format = _response_format(req.text, unknown)
     tools = [_chat_tool(tool, f"tools[{i}]", unknown) for i, tool in enumerate(req.tools or ())] or None

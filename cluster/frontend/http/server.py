@@ -15,6 +15,7 @@ from cluster.frontend.http.app import create_app
 from cluster.frontend.http.connections import guarded_h11
 from cluster.frontend.http.gate import Gate, tenant_limits
 from cluster.frontend.http.ingress import Ingress
+from cluster.frontend.http.response_store import ResponseStore
 from cluster.frontend.http.served_model import ServedModel
 from cluster.frontend.http.protocol import RequestCaps
 
@@ -73,7 +74,8 @@ def build_ingress(cluster: Cluster, host: str = "127.0.0.1", ingress: IngressSec
                         i.tool_call_parser)
     return Ingress(client, model, gate, max_body_bytes=i.max_body_bytes, queue_size=i.stream_queue_tokens,
                    request_timeout_s=i.request_timeout_s, hide_cache_hits=not tenants and host not in LOOPBACK,
-                   tenant_metrics=i.metrics_tenant_labels)
+                   tenant_metrics=i.metrics_tenant_labels,
+                   stored=ResponseStore(i.stored_responses, i.stored_response_bytes))
 
 
 def make_server(cluster: Cluster, host: str, port: int, ingress: IngressSection | None = None,

@@ -117,6 +117,14 @@ def _token_ids(api) -> bool:
         [{named(t): lp for t, lp in top.items()} for top in by_id.top_logprobs] == plain.top_logprobs
 
 
+def _stored(api) -> bool:
+    """A chat completion with `store: true` is read back by id; one without is not kept."""
+    kept, not_kept = api.call(store=True), api.call()
+    with pytest.raises(openai.NotFoundError):
+        api.client.chat.completions.retrieve(not_kept.id)
+    return api.client.chat.completions.retrieve(kept.id).choices[0].message.content == kept.choices[0].message.content
+
+
 def _max_tokens(api, name: str) -> bool:
     return api.call(**{name: 5}).usage.completion_tokens == 5 and api.refused(name, **{name: 2048})
 
@@ -208,6 +216,7 @@ CHAT = {
     and api.refused("continue_final_message", messages=ANSWERED, continue_final_message=True),
     "chat_template_kwargs": lambda api, _: api.refused("chat_template_kwargs.enable_thinking",
                                                        chat_template_kwargs={"enable_thinking": False}),
+    "store": lambda api, _: _stored(api) and api.refused("store", store=True, stream=True),
     # template variables: this model's template reads neither (test_template_fields.py: one that does)
     "reasoning_effort": lambda api, _: api.refused("reasoning_effort", reasoning_effort="low"),
     "verbosity": lambda api, _: api.refused("verbosity", verbosity="low"),

@@ -121,6 +121,27 @@ def _called(api: Api, **body) -> list[str]:
     return [c.name for c in calls]
 
 
+def _continued(api: Api) -> bool:
+    """A stored response continued: its input and output come before the new input, as if sent again."""
+    first = api.call()
+    again = api.call(previous_response_id=first.id, input="And then?", max_output_tokens=1)
+    given = [{"role": "user", "content": ASK}, *[item.model_dump(exclude_none=True) for item in first.output],
+             {"role": "user", "content": "And then?"}]
+    return again.previous_response_id == first.id and again.usage.input_tokens == api.input_tokens(input=given)
+
+
+def _stored(api: Api) -> bool:
+    """Kept unless `store: false` (OpenAI's default), read back by id, and deleted."""
+    kept, not_kept = api.call(), api.call(store=False)
+    with pytest.raises(openai.NotFoundError):
+        api.client.responses.retrieve(not_kept.id)
+    read = api.client.responses.retrieve(kept.id)
+    api.client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        api.client.responses.retrieve(kept.id)
+    return kept.store and not not_kept.store and read.output_text == kept.output_text and read.id == kept.id
+
+
 def _max_output_tokens(api: Api) -> bool:
     return api.call(max_output_tokens=5).usage.output_tokens == 5 and \
         api.refused("max_output_tokens", max_output_tokens=4096)
@@ -147,8 +168,9 @@ FIELDS = {
         api, tool_choice={"type": "function", "name": "f"}) and api.refused("tool_choice", tools=[TOOL],
                                                                            tool_choice={"type": "web_search"}),
     "parallel_tool_calls": lambda api, _: _called(api, tool_choice="required", parallel_tool_calls=False) == ["f"],
-    "previous_response_id": lambda api, _: api.refused("previous_response_id", previous_response_id="resp_1"),
-    "store": lambda api, _: api.refused("store", store=True) and api.call(store=False).status == "incomplete",
+    "previous_response_id": lambda api, _: _continued(api) and api.refused("previous_response_id",
+                                                                           previous_response_id="resp_1"),
+    "store": lambda api, _: _stored(api),
     "background": lambda api, _: api.refused("background", background=True),
     "user": lambda api, caplog: api.logged(caplog, '"user": "end-user-7"', user="end-user-7"),
     "safety_identifier": lambda api, caplog: api.logged(caplog, '"safety_identifier": "hash-7"',
