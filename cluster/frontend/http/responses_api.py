@@ -19,6 +19,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 
 from cluster.frontend.http.chat_request import prepare_chat
+from cluster.frontend.http import responses
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.lifecycle import raise_if_failed, run_unless_disconnected
 from cluster.frontend.http.openapi import ResponseObject, documented
@@ -87,7 +88,10 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
                     "input_tokens_details": {"cached_tokens": stream.results[0].num_cached_tokens},
                     "output_tokens_details": {"reasoning_tokens": 0}}
 
-        output, delta_of = ResponseOutput(eager_message=chat.calls is None), _deltas(chat.calls)
+        output, delta_of = ResponseOutput(chat.calls is None, chat.params.logprobs is not None), _deltas(chat.calls)
+
+        def logprobs(entries) -> list[dict] | None:
+            return responses.chat_logprobs(ingress.model.tokenizer, entries)["content"] if entries else None
 
         def finished(result) -> dict:
             body = _finished(rid, req, model, result, output, usage())
@@ -102,7 +106,8 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
                 for event in output.start():
                     yield {**event, "sequence_number": next(seq)}
                 async for ev in ingress.events(stream, arrival):
-                    for event in output.feed(delta_of(ev.text, ev.finished)) if ev.text or ev.finished else ():
+                    delta = delta_of(ev.text, ev.finished) if ev.text or ev.finished else None
+                    for event in output.feed(delta, logprobs(ev.logprobs)):
                         yield {**event, "sequence_number": next(seq)}
                 try:
                     raise_if_failed(stream.results[0], stream.own_deadline)
@@ -120,7 +125,7 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
         result = stream.results[0]
         raise_if_failed(result, stream.own_deadline)
         output.start()
-        output.feed(delta_of(result.text, True))
+        output.feed(delta_of(result.text, True), logprobs(result.logprobs))
         output.finish()
         return finished(result)
 

@@ -24,26 +24,32 @@ def message_item(msg_id: str, text: str, status: str) -> dict:
 
 
 class ResponseOutput:
-    def __init__(self, eager_message: bool):
+    def __init__(self, eager_message: bool, logprobs: bool = False):
+        """`logprobs`: the message's text part carries its tokens' logprobs (`include`)."""
         self.items: list[dict] = []  # every item opened so far, in output order (the open one last)
         self._open: dict | None = None  # the item being written
-        self._eager = eager_message
+        self._eager, self._logprobs = eager_message, logprobs
 
     def start(self) -> list[dict]:
         return self._open_message() if self._eager else []
 
-    def feed(self, delta: dict | None) -> list[dict]:
-        """The events for the answer's next chat delta (`content`, and/or `tool_calls` pieces)."""
+    def feed(self, delta: dict | None, logprobs: list[dict] | None = None) -> list[dict]:
+        """The events for the answer's next chat delta (`content`, and/or `tool_calls` pieces); `logprobs`:
+        its tokens' (chat's logprobs entries), when they were asked for."""
         events: list[dict] = []
-        if not delta:
+        if not delta and not logprobs:
             return events
-        if delta.get("content"):
+        delta = delta or {}
+        if delta.get("content") or (self._logprobs and logprobs):
             if self._open is None or self._open["type"] != "message":
                 events += self._close() + self._open_message()
-            self._open["content"][0]["text"] += delta["content"]
+            part = self._open["content"][0]
+            part["text"] += delta.get("content", "")
+            if self._logprobs:
+                part["logprobs"] += logprobs or []
             events.append({"type": "response.output_text.delta", "item_id": self._open["id"],
-                           "output_index": len(self.items) - 1, "content_index": 0, "delta": delta["content"],
-                           "logprobs": []})
+                           "output_index": len(self.items) - 1, "content_index": 0,
+                           "delta": delta.get("content", ""), "logprobs": logprobs or []})
         for piece in delta.get("tool_calls") or ():
             function = piece.get("function") or {}
             if piece.get("id") is not None:  # a new call: its name is known
@@ -74,12 +80,14 @@ class ResponseOutput:
 
     def _open_message(self) -> list[dict]:
         item = message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress")
+        if self._logprobs:
+            item["content"][0]["logprobs"] = []
         self.items.append(item)
         self._open = item
         index = len(self.items) - 1
         return [{"type": "response.output_item.added", "output_index": index, "item": {**item, "content": []}},
                 {"type": "response.content_part.added", "item_id": item["id"], "output_index": index,
-                 "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}]
+                 "content_index": 0, "part": _copy(item)["content"][0]}]
 
     def _close(self) -> list[dict]:
         item, self._open = self._open, None
@@ -90,7 +98,7 @@ class ResponseOutput:
         if item["type"] == "message":
             part = item["content"][0]
             return [{"type": "response.output_text.done", "item_id": item["id"], "output_index": index,
-                     "content_index": 0, "text": part["text"], "logprobs": []},
+                     "content_index": 0, "text": part["text"], "logprobs": part.get("logprobs", [])},
                     {"type": "response.content_part.done", "item_id": item["id"], "output_index": index,
                      "content_index": 0, "part": dict(part)},
                     {"type": "response.output_item.done", "output_index": index, "item": _copy(item)}]
@@ -102,4 +110,5 @@ class ResponseOutput:
 
 
 def _copy(item: dict) -> dict:
-    return {**item, "content": [dict(part) for part in item["content"]]}
+    return {**item, "content": [{**part, **({"logprobs": list(part["logprobs"])} if "logprobs" in part else {})}
+                                for part in item["content"]]}

@@ -55,6 +55,8 @@ class ResponsesRequest(BaseModel):
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     prompt_cache_key: str | None = Field(None, max_length=256)
     reasoning: dict | None = None  # {"effort": ...}: chat's reasoning_effort, for templates that read it
+    include: list[str] | None = None  # extra output: INCLUDABLE
+    top_logprobs: int | None = None  # with include message.output_text.logprobs: alternatives per token
     # declared for the API's schema, refused unless empty or false (`_NOT_HERE`)
     previous_response_id: str | None = None
     store: bool | None = None
@@ -67,8 +69,8 @@ _NOT_HERE = ("background",)
 
 # Undeclared fields of OpenAI's Responses API this server does not honour -> their neutral values.
 REFUSED: dict[str, tuple] = {
-    "include": ([],), "truncation": ("disabled",), "conversation": (), "prompt": (),
-    "max_tool_calls": (), "top_logprobs": (0,),
+    "truncation": ("disabled",), "conversation": (), "prompt": (),
+    "max_tool_calls": (),
     "stream_options": ({}, {"include_obfuscation": False}),  # the stream is never obfuscated
     "prompt_cache_retention": (),
 }
@@ -120,6 +122,7 @@ def as_chat(req: ResponsesRequest, accept_unknown: bool, previous: tuple[dict, .
     response_format = _response_format(req.text, unknown)
     tools = [_chat_tool(tool, f"tools[{i}]", unknown) for i, tool in enumerate(req.tools or ())] or None
     tool_choice = _chat_tool_choice(req.tool_choice)
+    logprobs = _logprobs_included(req)
     effort = _choice(req.reasoning, "reasoning", REASONING_KEYS, "effort", EFFORTS, unknown)
     verbosity = _choice(req.text, "text", TEXT_KEYS, "verbosity", VERBOSITIES, unknown)
     check_fields(req, accept_unknown, REFUSED, unknown)
@@ -128,7 +131,8 @@ def as_chat(req: ResponsesRequest, accept_unknown: bool, previous: tuple[dict, .
                                      temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                      response_format=response_format, user=req.user, tools=tools,
                                      tool_choice=tool_choice, parallel_tool_calls=req.parallel_tool_calls,
-                                     reasoning_effort=effort, verbosity=verbosity)
+                                     reasoning_effort=effort, verbosity=verbosity, logprobs=logprobs,
+                                     top_logprobs=req.top_logprobs if logprobs else None)
     except ValueError as exc:
         raise ApiError(400, f"input: {exc.errors()[0]['msg'] if hasattr(exc, 'errors') else exc}", "input") from None
 
@@ -197,8 +201,23 @@ def _chat_tool(tool, where: str, unknown: list[str]) -> dict:
     return {"type": "function", "function": function}
 
 
+INCLUDABLE = ("message.output_text.logprobs",)  # `include` items served: the output text's token logprobs
 EFFORTS = ("minimal", "low", "medium", "high")
 VERBOSITIES = ("low", "medium", "high")
+
+
+def _logprobs_included(req: ResponsesRequest) -> bool:
+    """Whether the output text carries its tokens' logprobs (`include`), checked against what asks for them."""
+    for i, item in enumerate(req.include or ()):
+        if item not in INCLUDABLE:
+            raise ApiError(400, f"include[{i}]: {item!r} is not served here (only {', '.join(INCLUDABLE)})",
+                           f"include[{i}]")
+    wanted = "message.output_text.logprobs" in (req.include or ())
+    if req.top_logprobs and not wanted:
+        raise ApiError(400, "top_logprobs needs include: [\"message.output_text.logprobs\"]", "top_logprobs")
+    if wanted and req.tools:
+        raise ApiError(400, "include message.output_text.logprobs is not served with tools here", "include")
+    return wanted
 
 
 def _choice(obj: dict | None, where: str, keys: dict, key: str, allowed: tuple, unknown: list[str]) -> str | None:

@@ -121,6 +121,21 @@ def _called(api: Api, **body) -> list[str]:
     return [c.name for c in calls]
 
 
+def _logprobs(api: Api, top: int = 0) -> bool:
+    """`include: ["message.output_text.logprobs"]`: a logprob per output token, with `top` alternatives,
+    whole and streamed alike (the chat route's, for the same conversation)."""
+    include = ["message.output_text.logprobs"]
+    part = api.call(include=include, top_logprobs=top).output[0].content[0]
+    streamed = [lp for e in api.call(include=include, top_logprobs=top, stream=True)
+                if e.type == "response.output_text.delta" for lp in e.logprobs]
+    chat = api.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=8,
+                                              temperature=0, logprobs=True, top_logprobs=top).choices[0].logprobs
+    seen = [(t.token, round(t.logprob, 4), len(t.top_logprobs)) for t in part.logprobs]
+    return len(part.logprobs) == 8 and "".join(t.token for t in part.logprobs) == part.text and seen == [
+        (t.token, round(t.logprob, 4), len(t.top_logprobs)) for t in streamed] == [
+        (t.token, round(t.logprob, 4), top) for t in chat.content]
+
+
 def _continued(api: Api) -> bool:
     """A stored response continued: its input and output come before the new input, as if sent again."""
     first = api.call()
@@ -182,6 +197,8 @@ FIELDS = {
     "prompt_cache_key": lambda api, caplog: api.logged(caplog, '"prompt_cache_key": "conv-7"',
                                                        prompt_cache_key="conv-7"),
     "reasoning": lambda api, _: REASONING["effort"](api),
+    "include": lambda api, _: _logprobs(api) and api.refused("include[0]", include=["reasoning.encrypted_content"]),
+    "top_logprobs": lambda api, _: _logprobs(api, top=2) and api.refused("top_logprobs", top_logprobs=2),
 }
 ITEMS = {
     "type": lambda api: api.input_tokens(input=[{"type": "message", "role": "user", "content": ASK}])
@@ -289,4 +306,4 @@ def test_unknown_fields_and_keys_can_be_accepted_and_logged(server, caplog):
                             text={"format": {"type": "text", "bar": 2}}).usage.output_tokens == 2
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warned) == 1 and "foo_bar, input[0].foo, text.format.bar" in warned[0], warned
-        assert api.refused("include", include=["reasoning.encrypted_content"])
+        assert api.refused("include[0]", include=["reasoning.encrypted_content"])
