@@ -110,7 +110,7 @@ class Placer:
             plan = plan_prefill(self.s.routing, fits, cached, prompt_len, 0.0, cost, next(self._turn), tenant=tenant)
             if served is not None:
                 affine = next((v for v in fits if v.worker_id == served.decode_id), None)
-                plan = prefer_affine(plan, affine, True, cached, prompt_len, cost, 0.0, tenant)
+                plan = prefer_affine(plan, affine, True, fits, cached, prompt_len, cost, 0.0, tenant)
             return self._shed(plan, arrived) or self._placement(plan.worker_id, plan, local=True, key=key)
 
         decode = pick_decode(self._with_room("decode", ()), blocks_needed,
@@ -155,12 +155,13 @@ class Placer:
         prefill this one (local prefill on, the uncached part within its cap)."""
         affine = next((v for v in prefill_pool if v.worker_id == served.prefill_id), None)
         if affine is not None:
-            return prefer_affine(plan, affine, False, cached, prompt_len, self.typical_cost("prefill"),
+            return prefer_affine(plan, affine, False, prefill_pool, cached, prompt_len, self.typical_cost("prefill"),
                                  transfer_s[affine.worker_id], tenant)
         cap = self.s.local_prefill_max_tokens
         if (served.prefill_id == decode.worker_id and self.s.local_prefill
                 and (cap is None or prompt_len - cached[decode.worker_id] <= cap)):
-            return prefer_affine(plan, decode, True, cached, prompt_len, self.typical_cost("prefill"), 0.0, tenant)
+            return prefer_affine(plan, decode, True, prefill_pool, cached, prompt_len, self.typical_cost("prefill"),
+                                 0.0, tenant)
         return plan
 
     def still_valid(self, placement: Placement) -> bool:
