@@ -45,10 +45,10 @@ def _waiting(cluster: Cluster) -> int:
     return decode.waiting
 
 
-async def _until_waiting(cluster: Cluster, n: int, why: str) -> None:
+async def _until_waiting(cluster: Cluster, n: int, why: str, admitted: list[str] = ()) -> None:
     deadline = time.monotonic() + WAIT_S
     while (now := await asyncio.to_thread(_waiting, cluster)) != n:
-        assert time.monotonic() < deadline, f"{now} requests wait for admission, not {n}: {why}"
+        assert time.monotonic() < deadline, f"{now} requests wait for admission, not {n}: {why} (admitted: {admitted})"
         await asyncio.sleep(0.02)
 
 
@@ -121,7 +121,7 @@ def test_a_newcomer_waits_behind_a_more_urgent_class_and_a_priority_one_places_a
             requests.send("default-big", BIG, DEFAULT)
             await _until_waiting(cluster, 1, "default-big should wait behind the holder")
             requests.send("flex-small", SMALL, FLEX)
-            await _until_waiting(cluster, 2, f"flex-small should wait behind default-big (admitted: {requests.order})")
+            await _until_waiting(cluster, 2, "flex-small should wait behind default-big", requests.order)
             requests.send("priority-small", SMALL, PRIORITY)
             await requests.admitted_now("priority-small")
             assert requests.order == ["holder", "priority-small"], requests.order  # flex-small still waits
