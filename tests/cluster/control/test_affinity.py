@@ -39,6 +39,14 @@ def test_the_map_keeps_the_most_recently_used_keys_and_forgets_a_leaving_worker(
         AffinityMap(capacity=0)
 
 
+def test_the_map_holds_64k_keys_as_shipped():
+    keys = AffinityMap()
+    for i in range(65_537):
+        keys.served(("a", str(i)), "p0", "d0")
+    assert len(keys) == 65_536 and keys.get(("a", "0")) is None and keys.get(("a", "1")) == Served("p0", "d0")
+    keys.check_integrity()
+
+
 def _view(worker_id: str, queued: int = 0, free: int = 100, role: str = "prefill") -> WorkerView:
     return WorkerView(worker_id, role, free, 100, queued_prefill_tokens=queued, prefill_s_per_token=COST)
 
