@@ -44,6 +44,8 @@ class GenerateRequest:
     output_prefix: tuple[int, ...] = ()  # tokens the client already has: a migrated request continues after them
     retried: bool = False  # sent again: the scheduler died while admitting it (it must still run only once)
     moved: bool = False  # its client moved it (a lost worker, a stall): it supersedes the attempt in flight
+    priority: int = 0  # admission order among waiting requests, lower first (service_tier priority -1, flex 1)
+    affinity: str | None = None  # prompt_cache_key: requests of the tenant with the same one prefer one worker
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))

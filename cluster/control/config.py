@@ -230,7 +230,8 @@ class IngressSection(_Strict):
     port: int = Field(8000, gt=0, lt=65536, description="HTTP port")
     served_model_name: str | None = Field(None, description="the `model` clients send; null: the model directory's name")
     chat_template: str | None = Field(None, description="a Jinja chat template file used instead of the model's "
-                                      "(e.g. chat_templates/chatml-tools.jinja for tools on a ChatML model)")
+                                      "(e.g. chat_templates/chatml-tools.jinja for tools on a ChatML model); a "
+                                      "relative path is looked up from the working directory, then from tandem's")
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None, description="how tool calls are read back from the model's answer (tool_choice auto needs one)")
     max_n: int = Field(16, gt=0, description="largest `n` a request may ask for")
@@ -245,6 +246,10 @@ class IngressSection(_Strict):
         "prompt_logprobs + prompts x max_tokens when logprobs are asked) x n x (1 + top logprobs); more get 400. Each "
         "is ~100 bytes of JSON")
     max_body_bytes: int = Field(1 << 20, gt=0, description="larger request bodies get 413")
+    stored_responses: int = Field(
+        1024, ge=0, description="responses (and chat completions with `store: true`) kept per tenant in the "
+        "ingress's memory for previous_response_id and GET /v1/responses/{id}, least recently used dropped first")
+    stored_response_bytes: int = Field(64 << 20, ge=0, description="most bytes (JSON) of stored responses per tenant")
     default_max_tokens: int = Field(
         1024, gt=0, description="max_tokens of a chat request that sets none (or the rest of the context, if less)")
     unknown_fields: Literal["reject", "accept"] = Field(

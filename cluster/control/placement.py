@@ -12,6 +12,10 @@ with the most uncommitted KV (kept in order as reports and commitments change, w
 workers holding the deepest cached prefix of the prompt (prefix_index.py). So a decision costs the same
 at 16 workers as at 512. Whether any decode worker has room is still exact: the one with the most
 uncommitted KV is always a candidate.
+
+A request with an affinity key (`prompt_cache_key`) prefers the workers the key's last request was placed
+on (affinity.py, owned here: placing is what writes it), as routing.py's `prefer_affine` and `pick_decode`
+decide.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ import time
 from dataclasses import dataclass
 
 from actors.protocol.messages import GenerateRequest, Rejected
+from cluster.control.affinity import AffinityMap, Served
 from cluster.control.link_costs import LinkCosts
 from cluster.control.prefix_index import PrefixIndex
 from cluster.control.registry import WorkerRegistry
 from cluster.control.request_table import RequestTable
 from cluster.control.routing import (
-    ANY_TENANT, PrefillPlan, RecentTenants, WorkerView, pick_decode, plan_prefill, predicted_ttft,
+    ANY_TENANT, PrefillPlan, RecentTenants, WorkerView, pick_decode, plan_prefill, predicted_ttft, prefer_affine,
 )
 from cluster.control.scheduler_state import SchedulerSettings
 from cluster.control.ttft_guard import TtftGuard
@@ -58,6 +63,7 @@ class Placer:
         self._queued = WorkerOrder()  # prefill (and colocated) workers, least queued prompt tokens first
         self._room = WorkerOrder()  # decode (and colocated) workers, most uncommitted KV first
         self._tenants = RecentTenants()  # overflow prefill only while one tenant is served
+        self.affinity = AffinityMap()  # where each affinity key's last request went
 
     def refresh(self, worker_id: str) -> None:
         """A worker's load, room or standing changed (the registry's and the table's `on_change`, wired by
@@ -67,6 +73,7 @@ class Placer:
         if view is None:  # gone, or draining
             self._queued.discard(worker_id)
             self._room.discard(worker_id)
+            self.affinity.forget(worker_id)
             return
         if view.role != "decode":
             self._queued.set(worker_id, view.queued_prefill_tokens)
@@ -93,15 +100,21 @@ class Placer:
         now = time.monotonic()
         self._tenants.saw(tenant, now)
         overflow_s = self.s.local_prefill_overflow_s if self._tenants.alone(tenant, now) else None
+        key = None if request.affinity is None else (request.cache_salt, request.affinity)
+        served = None if key is None else self.affinity.get(key)
         if self.s.mode == "colocated":
             fits = [v for v in self._with_room("colocated", hashes) if v.free_blocks >= blocks_needed]
             if not fits:
                 return None
-            plan = plan_prefill(self.s.routing, fits, self._cached(fits, hashes), prompt_len, 0.0,
-                                self.typical_cost("colocated"), next(self._turn), tenant=tenant)
-            return self._shed(plan, arrived) or self._placement(plan.worker_id, plan, local=True)
+            cached, cost = self._cached(fits, hashes), self.typical_cost("colocated")
+            plan = plan_prefill(self.s.routing, fits, cached, prompt_len, 0.0, cost, next(self._turn), tenant=tenant)
+            if served is not None:
+                affine = next((v for v in fits if v.worker_id == served.decode_id), None)
+                plan = prefer_affine(plan, affine, True, fits, cached, prompt_len, cost, 0.0, tenant)
+            return self._shed(plan, arrived) or self._placement(plan.worker_id, plan, local=True, key=key)
 
-        decode = pick_decode(self._with_room("decode", ()), blocks_needed)
+        decode = pick_decode(self._with_room("decode", ()), blocks_needed,
+                             prefer=served.decode_id if served is not None else None)
         if decode is None:
             return None
         prefill_pool = self._prefill_candidates(hashes)
@@ -118,6 +131,8 @@ class Placer:
                                 local=decode if local_ok else None, local_penalty=self.s.local_prefill_penalty,
                                 local_max_tokens=self.s.local_prefill_max_tokens, tenant=tenant,
                                 local_overflow_s=overflow_s)
+            if served is not None:
+                plan = self._affine_prefill(plan, served, prefill_pool, decode, cached, prompt_len, transfer_s, tenant)
         else:
             cost = predicted_ttft(decode, prompt_len, cached[decode.worker_id], self.typical_cost("decode"), 0.0,
                                   tenant)
@@ -126,11 +141,28 @@ class Placer:
         if shed is not None:
             return shed
         if plan.local:
-            return self._placement(decode.worker_id, plan, local=True)
+            return self._placement(decode.worker_id, plan, local=True, key=key)
         if request.params.n > 1 or request.output_prefix:
             # Samples fork from one prefilled prompt, and a migration recomputes its output: both run whole.
-            return self._placement(decode.worker_id, None, local=True)
-        return self._placement(decode.worker_id, plan, local=False)
+            return self._placement(decode.worker_id, None, local=True, key=key)
+        return self._placement(decode.worker_id, plan, local=False, key=key)
+
+    def _affine_prefill(self, plan: PrefillPlan, served: Served, prefill_pool: list[WorkerView], decode: WorkerView,
+                        cached: dict[str, int], prompt_len: int, transfer_s: dict[str, float],
+                        tenant: object) -> PrefillPlan:
+        """`plan`, or the prefill worker the request's affinity key last went to (routing.py `prefer_affine`):
+        a prefill worker, or the chosen decode worker where it prefilled the key's last prompt itself and may
+        prefill this one (local prefill on, the uncached part within its cap)."""
+        affine = next((v for v in prefill_pool if v.worker_id == served.prefill_id), None)
+        if affine is not None:
+            return prefer_affine(plan, affine, False, prefill_pool, cached, prompt_len, self.typical_cost("prefill"),
+                                 transfer_s[affine.worker_id], tenant)
+        cap = self.s.local_prefill_max_tokens
+        if (served.prefill_id == decode.worker_id and self.s.local_prefill
+                and (cap is None or prompt_len - cached[decode.worker_id] <= cap)):
+            return prefer_affine(plan, decode, True, prefill_pool, cached, prompt_len, self.typical_cost("prefill"),
+                                 0.0, tenant)
+        return plan
 
     def still_valid(self, placement: Placement) -> bool:
         """Every worker the plan names is still registered as the same process and takes work."""
@@ -172,6 +204,10 @@ class Placer:
     def check_integrity(self) -> None:
         self._queued.check_integrity()
         self._room.check_integrity()
+        self.affinity.check_integrity()
+        taking = set(self._registry.ids()) - set(self._registry.draining())
+        if not self.affinity.workers() <= taking:
+            raise RuntimeError(f"affinity keys name workers {sorted(self.affinity.workers() - taking)} that take no work")
 
     def best_ttft_s(self, prompt_len: int) -> float:
         """The TTFT the guard would predict for an uncached prompt of `prompt_len` tokens placed now on the
@@ -218,7 +254,10 @@ class Placer:
     def _cached(self, views: list[WorkerView], hashes: list[int]) -> dict[str, int]:
         return {v.worker_id: self._index.cached_blocks(v.worker_id, hashes) * self.s.block_size for v in views}
 
-    def _placement(self, decode_id: str, plan: PrefillPlan | None, local: bool) -> Placement:
+    def _placement(self, decode_id: str, plan: PrefillPlan | None, local: bool,
+                   key: tuple[str | None, str] | None) -> Placement:
+        if key is not None:  # remembered as placed: a request of the key placed while this one is carried out follows it
+            self.affinity.served(key, decode_id if plan is None else plan.worker_id, decode_id)
         names = {decode_id} | ({plan.worker_id} if plan is not None else set())
         incarnations = tuple((wid, self._registry.get(wid).info.incarnation) for wid in sorted(names))
         return Placement(decode_id, plan, local, incarnations)

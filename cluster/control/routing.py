@@ -3,7 +3,9 @@
 Pure functions over snapshots of worker state, so the policy is tested without a cluster. The
 cache-aware policy minimises predicted time to first token: queue wait + uncached prompt tokens x
 measured per-token prefill cost + the KV handoff's cost on the link to the decode worker (measured,
-cluster/control/link_costs.py).
+cluster/control/link_costs.py). A request with an affinity key (`prompt_cache_key`) goes where the
+key's last request went, unless the prefix index knows a deeper hit elsewhere or that worker is too busy
+(`prefer_affine`, `pick_decode`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ LOCAL_PREFILL_MAX_TOKENS = 512
 # The predicted time to first token on the best prefill worker past which a decode worker takes a prompt of
 # any length, by default (scheduler.local_prefill_overflow_s).
 LOCAL_PREFILL_OVERFLOW_S = 0.25
+# How much longer than on the policy's choice a request may be predicted to wait for its first token on the
+# worker its affinity key last went to, in prefills of its own prompt there. That worker likely holds the
+# prompt up to the key's last request, which the prefix index may not know yet (unreported, or shorter than a
+# block): the wait buys the cluster a prefill it need not compute, so it is worth more than one prompt's time;
+# past a few, the key's worker is overloaded and load decides.
+AFFINITY_SLACK_PROMPTS = 4.0
+# ... and at least this long: differences this small are the predictions' noise (queued tokens are estimates
+# until the worker's next report, link costs are measured on a shared host), not a busy worker.
+AFFINITY_SLACK_FLOOR_S = 0.05
 
 
 @dataclass
@@ -137,9 +148,39 @@ class RecentTenants:
         return sum(now - at <= self.window_s for at in self._seen.values()) <= 1
 
 
-def pick_decode(decode_workers: list[WorkerView], blocks_needed: int) -> WorkerView | None:
-    """The decode worker with the most free KV that can hold the request, or None."""
+def pick_decode(decode_workers: list[WorkerView], blocks_needed: int, prefer: str | None = None) -> WorkerView | None:
+    """The decode worker with the most free KV that can hold the request, or None; `prefer` (the worker the
+    request's affinity key last went to) whenever it can hold it."""
     fits = [v for v in decode_workers if v.free_blocks >= blocks_needed]
     if not fits:
         return None
-    return max(fits, key=lambda v: (v.free_blocks - v.running, v.worker_id))
+    preferred = [v for v in fits if v.worker_id == prefer]
+    return preferred[0] if preferred else max(fits, key=lambda v: (v.free_blocks - v.running, v.worker_id))
+
+
+def prefer_affine(plan: PrefillPlan, affine: WorkerView | None, local: bool, candidates: list[WorkerView],
+                  cached_tokens: dict[str, int], prompt_len: int, default_cost: float, transfer_s: float,
+                  tenant: object = ANY_TENANT) -> PrefillPlan:
+    """`plan`, or the `affine` worker instead (the one the request's affinity key last went to; `local`: it is
+    the decode worker itself, `transfer_s` its handoff's cost otherwise): taken when the prefix index knows no
+    deeper hit on `plan`'s worker than on it, and it has room: its queue and this prompt would take at most
+    `AFFINITY_SLACK_PROMPTS` of its own prefills of the prompt (or `AFFINITY_SLACK_FLOOR_S`) longer than on
+    the least loaded of `candidates`. The handoff's cost is left out of that comparison: the key's decode worker
+    is taken too (`pick_decode`), so the link is the one its last request took, and on one host the links'
+    measured costs differ by their noise, not by what they cost."""
+    if affine is None or affine.worker_id == plan.worker_id:
+        return plan
+    cached = cached_tokens.get(affine.worker_id, 0)
+    if cached < plan.cached_tokens:
+        return plan  # the index knows a deeper hit: blocks seen beat a hint
+
+    def wait_s(view: WorkerView) -> float:
+        return predicted_ttft(view, prompt_len, cached_tokens.get(view.worker_id, 0), default_cost, 0.0, tenant)
+
+    least = min((wait_s(v) for v in candidates), default=0.0)
+    slack_s = max(AFFINITY_SLACK_PROMPTS * prompt_len * (affine.prefill_s_per_token or default_cost),
+                  AFFINITY_SLACK_FLOOR_S)
+    if wait_s(affine) > least + slack_s:
+        return plan
+    return PrefillPlan(affine.worker_id, local, cached,
+                       predicted_ttft(affine, prompt_len, cached, default_cost, 0.0 if local else transfer_s, tenant))

@@ -2,7 +2,8 @@
 
 - `WorkerRegistry`: registered workers, their reports, draining, liveness (registry.py)
 - `RequestTable`: requests in flight, the KV each committed, reclaim (request_table.py)
-- `Placer`: admission, routing, load shedding, decided with no await inside (placement.py)
+- `Placer`: admission, routing, load shedding, decided with no await inside (placement.py); it owns the
+  affinity keys' last placements (affinity.py)
 - `PrefixIndex`: which worker caches which prefix blocks (prefix_index.py)
 - `LinkCosts`: what a KV handoff costs on each prefill -> decode link, as measured (link_costs.py)
 - `TenantShares`: no tenant holds more than its share of the KV or of the admission queue (tenant_shares.py)
@@ -395,6 +396,7 @@ class Scheduler:
         self._registry.check_integrity()
         self._placer.check_integrity()
         self._shares.check_integrity()
+        self._waiters.check_integrity()
         self._door.check_integrity()
         self._demand.check_integrity()
         if self._door.waiting != self._shares.queued():

@@ -2,7 +2,10 @@
 
 It tries to place the request on a worker with KV room for it (placement.py), under its tenant's
 share (tenant_shares.py), and otherwise waits for room to free up (room_waiters.py), until its wait
-budget is spent. Refusals that need no wait come first: a request larger than any worker's KV or its
+budget is spent. Waiting requests take freed room by priority class, then by arrival: a request does not
+place while one of a more urgent class waits for room (a flex newcomer waits behind waiting default ones,
+a priority one may place at once); one that waits for its tenant's share holds no one back, so a class
+never takes a tenant past its share nor lets it stand in front of other tenants. Refusals that need no wait come first: a request larger than any worker's KV or its
 tenant's share, and one whose first token cannot come within the TTFT limit however long it waits.
 Carrying out a placement (reserve, commit, send) stays the scheduler's; a placement that no longer
 holds after its awaits comes back as None and the loop places again.
@@ -47,29 +50,39 @@ class UntilPlaced:
         blocks_needed = self._placer.blocks_needed(request)
         hashes = self._hasher(request.prompt_token_ids, request.cache_salt)
         pool = self._placer.pool
-        while True:
-            workers, biggest = self._registry.pool_size(pool), self._registry.largest(pool)
-            if workers and blocks_needed > biggest:
-                return Rejected(f"the request needs {blocks_needed} KV blocks (prompt + max_tokens x n); the "
+        waiting = False  # counted among the requests of its class that wait for room (room_waiters.py)
+        try:
+            while True:
+                workers, biggest = self._registry.pool_size(pool), self._registry.largest(pool)
+                if workers and blocks_needed > biggest:
+                    return Rejected(f"the request needs {blocks_needed} KV blocks (prompt + max_tokens x n); the "
                                     f"largest {pool} worker has {biggest}: lower max_tokens or n", None)
-            too_big = self._shares.too_big(request, blocks_needed, pool)
-            if too_big is not None:
-                return too_big
-            if workers and self._shares.fits(request, blocks_needed, pool):
-                placed = self._placer.place(request, hashes, blocks_needed, arrived)
-                if isinstance(placed, Rejected):
-                    return placed
-                if placed is not None:
-                    answer = await self._carry_out(request, placed, blocks_needed)
-                    if answer is not None:
-                        return answer
-                elif not patient and (late := self._placer.hopeless(arrived, len(request.prompt_token_ids))) is not None:
-                    return late
-            if time.monotonic() >= deadline:
-                if not self._registry.pool_size(pool):
-                    return Rejected(f"no {pool} worker is ready", 5.0, unavailable=True)
-                if not self._shares.fits(request, blocks_needed, pool):
-                    return self._shares.over_share(request, blocks_needed, pool, self._placer.retry_after_s())
-                return Rejected("no worker has room for the request's KV", self._placer.retry_after_s())
-            await self._waiters.wait(arrived, deadline - time.monotonic())
-
+                too_big = self._shares.too_big(request, blocks_needed, pool)
+                if too_big is not None:
+                    return too_big
+                fits = workers and self._shares.fits(request, blocks_needed, pool)
+                if fits:
+                    placed = None
+                    if not self._waiters.more_urgent_waiting(request.priority):
+                        placed = self._placer.place(request, hashes, blocks_needed, arrived)
+                    if isinstance(placed, Rejected):
+                        return placed
+                    if placed is not None:
+                        answer = await self._carry_out(request, placed, blocks_needed)
+                        if answer is not None:
+                            return answer
+                    elif not patient and (late := self._placer.hopeless(arrived, len(request.prompt_token_ids))) is not None:
+                        return late
+                if time.monotonic() >= deadline:
+                    if not self._registry.pool_size(pool):
+                        return Rejected(f"no {pool} worker is ready", 5.0, unavailable=True)
+                    if not self._shares.fits(request, blocks_needed, pool):
+                        return self._shares.over_share(request, blocks_needed, pool, self._placer.retry_after_s())
+                    return Rejected("no worker has room for the request's KV", self._placer.retry_after_s())
+                if bool(fits) != waiting:  # waits for room now, or for its tenant's share (or for a worker)
+                    (self._waiters.enter if fits else self._waiters.leave)(request.priority)
+                    waiting = bool(fits)
+                await self._waiters.wait(arrived, deadline - time.monotonic(), request.priority)
+        finally:
+            if waiting:
+                self._waiters.leave(request.priority)

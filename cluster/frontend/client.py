@@ -174,13 +174,13 @@ class TandemClient:
 
     def request(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
                 request_id: str | None = None, kv_share: float | None = None,
-                deadline: float | None = None) -> GenerateRequest:
+                deadline: float | None = None, priority: int = 0, affinity: str | None = None) -> GenerateRequest:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this client has no tokenizer: pass the prompt as token ids")
             prompt = self.tokenizer.encode(prompt)
         return GenerateRequest(request_id or uuid.uuid4().hex, tuple(prompt), params, self.sink, cache_salt,
-                               kv_share, deadline)
+                               kv_share, deadline, priority=priority, affinity=affinity)
 
     def submit(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
                request_id: str | None = None, timeout_s: float = 60.0, deltas=None) -> Submitted:

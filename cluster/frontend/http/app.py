@@ -25,6 +25,7 @@ from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.lifecycle import ClientGone, raise_if_failed, run_unless_disconnected
 from cluster.frontend.http.openapi import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList, documented
 from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from cluster.frontend.http.request_hints import hints_of
 from cluster.frontend.http.responses_api import add_responses_route
 from cluster.frontend.http.streaming import chat_chunks, completion_chunks, sse
 from cluster.frontend.http.token_routes import add_token_routes
@@ -158,7 +159,7 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
         entries = responses.check_logprob_entries(
             ingress.model.caps.max_response_logprobs, [len(p) for p in prompts], req.n,
             0 if req.scores_only else max_tokens, req.logprobs, req.prompt_logprobs, req.echo and req.logprobs is not None)
-        opened = await ingress.open_all(prompts, params, tenant, req.timeout, req.user, arrival)
+        opened = await ingress.open_all(prompts, params, tenant, req.timeout, hints_of(req), arrival)
         rid = f"cmpl-{uuid.uuid4().hex}"
         echo_texts = [ingress.model.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         if req.stream:
@@ -186,12 +187,14 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
     async def chat(req: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         tenant = tenant_of(request)
+        if req.store and req.stream:
+            raise ApiError(400, "store: true keeps whole answers here, not streamed ones", "store")
         chat = await prepare_chat(ingress, req)
         prompt, calls = chat.prompt, chat.calls
         entries = responses.check_logprob_entries(ingress.model.caps.max_response_logprobs, [len(prompt)], req.n,
                                                   chat.params.max_tokens, chat.params.logprobs, req.prompt_logprobs,
                                                   echo_logprobs=False)
-        (stream,) = await ingress.open_all([prompt], chat.params, tenant, req.timeout, req.user, arrival)
+        (stream,) = await ingress.open_all([prompt], chat.params, tenant, req.timeout, hints_of(req), arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return sse(chat_chunks(ingress, stream, rid, req, arrival, calls),
@@ -209,8 +212,19 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
                 choices.append({"index": r.index, "message": message, "logprobs": lp, "finish_reason": finish})
                 if req.prompt_logprobs is not None:
                     choices[-1]["prompt_logprobs"] = responses.vllm_prompt_logprobs(pieces, stream.results[0].prompt_logprobs)
-            return responses.chat_body(rid, ingress.model.name, choices, usage, chunk=False)
+            built = responses.chat_body(rid, ingress.model.name, choices, usage, chunk=False)
+            if req.store:
+                ingress.stored.put(tenant, built)
+            return built
         return await responses.json_response(body, entries)
+
+    @app.get("/v1/chat/completions/{completion_id}", response_model=None,
+             responses=documented(ChatCompletionResponse, 401, 404))
+    async def stored_chat(completion_id: str, request: Request):
+        stored = ingress.stored.get(tenant_of(request), completion_id)
+        if stored is None or stored.body.get("object") != "chat.completion":
+            raise ApiError(404, f"no stored chat completion {completion_id!r}", "completion_id", "not_found_error")
+        return stored.body
 
     return app
 

@@ -35,6 +35,26 @@ def _text_content(message: dict) -> dict:
     return {**message, "content": "\n".join(p["text"] for p in content)}
 
 
+# Request fields that are chat template variables: the template decides what they do (gpt-oss's writes the
+# reasoning effort into its system turn); a template that never reads one would drop it silently.
+TEMPLATE_FIELDS = ("reasoning_effort", "verbosity")
+
+
+def _template_kwargs(req: ChatCompletionRequest, variables: frozenset[str] | None) -> dict:
+    kwargs = dict(req.chat_template_kwargs or {})
+    for name in TEMPLATE_FIELDS:
+        value = getattr(req, name)
+        if value is None:
+            continue
+        if name in kwargs:
+            raise ApiError(400, f"{name} is set twice (also in chat_template_kwargs)", name)
+        if variables is not None and name not in variables:
+            raise ApiError(400, f"{name} is not supported by this model's chat template (a variable it never "
+                                "reads; a template that does, such as gpt-oss's, takes it)", name)
+        kwargs[name] = value
+    return kwargs
+
+
 async def prepare_chat(ingress: Ingress, req: ChatCompletionRequest) -> PreparedChat:
     asked_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = ingress.model.check_common(req, getattr(req, asked_param))
@@ -51,8 +71,8 @@ async def prepare_chat(ingress: Ingress, req: ChatCompletionRequest) -> Prepared
         structured = await ingress.model.check_structured(forced, "tools")
     messages = tool_calls.template_messages([_text_content(m.model_dump()) for m in req.messages])
     check_text(json.dumps([messages, req.chat_template_kwargs], ensure_ascii=False), "messages")
-    options = TemplateOptions(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs or {},
-                              bool(req.add_special_tokens))
+    options = TemplateOptions(req.add_generation_prompt, req.continue_final_message,
+                              _template_kwargs(req, ingress.model.template_variables), bool(req.add_special_tokens))
     prompt = await asyncio.to_thread(ingress.model.chat_prompt, messages, tools, options)
     prompt = ingress.model.truncated(prompt, req.truncate_prompt_tokens)
     ingress.model.check_prompt(prompt, "messages")

@@ -30,16 +30,17 @@ REFUSED: dict[str, tuple] = {
     # vLLM's sampling extras
     "use_beam_search": (False,), "length_penalty": (1.0,), "early_stopping": (False,), "bad_words": ([],),
     "logits_processors": ([],), "spaces_between_special_tokens": (True,),
-    "prompt_embeds": (), "priority": (0,), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
+    "prompt_embeds": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "structural_tag": (), "logprobs_mode": (),
     # vLLM's chat and completions extras
     "echo": (False,),  # chat's (the last message prepended to the answer); completions' echo is served
     "suffix": ("",), "chat_template": (), "documents": ([],), "mm_processor_kwargs": ({},),
     "return_token_ids": (False,), "kv_transfer_params": (), "cache_salt": (), "vllm_xargs": ({},),
     # OpenAI's
-    "functions": ([],), "function_call": ("none",), "store": (False,), "metadata": ({},), "audio": (),
-    "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "service_tier": ("auto", "default"),
-    "web_search_options": (), "verbosity": (), "prompt_cache_key": (), "safety_identifier": (),
+    "functions": ([],), "function_call": ("none",), "store": (False,), "audio": (),
+    "modalities": (["text"],), "prediction": (), "web_search_options": (),
+    # chat's template variables (declared there), not completions'
+    "reasoning_effort": (), "verbosity": (),
 }
 
 

@@ -24,6 +24,8 @@ from cluster.frontend.http import responses
 from cluster.frontend.http.gate import Gate
 from cluster.frontend.http.metrics import IngressMetrics
 from cluster.frontend.http.protocol import ApiError
+from cluster.frontend.http.request_hints import AdmissionHints
+from cluster.frontend.http.response_store import ResponseStore
 from cluster.frontend.http.served_model import ServedModel
 from cluster.frontend.inbox import Inbox
 from cluster.frontend.request_stream import DELIVERY_S, RequestStream, StreamEvent
@@ -34,8 +36,9 @@ log = logging.getLogger("tandem.ingress")
 class Ingress:
     def __init__(self, client: TandemClient, model: ServedModel, gate: Gate, max_body_bytes: int = 1 << 20,
                  queue_size: int = 4096, request_timeout_s: float = 600.0, hide_cache_hits: bool = False,
-                 tenant_metrics: bool = False):
+                 tenant_metrics: bool = False, stored: ResponseStore | None = None):
         self.client = client
+        self.stored = stored or ResponseStore(1024, 64 << 20)  # `store`: previous_response_id, GET by id
         self.model = model  # what is served, and how a request's prompt and fields are checked (served_model.py)
         # Anonymous users of a public ingress share one prefix cache: a reported hit would tell one
         # what another sent.
@@ -45,7 +48,7 @@ class Ingress:
         self.request_timeout_s = request_timeout_s
         self.gate = gate
         self.metrics = IngressMetrics(tenant_labels=tenant_metrics)  # ingress.metrics_tenant_labels
-        self._users: dict[str, str] = {}  # request id -> the request's `user` (OpenAI's end-user id), for its usage record
+        self._labels: dict[str, dict] = {}  # request id -> who the request is for (`AdmissionHints.labels`), for its usage record
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         return responses.usage(prompt_tokens, completion_tokens, 0 if self.hide_cache_hits else cached_tokens)
@@ -53,14 +56,16 @@ class Ingress:
     # ---- one cluster request ----
 
     async def open(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None,
-                   until: float, own_deadline: bool, arrival: float | None = None) -> RequestStream:
+                   until: float, own_deadline: bool, arrival: float | None = None,
+                   hints: AdmissionHints = AdmissionHints()) -> RequestStream:
         """Admit one cluster request that ends TIMED_OUT at `until` (time.monotonic()), wherever it is:
         the stream keeps that deadline, the scheduler (maybe on another host) gets it on the wall clock.
         `arrival` (time.perf_counter()): when its HTTP request reached the ingress (None: now)."""
         started = time.monotonic()
         # The tenant is the cache salt: no request body can choose another tenant's.
         request = self.client.request(prompt_ids, params, tenant, kv_share=self.gate.kv_share(tenant),
-                                      deadline=time.time() + (until - started))
+                                      deadline=time.time() + (until - started), priority=hints.priority,
+                                      affinity=hints.affinity)
         # Its admission is part of the progress bound, counted from its arrival here: no answer within it is a
         # clean 503, decided a moment before the bound (as a stream's end is) so that it reaches the client in it.
         spent_s = time.perf_counter() - arrival if arrival is not None else 0.0
@@ -121,7 +126,7 @@ class Ingress:
         self.metrics.prefix_queries.inc(len(stream.prompt_token_ids))
         self.metrics.prefix_hits.inc(first.num_cached_tokens)
         log.info("usage %s", json.dumps({
-            "request_id": stream.request_id, "tenant": tenant, "user": self._users.pop(stream.request_id, None),
+            "request_id": stream.request_id, "tenant": tenant, **self._labels.pop(stream.request_id, {}),
             "prompt_tokens": len(stream.prompt_token_ids),
             "cached_tokens": first.num_cached_tokens,
             "generated_tokens": stream.received_tokens,
@@ -133,11 +138,11 @@ class Ingress:
             self.metrics.finished.labels(r.finish_reason or "abort").inc()
 
     async def open_all(self, prompts: list[list[int]], params: SamplingParams, tenant: str | None,
-                       timeout_s: float | None = None, user: str | None = None,
+                       timeout_s: float | None = None, hints: AdmissionHints = AdmissionHints(),
                        arrival: float | None = None) -> list:
-        """Pass the gate, then open one cluster request per prompt; all or nothing. `user`: the client's
-        end-user id, named in each request's usage record; `arrival` (time.perf_counter()): when the HTTP
-        request reached the ingress."""
+        """Pass the gate, then open one cluster request per prompt; all or nothing. `hints`: who the request
+        is for (named in each request's usage record) and how the scheduler should order and route it;
+        `arrival` (time.perf_counter()): when the HTTP request reached the ingress."""
         try:
             params.validate_token_ids(self.model.vocab_size)
         except ValueError as exc:
@@ -153,9 +158,9 @@ class Ingress:
         opened = []
         try:
             for p in prompts:
-                opened.append(await self.open(p, params, tenant, until, own, arrival))
-                if user is not None:
-                    self._users[opened[-1].request_id] = user
+                opened.append(await self.open(p, params, tenant, until, own, arrival, hints))
+                if hints.labels:
+                    self._labels[opened[-1].request_id] = hints.labels
         except BaseException:
             for stream in opened:
                 self.finish(stream, 0.0)

@@ -92,6 +92,12 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # who the request is for and how to admit and route it (request_hints.py)
+    safety_identifier: str | None = Field(None, max_length=64)
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    priority: int = 0  # vLLM's: the admission order among waiting requests, lower first
+    prompt_cache_key: str | None = Field(None, max_length=256)
     ignore_eos: bool = False
     min_tokens: int = 0
     timeout: float | None = Field(None, gt=0, description="seconds before the request ends as timed out; it can "
@@ -244,6 +250,10 @@ class ChatCompletionRequest(_Common):
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call is read back from the answer
+    store: bool | None = None  # kept for GET /v1/chat/completions/{id} (response_store.py); whole answers only
+    # variables of the chat template, where it reads them (gpt-oss's does): a 400 naming them otherwise
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
     # vLLM's template extras (chat_template.py)
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -18,8 +18,27 @@ from cluster.frontend.http.connections import guarded_h11
 from cluster.frontend.http.gate import Gate, tenant_limits
 from cluster.frontend.http.protocol import ApiError
 from cluster.frontend.http.ingress import Ingress
+from cluster.frontend.http.response_store import ResponseStore
 from cluster.frontend.http.served_model import ServedModel
 from cluster.frontend.http.protocol import RequestCaps
+
+
+TANDEM_ROOT = Path(__file__).resolve().parents[3]  # where chat_templates/ ships
+
+
+def read_template(name: str) -> str:
+    """`ingress.chat_template`: a file, a relative path found from the working directory first, then from
+    tandem's own directory (so configs/default.yaml's `chat_templates/...` works from anywhere)."""
+    path = Path(name)
+    candidates = [path] if path.is_absolute() else [path, TANDEM_ROOT / path]
+    for candidate in candidates:
+        try:
+            return candidate.read_text()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise ValueError(f"ingress.chat_template: cannot read {name!r}: {exc.strerror}") from None
+    raise ValueError(f"ingress.chat_template: no file {name!r} (looked in {', '.join(str(c) for c in candidates)})")
 
 
 def served_model_name(cluster: Cluster) -> str:
@@ -53,18 +72,14 @@ def build_ingress(cluster: Cluster, host: str = "127.0.0.1", ingress: IngressSec
     caps = RequestCaps(i.max_n, i.max_prompts, i.max_sequences, i.max_stop_strings, i.max_stop_chars, i.max_logit_bias,
                        i.default_max_tokens, i.unknown_fields == "accept", i.max_allowed_token_ids,
                        i.max_response_logprobs)
-    template = None
-    if i.chat_template is not None:
-        try:
-            template = Path(i.chat_template).read_text()
-        except OSError as exc:
-            raise ValueError(f"ingress.model.chat_template: cannot read {i.chat_template!r}: {exc.strerror}") from None
+    template = None if i.chat_template is None else read_template(i.chat_template)
     client = cluster.client()
     model = ServedModel(served_model_name(cluster), client.tokenizer, max_len, hf["vocab_size"], caps, template,
                         i.tool_call_parser)
     return Ingress(client, model, gate, max_body_bytes=i.max_body_bytes, queue_size=i.stream_queue_tokens,
                    request_timeout_s=i.request_timeout_s, hide_cache_hits=not tenants and host not in LOOPBACK,
-                   tenant_metrics=i.metrics_tenant_labels)
+                   tenant_metrics=i.metrics_tenant_labels,
+                   stored=ResponseStore(i.stored_responses, i.stored_response_bytes))
 
 
 def make_server(cluster: Cluster, host: str, port: int, ingress: IngressSection | None = None,

@@ -2,7 +2,7 @@
 parsed back into OpenAI `tool_calls`.
 
 - `tool_choice` "none": the tools are not offered; "auto" (the default with tools): the model answers as
-  it likes and the configured parser (`ingress.model.tool_call_parser`) finds its calls, so "auto" without a
+  it likes and the configured parser (`ingress.tool_call_parser`) finds its calls, so "auto" without a
   parser is a 400, as in vLLM; "required" or a named function: a grammar (a JSON schema over the tools'
   names and parameters) makes the answer exactly one call, `{"name": ..., "arguments": {...}}`, which
   always parses.
@@ -41,7 +41,7 @@ def plan(req, parser: str | None) -> tuple[list[dict] | None, StructuredOutput |
         return None, None
     if choice == "auto":
         if parser is None:
-            raise ApiError(400, 'tool_choice "auto" needs a tool-call parser: set ingress.model.tool_call_parser '
+            raise ApiError(400, 'tool_choice "auto" needs a tool-call parser: set ingress.tool_call_parser '
                                 f"({' or '.join(PARSERS)})", "tool_choice")
         return tools, None
     functions = [t.function for t in req.tools]

@@ -117,6 +117,14 @@ def _token_ids(api) -> bool:
         [{named(t): lp for t, lp in top.items()} for top in by_id.top_logprobs] == plain.top_logprobs
 
 
+def _stored(api) -> bool:
+    """A chat completion with `store: true` is read back by id; one without is not kept."""
+    kept, not_kept = api.call(store=True), api.call()
+    with pytest.raises(openai.NotFoundError):
+        api.client.chat.completions.retrieve(not_kept.id)
+    return api.client.chat.completions.retrieve(kept.id).choices[0].message.content == kept.choices[0].message.content
+
+
 def _max_tokens(api, name: str) -> bool:
     return api.call(**{name: 5}).usage.completion_tokens == 5 and api.refused(name, **{name: 2048})
 
@@ -144,6 +152,18 @@ COMMON = {
     "logit_bias": lambda api, _: api.text(logit_bias={"300": 100}) == api.tok.decode([300] * 8),
     "allowed_token_ids": lambda api, _: api.text(allowed_token_ids=[300]) == api.tok.decode([300] * 8),
     "user": lambda api, caplog: api.logged(caplog, '"user": "end-user-7"', user="end-user-7"),
+    # who the request is for: in its usage record, as `user`
+    "safety_identifier": lambda api, caplog: api.logged(caplog, '"safety_identifier": "hash-7"',
+                                                        safety_identifier="hash-7"),
+    "metadata": lambda api, caplog: api.logged(caplog, '"metadata": {"run": "7"}', metadata={"run": "7"})
+    and api.refused("metadata", metadata={str(i): "x" for i in range(17)}),
+    # the admission order among waiting requests (tests/cluster/control: a flex request waits behind default
+    # ones) and the worker routed to: carried to the scheduler, and in the usage record
+    "service_tier": lambda api, caplog: api.logged(caplog, '"service_tier": "flex"', service_tier="flex")
+    and api.refused("priority", service_tier="flex", priority=2),
+    "priority": lambda api, caplog: api.logged(caplog, '"priority": -3', priority=-3),
+    "prompt_cache_key": lambda api, caplog: api.logged(caplog, '"prompt_cache_key": "conv-7"',
+                                                       prompt_cache_key="conv-7"),
     "ignore_eos": lambda api, _: api.call(logit_bias={str(EOS): 100}, ignore_eos=False).usage.completion_tokens == 1
     and api.call(logit_bias={str(EOS): 100}).usage.completion_tokens == 8,
     "min_tokens": lambda api, _: api.call(logit_bias={str(EOS): 100}, ignore_eos=False, min_tokens=3)
@@ -196,6 +216,10 @@ CHAT = {
     and api.refused("continue_final_message", messages=ANSWERED, continue_final_message=True),
     "chat_template_kwargs": lambda api, _: api.refused("chat_template_kwargs.enable_thinking",
                                                        chat_template_kwargs={"enable_thinking": False}),
+    "store": lambda api, _: _stored(api) and api.refused("store", store=True, stream=True),
+    # template variables: this model's template reads neither (test_template_fields.py: one that does)
+    "reasoning_effort": lambda api, _: api.refused("reasoning_effort", reasoning_effort="low"),
+    "verbosity": lambda api, _: api.refused("verbosity", verbosity="low"),
 }
 
 

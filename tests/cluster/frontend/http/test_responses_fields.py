@@ -20,6 +20,7 @@ from cluster.frontend.http.responses_request import (
     FORMAT_KEYS,
     ITEM_KEYS,
     PART_KEYS,
+    REASONING_KEYS,
     REFUSED,
     TEXT_KEYS,
     ResponsesRequest,
@@ -112,6 +113,50 @@ def _schema_holds(api: Api, **keys) -> bool:
     return json.loads(api.text(max_output_tokens=20, text=_format("json_schema", **keys))) == {"a": 1}
 
 
+def _called(api: Api, **body) -> list[str]:
+    """The functions a greedy answer called, when offered TOOL (its arguments parse as JSON)."""
+    out = api.call(tools=[TOOL], max_output_tokens=30, **body)
+    calls = [item for item in out.output if item.type == "function_call"]
+    assert all(isinstance(json.loads(c.arguments), dict) and c.call_id for c in calls), calls
+    return [c.name for c in calls]
+
+
+def _logprobs(api: Api, top: int = 0) -> bool:
+    """`include: ["message.output_text.logprobs"]`: a logprob per output token, with `top` alternatives,
+    whole and streamed alike (the chat route's, for the same conversation)."""
+    include = ["message.output_text.logprobs"]
+    part = api.call(include=include, top_logprobs=top).output[0].content[0]
+    streamed = [lp for e in api.call(include=include, top_logprobs=top, stream=True)
+                if e.type == "response.output_text.delta" for lp in e.logprobs]
+    chat = api.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=8,
+                                              temperature=0, logprobs=True, top_logprobs=top).choices[0].logprobs
+    seen = [(t.token, round(t.logprob, 4), len(t.top_logprobs)) for t in part.logprobs]
+    return len(part.logprobs) == 8 and "".join(t.token for t in part.logprobs) == part.text and seen == [
+        (t.token, round(t.logprob, 4), len(t.top_logprobs)) for t in streamed] == [
+        (t.token, round(t.logprob, 4), top) for t in chat.content]
+
+
+def _continued(api: Api) -> bool:
+    """A stored response continued: its input and output come before the new input, as if sent again."""
+    first = api.call()
+    again = api.call(previous_response_id=first.id, input="And then?", max_output_tokens=1)
+    given = [{"role": "user", "content": ASK}, *[item.model_dump(exclude_none=True) for item in first.output],
+             {"role": "user", "content": "And then?"}]
+    return again.previous_response_id == first.id and again.usage.input_tokens == api.input_tokens(input=given)
+
+
+def _stored(api: Api) -> bool:
+    """Kept unless `store: false` (OpenAI's default), read back by id, and deleted."""
+    kept, not_kept = api.call(), api.call(store=False)
+    with pytest.raises(openai.NotFoundError):
+        api.client.responses.retrieve(not_kept.id)
+    read = api.client.responses.retrieve(kept.id)
+    api.client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        api.client.responses.retrieve(kept.id)
+    return kept.store and not not_kept.store and read.output_text == kept.output_text and read.id == kept.id
+
+
 def _max_output_tokens(api: Api) -> bool:
     return api.call(max_output_tokens=5).usage.output_tokens == 5 and \
         api.refused("max_output_tokens", max_output_tokens=4096)
@@ -130,16 +175,34 @@ FIELDS = {
     "seed": lambda api, _: api.sampled() == api.sampled() != api.sampled(seed=4),
     "stream": lambda api, _: _streamed(api),
     "text": lambda api, _: _schema_holds(api),
-    "tools": lambda api, _: api.refused("tools", tools=[TOOL]),
-    "previous_response_id": lambda api, _: api.refused("previous_response_id", previous_response_id="resp_1"),
-    "store": lambda api, _: api.refused("store", store=True) and api.call(store=False).status == "incomplete",
+    # tools, tool_choice and the items and keys of a tool round trip: test_responses_tools.py, with a template
+    # that renders them; here, as on chat, "auto" needs a parser (this server has none)
+    "tools": lambda api, _: api.refused("tool_choice", tools=[TOOL]) and api.refused(
+        "tools[0].type", tools=[{"type": "web_search"}], tool_choice="required"),
+    "tool_choice": lambda api, _: _called(api, tool_choice="required") == ["f"] == _called(
+        api, tool_choice={"type": "function", "name": "f"}) and api.refused("tool_choice", tools=[TOOL],
+                                                                           tool_choice={"type": "web_search"}),
+    "parallel_tool_calls": lambda api, _: _called(api, tool_choice="required", parallel_tool_calls=False) == ["f"],
+    "previous_response_id": lambda api, _: _continued(api) and api.refused("previous_response_id",
+                                                                           previous_response_id="resp_1"),
+    "store": lambda api, _: _stored(api),
     "background": lambda api, _: api.refused("background", background=True),
     "user": lambda api, caplog: api.logged(caplog, '"user": "end-user-7"', user="end-user-7"),
+    "safety_identifier": lambda api, caplog: api.logged(caplog, '"safety_identifier": "hash-7"',
+                                                        safety_identifier="hash-7"),
+    "metadata": lambda api, caplog: api.call(metadata={"run": "7"}).metadata == {"run": "7"} and api.logged(
+        caplog, '"metadata": {"run": "7"}', metadata={"run": "7"}),
+    "service_tier": lambda api, caplog: api.call(service_tier="flex").service_tier == "flex" and api.logged(
+        caplog, '"service_tier": "flex"', service_tier="flex"),
+    "prompt_cache_key": lambda api, caplog: api.logged(caplog, '"prompt_cache_key": "conv-7"',
+                                                       prompt_cache_key="conv-7"),
+    "reasoning": lambda api, _: REASONING["effort"](api),
+    "include": lambda api, _: _logprobs(api) and api.refused("include[0]", include=["reasoning.encrypted_content"]),
+    "top_logprobs": lambda api, _: _logprobs(api, top=2) and api.refused("top_logprobs", top_logprobs=2),
 }
 ITEMS = {
     "type": lambda api: api.input_tokens(input=[{"type": "message", "role": "user", "content": ASK}])
-    == api.input_tokens() and api.refused("input[0].type", input=[{"type": "function_call_output", "role": "user",
-                                                                    "content": "x"}]),
+    == api.input_tokens() and api.refused("input[0].type", input=[{"type": "reasoning", "summary": []}]),
     "role": lambda api: api.input_tokens(input=[{"role": "developer", "content": "Be brief."},
                                                 {"role": "user", "content": ASK}])
     == api.input_tokens(instructions="Be brief.") and api.refused("input[0].role", input=[{"role": "tool",
@@ -160,8 +223,14 @@ PARTS = {
 }
 TEXT = {
     "format": lambda api: _schema_holds(api) and api.text(text=_format("text")) == api.text(),
-    "verbosity": lambda api: api.text(text={"verbosity": "medium"}) == api.text() and api.refused(
-        "text.verbosity", text={"verbosity": "high"}),
+    "verbosity": lambda api: api.refused("text.verbosity", text={"verbosity": "high"}),  # as reasoning.effort
+}
+REASONING = {
+    # a template variable this model's template never reads (test_template_fields.py: one that does)
+    "effort": lambda api: api.refused("reasoning.effort", reasoning={"effort": "low"}) and api.refused(
+        "reasoning.effort", reasoning={"effort": "extreme"}),
+    "summary": lambda api: api.refused("reasoning.summary", reasoning={"summary": "auto"}),
+    "generate_summary": lambda api: api.refused("reasoning.generate_summary", reasoning={"generate_summary": "auto"}),
 }
 FORMATS = {
     "type": lambda api: api.text(max_output_tokens=3, text=_format("json_object")).startswith("{") and not api.text(
@@ -183,7 +252,7 @@ def test_every_field_and_key_has_a_decision():
     """A field added to the request model, or a key to a table of responses_request.py, must get a row here."""
     assert set(ResponsesRequest.model_fields) == set(FIELDS)
     assert set(ITEM_KEYS) == set(ITEMS) and set(PART_KEYS) == set(PARTS) and set(TEXT_KEYS) == set(TEXT)
-    assert set().union(*FORMAT_KEYS.values()) == set(FORMATS)
+    assert set().union(*FORMAT_KEYS.values()) == set(FORMATS) and set(REASONING_KEYS) == set(REASONING)
 
 
 @pytest.mark.parametrize("field", FIELDS)
@@ -192,9 +261,11 @@ def test_each_field_is_honoured_or_refused(api, field, caplog):
 
 
 @pytest.mark.parametrize("where, key", [("item", k) for k in ITEMS] + [("part", k) for k in PARTS]
-                         + [("text", k) for k in TEXT] + [("format", k) for k in FORMATS])
+                         + [("text", k) for k in TEXT] + [("format", k) for k in FORMATS]
+                         + [("reasoning", k) for k in REASONING])
 def test_each_key_inside_is_honoured_or_refused(api, where, key):
-    assert {"item": ITEMS, "part": PARTS, "text": TEXT, "format": FORMATS}[where][key](api) is True
+    tables = {"item": ITEMS, "part": PARTS, "text": TEXT, "format": FORMATS, "reasoning": REASONING}
+    assert tables[where][key](api) is True
 
 
 def test_fields_not_served_are_refused_by_name(api):
@@ -235,4 +306,4 @@ def test_unknown_fields_and_keys_can_be_accepted_and_logged(server, caplog):
                             text={"format": {"type": "text", "bar": 2}}).usage.output_tokens == 2
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warned) == 1 and "foo_bar, input[0].foo, text.format.bar" in warned[0], warned
-        assert api.refused("reasoning", reasoning={"effort": "low"})
+        assert api.refused("include[0]", include=["reasoning.encrypted_content"])
