@@ -4,9 +4,10 @@ One cluster, two tenants behind the real HTTP ingress. Tenant B sends small requ
 streamed; its first token and whole-request latency are measured alone, then while tenant A floods
 (threads each sending many prompts x n per request). Both runs are repeated under two ingress policies on
 the same cluster: `shares` (the defaults: equal KV shares, the default tokens/minute) and `no_shares`
-(each tenant may take the whole pool), so the report shows what the shares change. Reported per policy,
-from one run: B's p50 and p95 loaded / unloaded (first token and whole request), B's failures, A's
-answers by status, and the most KV blocks A held against its share.
+(each tenant may take the whole pool), so the report shows what the shares change. Reported per policy:
+B's p50 and p95 loaded / unloaded (first token and whole request), B's failures, A's answers by status,
+and the most KV blocks A held against its share; with `--runs N`, every run and, per ratio, its median
+and worst over the runs (a bound that holds in one run of two does not hold).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def _slowdown(value: str) -> float | str | None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=str(_CONFIG), help="cluster layout (default: configs/local.yaml)")
     p.add_argument("--probes", type=int, default=10, help="tenant B requests per phase")
+    p.add_argument("--runs", type=int, default=1, help="runs of both policies on the one cluster (median and worst reported)")
     p.add_argument("--tenant-slowdown", type=_slowdown, default="config",
                    help="engine.tenant_slowdown for this run (a number above 1, or none: steps never cut); "
                         "default: the config's")
@@ -56,17 +58,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    smoke={"probes": 3, "flooders": 2, "flood_n": 4, "flood_max_tokens": 8})
 
 
+RATIOS = ("b_ttft_p50_ratio", "b_ttft_p95_ratio", "b_p50_ratio", "b_p95_ratio")
+
+
+def distribution(runs: list[dict]) -> dict:
+    """Per ratio, its median and worst over the runs (a run where every B request failed counts as worst)."""
+    out = {}
+    for key in RATIOS:
+        values = [run[key] for run in runs]
+        seen = sorted(v for v in values if v is not None)
+        out[key] = {"median": statistics.median(seen) if seen else None,
+                    "worst": None if None in values or not seen else seen[-1], "runs": values}
+    return out
+
+
 def summarize(r: dict) -> str:
     parts = []
+    for name, runs in r.get("runs", {}).items():
+        d = distribution(runs)
+        parts.append(f"{name} over {len(runs)} runs: B's first token p50 median {_x(d['b_ttft_p50_ratio']['median'])}, "
+                     f"worst {_x(d['b_ttft_p50_ratio']['worst'])} (p95 worst {_x(d['b_ttft_p95_ratio']['worst'])}); "
+                     f"whole request p50 median {_x(d['b_p50_ratio']['median'])}, worst {_x(d['b_p50_ratio']['worst'])}")
     for name, p in r["policies"].items():
-        def x(v: float | None) -> str:
-            return "n/a (every request failed)" if v is None else f"x{v:.2f}"
-
-        parts.append(f"{name}: B's first token p50 {x(p['b_ttft_p50_ratio'])} (p95 {x(p['b_ttft_p95_ratio'])}), "
-                     f"whole request p50 {x(p['b_p50_ratio'])} (p95 {x(p['b_p95_ratio'])}) under A's flood, "
-                     f"B failed {p['b_failed']}, A answered {p['a_statuses']}, A held <= {p['a_peak_blocks']} of "
-                     f"{p['pool_blocks']} blocks")
+        parts.append(f"{name}{' (last run)' if r.get('runs') else ''}: B's first token p50 {_x(p['b_ttft_p50_ratio'])} "
+                     f"(p95 {_x(p['b_ttft_p95_ratio'])}), whole request p50 {_x(p['b_p50_ratio'])} "
+                     f"(p95 {_x(p['b_p95_ratio'])}) under A's flood, B failed {p['b_failed']}, A answered "
+                     f"{p['a_statuses']}, A held <= {p['a_peak_blocks']} of {p['pool_blocks']} blocks")
     return "; ".join(parts)
+
+
+def _x(v: float | None) -> str:
+    return "n/a (every request failed)" if v is None else f"x{v:.2f}"
 
 
 def _policy(name: str) -> IngressSection:
@@ -216,11 +238,17 @@ def bench(args: argparse.Namespace) -> dict:
         engine = engine.model_copy(update={"tenant_slowdown": args.tenant_slowdown})
     cluster = Cluster.start(config.model_copy(update={"scheduler": scheduler, "engine": engine}))
     try:
-        policies = {name: _run_policy(cluster, name, args) for name in ("no_shares", "shares")}
+        runs: dict[str, list[dict]] = {"no_shares": [], "shares": []}
+        for _ in range(args.runs):
+            for name in runs:
+                runs[name].append(_run_policy(cluster, name, args))
         state = cluster.check_integrity()
     finally:
         cluster.shutdown()
-    return {"policies": policies, "scheduler_in_flight_after": state["scheduler"]["in_flight"],
+    policies = {name: done[-1] for name, done in runs.items()}  # the last run, as a single run reports it
+    return {"policies": policies, "runs": runs if args.runs > 1 else {},
+            "distribution": {name: distribution(done) for name, done in runs.items()},
+            "scheduler_in_flight_after": state["scheduler"]["in_flight"],
             "tenant_slowdown": engine.tenant_slowdown,
             "flood": {"threads": args.flooders, "prompts": args.flood_prompts, "n": args.flood_n,
                       "max_tokens": args.flood_max_tokens}}
