@@ -28,7 +28,7 @@ from collections import OrderedDict
 import torch
 
 from actors.engine.grammar_ambiguity import ambiguity_problem
-from actors.protocol.structured_output import StructuredOutput
+from actors.protocol.structured_output import BUDGET_SPENT, StructuredOutput
 
 log = logging.getLogger("tandem.engine")
 CACHE_ENTRIES = 256
@@ -175,7 +175,7 @@ class GrammarState:
         self.tokens += 1
         allowed_s = (self.tokens + GRACE_TOKENS) * self.budget_s_per_token
         if self.failure is None and self.spent_s > allowed_s:
-            self.failure = (f"structured output: the {self.spec.kind} {_excerpt(self.spec.spec)} took "
+            self.failure = (f"{BUDGET_SPENT}the {self.spec.kind} {_excerpt(self.spec.spec)} took "
                             f"{self.spent_s * 1000:.0f} ms of engine time over {self.tokens} tokens, past its "
                             f"budget of {self.budget_s_per_token * 1000:g} ms per token "
                             f"(engine.grammar_ms_per_token); make it less ambiguous")

@@ -29,6 +29,10 @@ COUNT_KEYWORDS = ("maxLength", "minLength", "maxItems", "minItems", "maxProperti
 # {m}, {m,} and {m,n} not preceded by a backslash (an escaped brace is a literal one)
 _QUANTIFIER = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
+# How a sequence whose grammar spent its engine-time budget ends (actors/engine/structured.py): the
+# client's grammar, not the cluster, failed it, so the ingress answers 400 for it (lifecycle.py).
+BUDGET_SPENT = "structured output over its budget: "
+
 
 @dataclass(frozen=True)
 class StructuredOutput:

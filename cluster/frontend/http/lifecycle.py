@@ -8,6 +8,7 @@ import asyncio
 from fastapi import Request
 
 from actors.protocol.request_status import RequestStatus
+from actors.protocol.structured_output import BUDGET_SPENT
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.protocol import ApiError
 
@@ -47,4 +48,6 @@ def raise_if_failed(result, own_timeout: bool) -> None:
     if result.status == RequestStatus.TIMED_OUT:
         raise ApiError(408 if own_timeout else 504, result.error or "the request ran past its deadline", None, "timeout")
     if result.finish_reason == "error":
+        if result.error and result.error.startswith(BUDGET_SPENT):  # its own grammar ended it
+            raise ApiError(400, result.error.removeprefix(BUDGET_SPENT), None)
         raise ApiError(500, f"the request failed in the cluster: {result.error}", None, "server_error")

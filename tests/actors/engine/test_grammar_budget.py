@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+from actors.protocol.structured_output import BUDGET_SPENT
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.engine.sampling import AllowedMasks, Sampler, SamplingRow
@@ -67,7 +68,7 @@ def test_a_grammar_past_its_budget_ends_failed_naming_it_and_frees_its_blocks(en
         out = finished[("hidden", index)]
         assert out.status == RequestStatus.FAILED, (index, out.status, out.num_output_tokens)
         assert out.finish_reason == "error"
-        assert out.stop_reason.startswith(f"structured output: the grammar {HIDDEN_AMBIGUITY!r} took "), out.stop_reason
+        assert out.stop_reason.startswith(f"{BUDGET_SPENT}the grammar {HIDDEN_AMBIGUITY!r} took "), out.stop_reason
         assert f"past its budget of {DEFAULT_MS_PER_TOKEN:g} ms per token (engine.grammar_ms_per_token)" in out.stop_reason
         assert GRACE_TOKENS < out.num_output_tokens < 600, out.num_output_tokens
     assert not engine.is_live("hidden") and engine.kv.num_free_blocks == free_before
