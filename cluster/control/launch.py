@@ -109,6 +109,7 @@ class Cluster:
             local_prefill_max_tokens=config.scheduler.local_prefill_max_tokens,
             local_prefill_overflow_s=config.scheduler.local_prefill_overflow_s,
             tenant_turns=engine.tenant_slowdown is not None and engine.enable_chunked_prefill,
+            step_tokens=engine.max_num_batched_tokens,
             prefill_s_per_token=config.scheduler.prefill_s_per_token,
             transfer_bytes_per_s=config.scheduler.transfer_bytes_per_s,
             heartbeat_timeout_s=config.scheduler.heartbeat_timeout_s,

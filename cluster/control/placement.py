@@ -130,7 +130,7 @@ class Placer:
                                 self.typical_cost("prefill"), next(self._turn),
                                 local=decode if local_ok else None, local_penalty=self.s.local_prefill_penalty,
                                 local_max_tokens=self.s.local_prefill_max_tokens, tenant=tenant,
-                                local_overflow_s=overflow_s)
+                                local_overflow_s=overflow_s, step_tokens=self.s.step_tokens)
             if served is not None:
                 plan = self._affine_prefill(plan, served, prefill_pool, decode, cached, prompt_len, transfer_s, tenant)
         else:

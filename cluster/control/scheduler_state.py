@@ -35,6 +35,7 @@ class SchedulerSettings:
     local_prefill_max_tokens: int | None = _DEFAULTS.local_prefill_max_tokens  # None: any prompt
     local_prefill_overflow_s: float | None = _DEFAULTS.local_prefill_overflow_s  # None: no overflow
     tenant_turns: bool = False  # the workers' batchers take tenants in turn (engine.tenant_slowdown set)
+    step_tokens: int | None = None  # the most prompt tokens one prefill step computes (engine.max_num_batched_tokens)
     max_predicted_ttft_s: float | None = None  # shed requests predicted to miss this (None: no shedding)
     curve_keys: CurveKeys | None = None  # the data plane's keys: clients that join later fetch them here
     host: str = "127.0.0.1"  # the address the clients' socket binds (`transfer.host`)

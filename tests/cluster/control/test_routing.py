@@ -61,6 +61,25 @@ def test_another_tenants_flood_counts_only_as_far_as_the_worker_would_serve_it_f
     assert fair.predicted_ttft_s == pytest.approx(200 * COST)
 
 
+def test_another_tenants_step_in_flight_is_waited_out_whole():
+    """A prefill step is no one's to share: behind a's flood, b's 8-token prompt may wait a whole step of a's
+    (2,048 tokens here), so it is prefilled on the decode worker, though that worker's measured cost per
+    token (short prompts: the step's overhead) is ten times the prefill worker's."""
+    flooded = WorkerView("prefill-a", "prefill", 100, 100, queued_prefill_tokens=24_000, queued_by_tenant={"a": 24_000},
+                         prefill_s_per_token=COST)
+    decode = WorkerView("decode-0", "decode", 100, 100, prefill_s_per_token=10 * COST)
+    assert predicted_ttft(flooded, 8, 0, COST, 0.0, "b", step_tokens=2048) == pytest.approx(2056 * COST)
+    assert predicted_ttft(flooded, 8, 0, COST, 0.0, "b", step_tokens=4) == pytest.approx(16 * COST)  # the fair share
+    without = plan_prefill("cache_aware", [flooded], {}, 8, 0.001 * COST, COST, 0, local=decode, local_penalty=1.0,
+                           local_max_tokens=512, tenant="b")
+    with_step = plan_prefill("cache_aware", [flooded], {}, 8, 0.001 * COST, COST, 0, local=decode, local_penalty=1.0,
+                             local_max_tokens=512, tenant="b", step_tokens=2048)
+    assert (without.local, with_step.local) == (False, True)
+    assert with_step.predicted_ttft_s == pytest.approx(80 * COST)
+    # a's own prompt waits for its whole queue either way; nobody else's step is in flight for it
+    assert predicted_ttft(flooded, 8, 0, COST, 0.0, "a", step_tokens=2048) == pytest.approx(24_008 * COST)
+
+
 def test_a_long_uncached_prompt_is_never_prefilled_on_the_decode_worker():
     """However deep the prefill queues, a decode worker does not take a prefill longer than the bound: its
     step would stall every token it decodes meanwhile (and every reservation asked of it)."""
