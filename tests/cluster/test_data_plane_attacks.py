@@ -26,7 +26,7 @@ from cluster.control.launch import Cluster
 from kv_transfer.curve import CurveKeys, rejected_handshakes
 from kv_transfer.page_format import PageSpec, TransferError, TransferHeader, encode_header
 from kv_transfer.zmq_transport import ZmqKVSender
-from tests.helpers.cluster import load, wait_until_idle, workload
+from tests.helpers.cluster import collect_tokens, load, wait_until_idle, workload
 from tests.helpers.sockets import offer, stranger
 
 
@@ -47,14 +47,6 @@ def _spray(endpoint: str) -> None:
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as raw:
         raw.sendall(b"\xc1 not msgpack" * 1000)
-
-
-def _collect(client, handle) -> list[int]:
-    tokens = []
-    for event in client.events(handle, timeout_s=300):
-        assert event.error is None, event.error
-        tokens += event.token_ids
-    return tokens
 
 
 def test_strangers_cannot_inject_tokens_or_pages(cluster, expected):
@@ -83,7 +75,7 @@ def test_strangers_cannot_inject_tokens_or_pages(cluster, expected):
                        src, [0], timeout_s=1.0)
         for endpoint in (client.sink, kv_endpoint):
             _spray(endpoint)
-        outputs = [_collect(client, handle) for handle in submitted]
+        outputs = [collect_tokens(client, handle) for handle in submitted]
     finally:
         for closable in (*publishers, pages):
             closable.close()
@@ -114,7 +106,7 @@ def test_strangers_cannot_submit_or_abort_at_the_scheduler(cluster, expected):
         offer(attacker, encode(SubmitBatch(flood)))
         offer(attacker, encode(AbortRequests(0, tuple(s.request_id for s in submitted))))
         _spray(port)
-        outputs = [_collect(client, handle) for handle in submitted]
+        outputs = [collect_tokens(client, handle) for handle in submitted]
     finally:
         attacker.close(linger=0)
 

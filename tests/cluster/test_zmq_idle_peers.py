@@ -21,7 +21,7 @@ import zmq
 
 from cluster.control.launch import Cluster
 from kv_transfer.curve import HANDSHAKE_TIMEOUT_S
-from tests.helpers.cluster import load, wait_until_idle, workload
+from tests.helpers.cluster import collect_tokens, load, wait_until_idle, workload
 from tests.helpers.sockets import stranger
 
 RAW_PER_PORT = 300
@@ -67,14 +67,6 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _collect(client, handle) -> list[int]:
-    tokens = []
-    for event in client.events(handle, timeout_s=300):
-        assert event.error is None, event.error
-        tokens += event.token_ids
-    return tokens
-
-
 def _closed_by_server(sock: socket.socket) -> bool:
     try:
         return sock.recv(65536) == b""
@@ -88,7 +80,7 @@ def test_idle_and_refused_peers_are_dropped_within_the_handshake_bound(cluster, 
     assert cluster.keys is not None
     client = cluster.client()
     prompts, params = workload()
-    assert [_collect(client, client.submit(p, sp)) for p, sp in zip(prompts, params)] == expected  # warm
+    assert [collect_tokens(client, client.submit(p, sp)) for p, sp in zip(prompts, params)] == expected  # warm
     scheduler_port = ray.get(cluster.scheduler.client_port.remote(), timeout=30).endpoint
     kv_port = ray.get(cluster.workers["decode-0"].info.remote(), timeout=30).kv_endpoints[0].endpoint
     kinds = {scheduler_port: zmq.DEALER, kv_port: zmq.PUSH}
@@ -103,7 +95,7 @@ def test_idle_and_refused_peers_are_dropped_within_the_handshake_bound(cluster, 
             raw += [socket.create_connection(_port(endpoint), timeout=10) for _ in range(RAW_PER_PORT)]
             wrong += [stranger(endpoint, cluster.keys.public, kind) for _ in range(WRONG_KEYS_PER_PORT)]
         held = {endpoint: _fds(pid) - baseline[endpoint] for endpoint, pid in targets.items()}
-        outputs = [_collect(client, client.submit(p, sp)) for p, sp in zip(prompts, params)]
+        outputs = [collect_tokens(client, client.submit(p, sp)) for p, sp in zip(prompts, params)]
         for sock in wrong:  # they would reconnect (and be refused) for as long as they live
             sock.close(linger=0)
         for sock in raw:

@@ -161,3 +161,12 @@ class ClosedLoop:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         running = [t.name for t in self._threads if t.is_alive()]
         assert not running, f"closed-loop threads still running after {timeout_s:g} s: {running} ({self.done} done)"
+
+
+def collect_tokens(client, handle, timeout_s: float = 300.0) -> list[int]:
+    """A submitted request's tokens through the cluster client; any error event fails the test."""
+    tokens = []
+    for event in client.events(handle, timeout_s=timeout_s):
+        assert event.error is None, event.error
+        tokens += event.token_ids
+    return tokens
