@@ -281,6 +281,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.batcher.check_integrity()
+        self.sampler.check_integrity()
         in_flight = self._stepper.in_flight
         launched = in_flight.pending_counts() if in_flight is not None else {}
         wrong = [s.seq_id for s in self._requests.sequences() if s.num_pending != launched.get(id(s), 0)]

@@ -97,6 +97,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         return self.draw(logits, rows).results()
 
+    def check_integrity(self) -> None:
+        """The state it keeps across steps: the allowed-token masks, and the compiled grammars' cache."""
+        self.allowed_masks.check_integrity()
+        if self.grammars is not None:
+            self.grammars.check_integrity()
+
     def draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> Draw:
         """Choose every row's token where the logits are; `Draw.results()` brings them to the host. On a
         GPU the greedy path queues its work without waiting for it (overlapped steps rely on that)."""
