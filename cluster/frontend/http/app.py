@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -187,8 +188,6 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
     async def chat(req: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         tenant = tenant_of(request)
-        if req.store and req.stream:
-            raise ApiError(400, "store: true keeps whole answers here, not streamed ones", "store")
         chat = await prepare_chat(ingress, req)
         prompt, calls = chat.prompt, chat.calls
         entries = responses.check_logprob_entries(ingress.model.caps.max_response_logprobs, [len(prompt)], req.n,
@@ -196,15 +195,11 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
                                                   echo_logprobs=False)
         (stream,) = await ingress.open_all([prompt], chat.params, tenant, req.timeout, hints_of(req), arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        if req.stream:
-            return sse(chat_chunks(ingress, stream, rid, req, arrival, calls),
-                        lambda: ingress.finish(stream, arrival))
-        await run_unless_disconnected(request, ingress, [stream], arrival)
-        for r in stream.results:
-            raise_if_failed(r, stream.own_deadline)
-        usage = ingress.usage(len(prompt), sum(len(r.token_ids) for r in stream.results), stream.results[0].num_cached_tokens)
 
-        def body() -> dict:
+        def whole() -> dict:
+            """The whole answer's body (a streamed one's too, for `store`), kept when `store` asks."""
+            usage = ingress.usage(len(prompt), sum(len(r.token_ids) for r in stream.results),
+                                  stream.results[0].num_cached_tokens)
             pieces, choices = responses.PieceCache(ingress.model.tokenizer), []
             for r in stream.results:
                 lp = responses.chat_logprobs(pieces, r.logprobs, req.return_tokens_as_token_ids) if req.logprobs else None
@@ -216,7 +211,15 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
             if req.store:
                 ingress.stored.put(tenant, built)
             return built
-        return await responses.json_response(body, entries)
+
+        if req.stream:
+            chunks = chat_chunks(ingress, stream, rid, req, arrival, calls)
+            return sse(_stored_after(chunks, stream, whole) if req.store else chunks,
+                       lambda: ingress.finish(stream, arrival))
+        await run_unless_disconnected(request, ingress, [stream], arrival)
+        for r in stream.results:
+            raise_if_failed(r, stream.own_deadline)
+        return await responses.json_response(whole, entries)
 
     @app.get("/v1/chat/completions/{completion_id}", response_model=None,
              responses=documented(ChatCompletionResponse, 401, 404))
@@ -234,6 +237,14 @@ def _log_refusal(request: Request, status: int, message: str) -> None:
     a wrong model name, a schema it cannot meet); 5xx are logged where they happen, with the traceback."""
     if 400 <= status < 500:
         log.info("%s %s -> %d: %s", request.method, request.url.path, status, message[:300])
+
+
+async def _stored_after(chunks: AsyncIterator[dict], stream, keep) -> AsyncIterator[dict]:
+    """A streamed answer's chunks, then (every choice ended well) `keep()` on a worker thread: `store`."""
+    async for chunk in chunks:
+        yield chunk
+    if all(r.finish_reason in ("stop", "length") for r in stream.results):
+        await asyncio.to_thread(keep)
 
 
 async def _ref(ref):

@@ -250,7 +250,7 @@ class ChatCompletionRequest(_Common):
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call is read back from the answer
-    store: bool | None = None  # kept for GET /v1/chat/completions/{id} (response_store.py); whole answers only
+    store: bool | None = None  # kept for GET /v1/chat/completions/{id} (response_store.py), streamed ones too
     # variables of the chat template, where it reads them (gpt-oss's does): a 400 naming them otherwise
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
