@@ -42,6 +42,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import OrderedDict
 from typing import Sequence
 
 import torch
@@ -62,8 +63,13 @@ _DIR_PREFIX = "tandem-kv-"  # + the owner's pid + "-": ipc socket directories
 _HEADER_SLACK = 1 << 20  # ids, spec and the caller's note: far under this for any real transfer
 
 
+_MAX_SOCKETS = 64  # destinations a sender keeps a socket to; the one unused longest is closed past it
+
+
 class ZmqKVSender(KVSender):
-    """One PUSH socket per destination endpoint, created on first use and reused.
+    """One PUSH socket per destination endpoint, created on first use and reused, at most `_MAX_SOCKETS`
+    (least recently used closed first): a restarted decode worker listens at a new endpoint, and a socket
+    kept for the old one would try to reconnect to it for the life of the process.
 
     Not thread-safe (zmq sockets are not): use a sender from one thread at a time, or one per thread.
     shm: put the pages in shared memory for receivers that offer it (one host, one user); `shm_lane_bytes`
@@ -75,7 +81,7 @@ class ZmqKVSender(KVSender):
         self._ctx = context or zmq.Context.instance()
         self._keys = keys
         self._close_linger_ms = int(close_linger_s * 1000)
-        self._sockets: dict[str, zmq.Socket] = {}
+        self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()  # least recently used first
         self._shm = ShmLanes(shm_lane_bytes) if shm else None
 
     @property
@@ -126,7 +132,12 @@ class ZmqKVSender(KVSender):
 
     def _socket(self, endpoint: str) -> zmq.Socket:
         sock = self._sockets.get(endpoint)
-        if sock is None:
+        if sock is not None:
+            self._sockets.move_to_end(endpoint)
+        else:
+            while len(self._sockets) >= _MAX_SOCKETS:
+                _, oldest = self._sockets.popitem(last=False)
+                oldest.close(linger=self._close_linger_ms)  # what it still queues gets the close's linger
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.LINGER, 0)

@@ -13,7 +13,7 @@ import ray.util
 import torch
 
 from kv_transfer.page_format import PageFormatError, TransferError, encode_header
-from kv_transfer.zmq_transport import ZmqKVSender
+from kv_transfer.zmq_transport import _MAX_SOCKETS, ZmqKVSender
 from tests.kv_transfer import WAIT_S, apply_transfer, bit_equal, clone_caches, header_for, make_caches
 from tests.helpers.sockets import raw_push
 
@@ -71,6 +71,21 @@ def test_sender_reuses_one_socket_per_endpoint(make_receiver, sender):
     assert sender.open_endpoints == (a.rx.endpoint, b.rx.endpoint)
     assert [a.next_event()[1].transfer_id for _ in range(3)] == ["a0", "a1", "a2"]
     assert [b.next_event()[1].transfer_id for _ in range(3)] == ["b0", "b1", "b2"]
+
+
+def test_sockets_to_endpoints_no_longer_used_are_closed_past_the_cap(make_receiver, sender, tmp_path):
+    """A restarted receiver listens at a new endpoint; the sender closes the socket unused longest once it
+    keeps _MAX_SOCKETS, instead of one per receiver it ever sent to (each reconnecting to a dead address)."""
+    src = make_caches(seed=1)
+    live = make_receiver(make_caches(seed=2))
+    sender.send(live.rx.endpoint, header_for(src, [0], "first"), src, [0], timeout_s=5.0)
+    gone = [f"ipc://{tmp_path}/gone-{i}" for i in range(_MAX_SOCKETS)]  # peers since restarted elsewhere
+    for endpoint in gone:
+        sender._socket(endpoint)
+    assert sender.open_endpoints == tuple(gone)  # the live one was unused longest: closed
+    sender.send(live.rx.endpoint, header_for(src, [1], "again"), src, [1], timeout_s=5.0)  # a new socket
+    assert [live.next_event()[1].transfer_id for _ in range(2)] == ["first", "again"]
+    assert len(sender.open_endpoints) == _MAX_SOCKETS and sender.open_endpoints[-1] == live.rx.endpoint
 
 
 def test_concurrent_senders(make_receiver):
