@@ -51,12 +51,21 @@ class WorkerRegistry:
         return dict(self._workers)
 
     def views(self, role: str) -> list[WorkerView]:
-        """The role's workers that take new work."""
-        return list(self._pools.get(role, {}).values())
+        """The role's workers that take new work: registered, not draining, and not `stalled`."""
+        now = time.monotonic()
+        return [v for wid, v in self._pools.get(role, {}).items() if not self._stalled(wid, now)]
 
     def view(self, role: str, worker_id: str) -> WorkerView | None:
         """The worker's view if it is of `role` and takes new work."""
-        return self._pools.get(role, {}).get(worker_id)
+        view = self._pools.get(role, {}).get(worker_id)
+        return None if view is None or self._stalled(worker_id, time.monotonic()) else view
+
+    def _stalled(self, worker_id: str, now: float) -> bool:
+        """Its engine has sent no report for half the progress bound. Clients move a request silent that
+        long (cluster/frontend/request_stream.py), so the worker looks idle once its requests moved away;
+        placed there again, a moved request would wait out the same step. It takes work again at its next
+        report, or is declared lost at the full bound."""
+        return now - self._workers[worker_id].last_report > self._progress_timeout_s / 2
 
     def pool_size(self, role: str) -> int:
         return len(self._pools.get(role, ()))

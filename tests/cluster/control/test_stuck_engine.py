@@ -31,7 +31,7 @@ def test_an_engine_stuck_past_the_progress_bound_is_routed_around_and_fenced(ray
         worker = cluster.workers["prefill-0"]
         ray.get(worker.inject_fault.remote("slow_step", 10.0), timeout=30)
         (result,) = cluster.client().generate([prompt], GREEDY, timeout_s=60)[0]
-        assert result.token_ids == expected.outputs[0].token_ids and result.finish_reason == "length"
+        assert result.token_ids == expected.outputs[0].token_ids and result.finish_reason == "length", (result.status, result.error)
         # (the client moved it at half the bound already; the worker is judged at the full bound)
         deadline = time.monotonic() + 30
         while ray.get(cluster.scheduler.state.remote(), timeout=10).counters.workers_lost < 1:
