@@ -162,7 +162,10 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
             0 if req.scores_only else max_tokens, req.logprobs, req.prompt_logprobs, req.echo and req.logprobs is not None)
         opened = await ingress.open_all(prompts, params, tenant, req.timeout, hints_of(req), arrival)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        echo_texts = [ingress.model.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
+        echo_texts = [""] * len(prompts)
+        if req.echo:  # (prompts as long as the context: decoded on a worker thread, as the bodies that show them)
+            echo_texts = await asyncio.to_thread(
+                lambda: [ingress.model.tokenizer.decode(p, skip_special_tokens=True) for p in prompts])
         if req.stream:
             return sse(completion_chunks(ingress, opened, rid, req, echo_texts, arrival),
                         lambda: [ingress.finish(st, arrival) for st in opened])

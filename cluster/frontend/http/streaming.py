@@ -7,6 +7,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, AsyncIterator
 
+import msgspec
 from fastapi.responses import StreamingResponse
 
 from cluster.frontend.http import responses
@@ -19,14 +20,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.ingress")
 
 
-def sse(chunks: AsyncIterator[dict], on_close) -> StreamingResponse:
-    """Server-sent events; `on_close` runs however the stream ends (done, error, client gone). A failure
-    after the 200 went out cannot change the status: it ends the stream with an error event (the
-    OpenAI envelope), then [DONE], never a cut-off connection."""
+def sse(chunks: AsyncIterator[dict | bytes], on_close) -> StreamingResponse:
+    """Server-sent events; `on_close` runs however the stream ends (done, error, client gone). A chunk is a
+    body to encode, or an event encoded already (`encoded_event`). A failure after the 200 went out cannot
+    change the status: it ends the stream with an error event (the OpenAI envelope), then [DONE], never a
+    cut-off connection."""
     async def body():
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
+                yield chunk if isinstance(chunk, bytes) else f"data: {json.dumps(chunk)}\n\n".encode()
         except Exception as exc:  # noqa: BLE001 (a bug: logged, told to the client in the stream)
             log.exception("a stream failed after it started")
             error = ApiError(500, f"internal error while streaming ({type(exc).__name__})", None, "server_error")
@@ -36,6 +38,14 @@ def sse(chunks: AsyncIterator[dict], on_close) -> StreamingResponse:
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def encoded_event(build, entries: int) -> dict | bytes:
+    """The chunk `build` makes: as is when small, else built and encoded on a worker thread (as a whole
+    body, responses.json_response), so a streamed echo of a long prompt's logprobs stalls no other stream."""
+    if entries <= responses.OFF_LOOP_ENTRIES:
+        return build()
+    return await asyncio.to_thread(lambda: b"data: " + msgspec.json.encode(build()) + b"\n\n")
 
 
 async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
@@ -76,12 +86,17 @@ async def completion_chunks(ingress: Ingress, opened, rid: str, req: CompletionR
             # The prompt goes out with the first token (when its logprobs, computed in prefill, exist too).
             echoed.add(index)
             stream = opened[i]
-            lp = None
-            if req.logprobs is not None:
-                entries = responses.echoed_prompt_entries(stream.prompt_token_ids, stream.results[0].prompt_logprobs)
-                lp = responses.completion_logprobs(ingress.model.tokenizer, entries, 0, req.return_tokens_as_token_ids)
-            yield responses.completion_body(rid, model, [{"index": index, "text": echo_texts[i], "logprobs": lp,
-                                                          "finish_reason": None}], None)
+
+            def echo_chunk() -> dict:
+                lp = None
+                if req.logprobs is not None:
+                    entries = responses.echoed_prompt_entries(stream.prompt_token_ids, stream.results[0].prompt_logprobs)
+                    lp = responses.completion_logprobs(responses.PieceCache(ingress.model.tokenizer), entries, 0,
+                                                       req.return_tokens_as_token_ids)
+                return responses.completion_body(rid, model, [{"index": index, "text": echo_texts[i], "logprobs": lp,
+                                                               "finish_reason": None}], None)
+            scored = len(stream.prompt_token_ids) * (1 + req.logprobs) if req.logprobs is not None else 0
+            yield await encoded_event(echo_chunk, scored)
         if req.scores_only:
             if ev.finished:
                 yield responses.completion_body(rid, model, [{"index": index, "text": "", "logprobs": None,

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -89,6 +90,67 @@ def test_the_configured_bound_holds_for_chat_and_streams(server):
         message = _refused(httpx.post(url + CMPL, json=cmpl, timeout=60), "prompt_logprobs")
         assert "(600 prompt tokens scored (prompt_logprobs)) x n 1 x (1 + 20 top logprobs) = 12,600" in message
     wait_until_idle(server[0])
+
+
+def _largest_gap_beside(url: str, ask) -> tuple[float, int, object]:
+    """`ask()`'s answer, with the largest gap between an innocent stream's lines while it ran."""
+    short = list(range(100, 120))
+    gaps: list[float] = []
+    stop, failures = threading.Event(), []
+
+    def innocent() -> None:
+        try:
+            while not stop.is_set():
+                last = time.perf_counter()
+                with httpx.stream("POST", url + CMPL, timeout=120, json={
+                        "model": MODEL, "prompt": "hello", "max_tokens": 100, "temperature": 0, "stream": True,
+                        "ignore_eos": True}) as r:
+                    for _ in r.iter_lines():
+                        now = time.perf_counter()
+                        gaps.append(now - last)
+                        last = now
+        except Exception as exc:  # seen by the test, not lost in the thread
+            failures.append(exc)
+
+    thread = threading.Thread(target=innocent, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while len(gaps) < 20:
+        assert time.monotonic() < deadline and not failures, f"the innocent stream never flowed: {failures}"
+        time.sleep(0.05)
+    try:
+        answer = ask()
+    finally:
+        measured = list(gaps)
+        stop.set()
+        thread.join(timeout=120)
+    assert not thread.is_alive() and not failures, failures
+    return max(measured), len(measured), answer
+
+
+def test_a_large_streamed_echo_does_not_stall_another_stream(server):
+    """A streamed echo sends each prompt's logprobs in its first chunk: here 32 chunks of 10.5k entries (1 MB
+    of JSON each), built and encoded on a worker thread (the old code built them on the loop; chunks this
+    size interleave with other streams either way, ~1 s gaps here: the unit test below pins the thread),
+    and read back whole."""
+    cluster, url = server
+    body = {"model": MODEL, "prompt": _prompts(8, 500), "max_tokens": 4, "n": 4, "echo": True, "logprobs": 20,
+            "temperature": 0, "stream": True}
+
+    def ask() -> list[dict]:
+        with httpx.stream("POST", url + CMPL, json=body, timeout=300) as r:
+            assert r.status_code == 200, r.read()[:300]
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+    gap, lines, chunks = _largest_gap_beside(url, ask)
+    print(f"\n{len(chunks)} chunks; innocent stream's largest gap {gap:.2f} s over {lines} lines")
+    echoed = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+              and len(c["choices"][0]["logprobs"]["tokens"]) == 500]
+    assert sorted(choice["index"] for choice in echoed) == list(range(32))
+    for choice in echoed:
+        assert choice["logprobs"]["token_logprobs"][0] is None and len(choice["logprobs"]["top_logprobs"][1]) >= 20
+    assert gap < HANG_BOUND_S  # a hang bound, not a timing claim
+    wait_until_idle(cluster)
 
 
 def test_a_large_allowed_body_does_not_stall_another_stream(server):
@@ -185,3 +247,23 @@ def test_the_engine_bounds_token_id_lists_without_the_ingress():
         with pytest.raises(ValueError, match=f"{field}: {VOCAB + 1} token ids, more than the vocabulary's {VOCAB}"):
             SamplingParams(**{field: value}).validate_token_ids(VOCAB)
     SamplingParams(allowed_token_ids=tuple(range(VOCAB))).validate_token_ids(VOCAB)
+
+
+def test_a_large_chunk_is_built_and_encoded_off_the_event_loop():
+    """What keeps a streamed echo of a 1M-entry prompt (~100 MB, seconds of encoding) off the loop: the chunk's
+    builder runs on a worker thread past OFF_LOOP_ENTRIES, on the loop below it, and both read the same."""
+    import asyncio
+
+    from cluster.frontend.http.responses import OFF_LOOP_ENTRIES
+    from cluster.frontend.http.streaming import encoded_event
+
+    built_on: list[threading.Thread] = []
+
+    def build() -> dict:
+        built_on.append(threading.current_thread())
+        return {"choices": [{"index": 0, "logprobs": {"token_logprobs": [None, -1.5]}}]}
+
+    small = asyncio.run(encoded_event(build, OFF_LOOP_ENTRIES))
+    large = asyncio.run(encoded_event(build, OFF_LOOP_ENTRIES + 1))
+    assert built_on[0] is threading.main_thread() and built_on[1] is not threading.main_thread()
+    assert large.startswith(b"data: ") and large.endswith(b"\n\n") and json.loads(large[6:]) == small
