@@ -93,10 +93,14 @@ def main(argv=None) -> None:
                       flush=True)
         finally:
             stop.set()
-            if proc is not None:
+            if proc is not None:  # (on a loaded box it may still be importing torch: stopped, then waited for)
                 proc.join(timeout=10)
                 if proc.is_alive():
                     proc.terminate()
+                    proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(timeout=10)
     torch.set_num_threads(1)
 
 

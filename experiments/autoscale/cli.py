@@ -17,10 +17,10 @@ from pathlib import Path
 
 from cluster.control.autoscale.load_policy import Bounds
 from cluster.control.autoscale.slo_policy import Forecast, PoolModel, SloPolicy, SloTargets
-from cluster.control.capacity.metrics import SLO
+from experiments.capacity.metrics import SLO
 from cluster.control.capacity.profile import EngineProfile
-from cluster.control.capacity.roofline import GPUS, MODEL_PRESETS, roofline_profile
-from cluster.control.capacity.simulator import Layout, SimOptions
+from experiments.capacity.roofline import GPUS, MODEL_PRESETS, roofline_profile
+from experiments.capacity.simulator import Layout, SimOptions
 from cluster.control.routing import LOCAL_PREFILL_OVERFLOW_S
 from experiments.autoscale.runs import Outcome, SloController, autoscaled, best_static
 from experiments.autoscale.trace import draw, four_phases, phase_bounds
@@ -160,7 +160,7 @@ def _report(args, profile, phases, requests, duration, runs: list[Outcome], trie
         run["goodput_vs_static"] = run["goodput_rps"] / static["goodput_rps"] if static["goodput_rps"] else None
         run["machine_s_vs_static"] = run["machine_s"] / static["machine_s"]
     return {
-        "model": "capacity simulator (cluster/control/capacity), costs " + profile.source + ": " + profile.hardware,
+        "model": "capacity simulator (experiments/capacity), costs " + profile.source + ": " + profile.hardware,
         "args": {k: v for k, v in vars(args).items() if k not in ("func", "smoke")},
         "slo": {"ttft_s": args.slo_ttft_ms / 1000, "tpot_s": args.slo_tpot_ms / 1000, "percentile": args.percentile},
         "phases": [{"name": n, "start_s": lo, "end_s": hi} for n, lo, hi in bounds],

@@ -1,6 +1,6 @@
 """The two runs of `tandem bench autoscale` on one trace: the best static layout and the SLO autoscaler.
 
-Both run in the capacity simulator (cluster/control/capacity/): the static layouts through `simulate`,
+Both run in the capacity simulator (experiments/capacity/): the static layouts through `simulate`,
 the autoscaler through `simulate_elastic`, with the product's own `SloPolicy` deciding every interval
 from what the interval showed, exactly as `autoscaler.mode: slo` does from the ingress's observations.
 """
@@ -13,11 +13,11 @@ import numpy as np
 
 from cluster.control.autoscale.load_policy import Bounds
 from cluster.control.autoscale.slo_policy import Demand, Observed, SloPolicy
-from cluster.control.capacity.elastic import ElasticRun, Window, simulate_elastic
-from cluster.control.capacity.metrics import SLO, request_latencies
+from experiments.capacity.elastic import ElasticRun, Window, simulate_elastic
+from experiments.capacity.metrics import SLO, request_latencies
 from cluster.control.capacity.profile import EngineProfile
-from cluster.control.capacity.simulator import Layout, SimOptions, SimResult, simulate
-from cluster.control.capacity.workload import SimRequest
+from experiments.capacity.simulator import Layout, SimOptions, SimResult, simulate
+from experiments.capacity.workload import SimRequest
 
 
 @dataclass

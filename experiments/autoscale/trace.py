@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cluster.control.capacity.workload import SimRequest
+from experiments.capacity.workload import SimRequest
 
 
 @dataclass(frozen=True)

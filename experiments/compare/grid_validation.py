@@ -13,9 +13,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from cluster.control.capacity.metrics import SLO, summarize
+from experiments.capacity.metrics import SLO, summarize
 from cluster.control.capacity.profile import EngineLimits, EngineProfile, LinearCost
-from cluster.control.capacity.simulator import Layout, SimOptions, SimResult, simulate
+from experiments.capacity.simulator import Layout, SimOptions, SimResult, simulate
 from cluster.control.config import TandemConfig
 from experiments.compare.predict import requests_of
 from experiments.compare.report import measured_runs

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from cluster.control.config import TandemConfig
-from cluster.control.capacity.simulator import Layout
+from experiments.capacity.simulator import Layout
 
 DEFAULT_LAYOUTS = "2C,1P:1D"
 

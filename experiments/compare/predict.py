@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cluster.control.config import TandemConfig
-from cluster.control.capacity.metrics import SLO, summarize
+from experiments.capacity.metrics import SLO, summarize
 from cluster.control.capacity.profile import EngineLimits, EngineProfile
-from cluster.control.capacity.simulator import Layout, SimOptions, SimResult, simulate
-from cluster.control.capacity.workload import SimRequest
+from experiments.capacity.simulator import Layout, SimOptions, SimResult, simulate
+from experiments.capacity.workload import SimRequest
 
 
 def requests_of(run: dict) -> tuple[list[SimRequest], list[bool]]:

@@ -23,7 +23,7 @@ from experiments.loadgen.spec import BenchSpec
 from experiments.loadgen.sweep import sweep
 from cluster.control.capacity.fit import refit
 from cluster.control.capacity.profile import EngineProfile
-from cluster.control.capacity.simulator import Layout
+from experiments.capacity.simulator import Layout
 
 
 @dataclass

@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 from experiments.loadgen.spec import LengthDist
-from cluster.control.capacity.metrics import SLO
+from experiments.capacity.metrics import SLO
 from cluster.control.capacity.profile import EngineLimits, EngineProfile
 from experiments.planner.report import print_table, result_json
-from cluster.control.capacity.roofline import GPUS, MODEL_PRESETS, model_shape, roofline_profile
-from cluster.control.capacity.search import recommend, search
-from cluster.control.capacity.simulator import SimOptions
+from experiments.capacity.roofline import GPUS, MODEL_PRESETS, model_shape, roofline_profile
+from experiments.capacity.search import recommend, search
+from experiments.capacity.simulator import SimOptions
 from experiments.planner.workload import synthetic_workload
 
 

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import asdict
 
 from cluster.control.capacity.profile import EngineProfile
-from cluster.control.capacity.search import Evaluated, Recommendation
+from experiments.capacity.search import Evaluated, Recommendation
 
 
 def _ms(value: float | None) -> str:

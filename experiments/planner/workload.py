@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cluster.control.capacity.workload import Workload
+from experiments.capacity.workload import Workload
 from experiments.loadgen.spec import LengthDist
 from experiments.loadgen.workload import sample_length
 

@@ -9,10 +9,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from cluster.control.capacity.metrics import SLO, Summary, attainment, summarize
+from experiments.capacity.metrics import SLO, Summary, attainment, summarize
 from cluster.control.capacity.profile import BatchShape, EngineProfile
-from cluster.control.capacity.simulator import Layout, SimOptions, simulate
-from cluster.control.capacity.workload import Workload
+from experiments.capacity.simulator import Layout, SimOptions, simulate
+from experiments.capacity.workload import Workload
 
 
 @dataclass(frozen=True)

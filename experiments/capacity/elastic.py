@@ -32,9 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.control.capacity.profile import EngineProfile
-from cluster.control.capacity.sim_worker import SimSeq, SimWorker
-from cluster.control.capacity.simulator import Layout, SimOptions, SimResult, _Cluster
-from cluster.control.capacity.workload import SimRequest
+from experiments.capacity.sim_worker import SimSeq, SimWorker
+from experiments.capacity.simulator import Layout, SimOptions, SimResult, _Cluster
+from experiments.capacity.workload import SimRequest
 
 
 @dataclass(frozen=True)

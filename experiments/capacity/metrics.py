@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from cluster.control.capacity.simulator import SimResult
+from experiments.capacity.simulator import SimResult
 
 
 @dataclass(frozen=True)

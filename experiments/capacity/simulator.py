@@ -39,8 +39,8 @@ from cluster.control.routing import (
     LOCAL_PREFILL_MAX_TOKENS, LOCAL_PREFILL_OVERFLOW_S, WorkerView, pick_decode, plan_prefill,
 )
 from cluster.control.capacity.profile import EngineProfile
-from cluster.control.capacity.sim_worker import SimSeq, SimWorker
-from cluster.control.capacity.workload import SimRequest
+from experiments.capacity.sim_worker import SimSeq, SimWorker
+from experiments.capacity.workload import SimRequest
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from cluster.control.capacity.profile import BatchShape, EngineProfile, chunk_pairs
-from cluster.control.capacity.workload import SimRequest
+from experiments.capacity.workload import SimRequest
 
 
 @dataclass
