@@ -7,9 +7,9 @@ import pytest
 
 from cluster.control.autoscale.load_policy import Bounds
 from cluster.control.autoscale.slo_policy import Forecast, PoolModel, SloPolicy, SloTargets
-from cluster.control.capacity.elastic import simulate_elastic
-from cluster.control.capacity.roofline import MODEL_PRESETS, roofline_profile
-from cluster.control.capacity.simulator import Layout
+from experiments.capacity.elastic import simulate_elastic
+from experiments.capacity.roofline import MODEL_PRESETS, roofline_profile
+from experiments.capacity.simulator import Layout
 from experiments.autoscale.cli import _floors
 from experiments.autoscale.runs import SloController, observe
 from experiments.autoscale.trace import Phase, draw

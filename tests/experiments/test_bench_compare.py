@@ -101,9 +101,9 @@ def test_session_pids_sees_only_live_members():
 def test_simulated_lease_expiry_fails_late_handoffs():
     """A decode reservation lives `lease_s` from admission; KV landing later fails the request (no token),
     as on the real decode worker, and its reservation is given back."""
-    from cluster.control.capacity.metrics import SLO, summarize
-    from cluster.control.capacity.simulator import Layout, SimOptions, simulate
-    from cluster.control.capacity.workload import SimRequest
+    from experiments.capacity.metrics import SLO, summarize
+    from experiments.capacity.simulator import Layout, SimOptions, simulate
+    from experiments.capacity.workload import SimRequest
 
     model = ModelShape("m", num_layers=1, hidden_size=8, num_heads=1, num_kv_heads=1, head_dim=8,
                        intermediate_size=8, vocab_size=16, dtype_bytes=4)

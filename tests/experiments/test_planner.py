@@ -9,12 +9,12 @@ import pytest
 
 from tandem.cli import main
 from experiments.loadgen.spec import LengthDist
-from cluster.control.capacity.metrics import SLO, summarize
+from experiments.capacity.metrics import SLO, summarize
 from cluster.control.capacity.profile import BatchShape, EngineLimits, EngineProfile, LinearCost, ModelShape
-from cluster.control.capacity.roofline import MODEL_PRESETS, roofline_profile
-from cluster.control.capacity.search import recommend, search
-from cluster.control.capacity.simulator import Layout, SimOptions, simulate
-from cluster.control.capacity.workload import SimRequest
+from experiments.capacity.roofline import MODEL_PRESETS, roofline_profile
+from experiments.capacity.search import recommend, search
+from experiments.capacity.simulator import Layout, SimOptions, simulate
+from experiments.capacity.workload import SimRequest
 from experiments.planner.workload import synthetic_workload
 
 TOY = ModelShape("toy", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -234,8 +234,8 @@ def test_a_tensor_parallel_recommendation_names_the_ranks_per_worker():
     import yaml
 
     from cluster.control.config import TandemConfig
-    from cluster.control.capacity.search import Recommendation
-    from cluster.control.capacity.simulator import Layout
+    from experiments.capacity.search import Recommendation
+    from experiments.capacity.simulator import Layout
 
     text = Recommendation(Layout("colocated", colocated=2, colocated_tp=4), 1.0, "best").yaml()
     config = TandemConfig.model_validate(yaml.safe_load(text))

@@ -11,10 +11,10 @@ from cluster.control.autoscale.load_policy import Bounds
 from cluster.control.autoscale.slo_policy import (
     Corrections, Demand, Forecast, Observed, PoolModel, SloPolicy, SloTargets,
 )
-from cluster.control.capacity.elastic import simulate_elastic
-from cluster.control.capacity.roofline import MODEL_PRESETS, roofline_profile
-from cluster.control.capacity.simulator import Layout, simulate
-from cluster.control.capacity.workload import SimRequest
+from experiments.capacity.elastic import simulate_elastic
+from experiments.capacity.roofline import MODEL_PRESETS, roofline_profile
+from experiments.capacity.simulator import Layout, simulate
+from experiments.capacity.workload import SimRequest
 
 PROFILE = roofline_profile("h100", MODEL_PRESETS["llama3-8b"])
 MODEL = PoolModel(PROFILE)
