@@ -26,7 +26,7 @@ import httpx
 import openai
 
 from cluster.control.config import IngressSection, TandemConfig, TenantSection
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from cluster.frontend.http.server import make_server, served_model_name
 
 _CONFIG = Path(__file__).resolve().parent.parent / "configs" / "disagg-2p2d.yaml"

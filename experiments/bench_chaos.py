@@ -33,7 +33,7 @@ import ray
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import IngressSection, TandemConfig
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from cluster.frontend.http.server import make_server, served_model_name
 from experiments.bench_report import add_out_argument, report_main
 from experiments.chaos_killer import Killer

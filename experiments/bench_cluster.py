@@ -20,7 +20,7 @@ import torch
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TandemConfig
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from experiments.bench_report import add_out_argument, report_main
 
 _CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"

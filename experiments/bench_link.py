@@ -13,7 +13,7 @@ Two layouts per rate, each a fresh `tandem serve`:
 - `remote`: `scheduler.local_prefill: false`: every prompt is prefilled on w1 and its KV crosses the
   link, so TTFT shows what the link costs;
 - `cost_model`: the default: the scheduler may prefill on the decode worker when its measured link
-  cost (cluster/control/link_costs.py) makes a remote prefill slower.
+  cost (cluster/control/scheduler/link_costs.py) makes a remote prefill slower.
 
 Reported per layout and rate: first- and second-token p50/p95, how many prompts were prefilled on the decode worker (the
 handoffs counted by the workers), and the link bandwidth and latency the scheduler measured against

@@ -19,8 +19,8 @@ import ray
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TandemConfig
-from cluster.control.launch import Cluster
-from cluster.control.scheduler_state import SchedulerState
+from cluster.control.lifecycle.launch import Cluster
+from cluster.control.scheduler.scheduler_state import SchedulerState
 from experiments.bench_report import add_out_argument, report_main
 
 _CONFIG = Path(__file__).resolve().parent.parent / "configs" / "disagg-2p2d.yaml"

@@ -21,8 +21,8 @@ import ray
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TandemConfig
-from cluster.control.launch import Cluster
-from cluster.control.scaling import scale
+from cluster.control.lifecycle.launch import Cluster
+from cluster.control.lifecycle.scaling import scale
 from experiments.bench_report import add_out_argument, report_main
 
 _CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"

@@ -26,7 +26,7 @@ import httpx
 import ray
 
 from cluster.control.config import IngressSection, TandemConfig, TenantSection
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from cluster.frontend.http.server import make_server, served_model_name
 from experiments.bench_report import add_out_argument, report_main
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import ray
 
 from actors.worker.remote import WorkerActor
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 
 
 class Killer:

@@ -80,7 +80,7 @@ def _on_cluster(args: argparse.Namespace, params) -> int:
 
     from actors.engine.text.tokenizer import load_tokenizer
     from cluster.control.config import TandemConfig
-    from cluster.control.launch import NAMESPACE, find_schedulers, private_ray_root
+    from cluster.control.lifecycle.launch import NAMESPACE, find_schedulers, private_ray_root
     from cluster.frontend.client import TandemClient
 
     config = TandemConfig.from_file(args.config or DEFAULT_CONFIG)

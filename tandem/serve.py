@@ -23,8 +23,8 @@ def run(args: argparse.Namespace) -> int:
 
     from cluster.control.autoscale.autoscaler import Autoscaler
     from cluster.control.config import TandemConfig
-    from cluster.control.launch import Cluster
-    from cluster.control.scaling import ConfigWatcher
+    from cluster.control.lifecycle.launch import Cluster
+    from cluster.control.lifecycle.scaling import ConfigWatcher
     from cluster.frontend.http.server import check_exposure, make_server, served_model_name
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -50,7 +50,7 @@ def ray_session():
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_worker_niceness", "0")  # as Cluster.start does: see cluster/control/launch.py
+    os.environ.setdefault("RAY_worker_niceness", "0")  # as Cluster.start does: see cluster/control/lifecycle/launch.py
     ray.init(address="local", num_cpus=16, namespace="tandem", include_dashboard=False,
              log_to_driver=False, configure_logging=False)
     yield ray

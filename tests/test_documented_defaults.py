@@ -80,8 +80,8 @@ def test_every_default_the_readme_states_is_the_shipped_one():
 
 def test_the_shedding_limit_unset_is_half_the_progress_bound():
     from cluster.control.config import SchedulerSection
-    from cluster.control.scheduler_state import SchedulerSettings
-    from cluster.control.ttft_guard import shed_guard
+    from cluster.control.scheduler.scheduler_state import SchedulerSettings
+    from cluster.control.scheduler.ttft_guard import shed_guard
 
     section = SchedulerSection()
     settings = SchedulerSettings(

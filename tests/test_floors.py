@@ -46,3 +46,34 @@ def test_the_check_sees_an_upward_import(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from experiments.smoke import shrink\n")
     assert _imports(module) == [(2, "experiments")]
+
+
+# Inside cluster/control/, folders by responsibility, top first; the modules at its top (config) below them all.
+CONTROL_FLOORS = ["autoscale", "lifecycle", "scheduler", ""]
+
+
+def _control_floor(dotted: str) -> str | None:
+    """The control floor a module `cluster.control.<...>` sits on; None outside cluster/control/."""
+    parts = dotted.split(".")
+    if parts[:2] != ["cluster", "control"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in CONTROL_FLOORS else ""
+
+
+def control_upward_imports() -> list[str]:
+    found = []
+    for path in sorted((REPO / "cluster" / "control").rglob("*.py")):
+        here = _control_floor(".".join(path.relative_to(REPO).with_suffix("").parts))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                there = _control_floor(node.module)
+                if there is not None and CONTROL_FLOORS.index(there) < CONTROL_FLOORS.index(here):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} imports {node.module}")
+    return found
+
+
+def test_control_folders_import_only_downward():
+    """The autoscaler resizes through the lifecycle, which starts the scheduler; the scheduler never reaches
+    up into either (the loads it reports are its own types), and config sits below all three."""
+    assert control_upward_imports() == []
+    assert _control_floor("cluster.control.config") == "" and _control_floor("cluster.control.scheduler.actor") == "scheduler"

@@ -1,5 +1,5 @@
 """What one engine step computed, summarised the way its cost depends on it: the five numbers of the
-capacity model's `BatchShape` (cluster/control/capacity/profile.py), so that a running worker's steps
+capacity model's `BatchShape` (cluster/control/autoscale/profile.py), so that a running worker's steps
 can refit the planner's cost model (`tandem plan profile --from-server`).
 
 A sequence computing one token after all of its known tokens is a decode; anything else (a prompt, a

@@ -1,5 +1,5 @@
 """A worker process's reports to its scheduler over zmq: a DEALER to the scheduler's port (the one its
-clients submit to, cluster/control/client_port.py), one `Reports` frame per heartbeat with the
+clients submit to, cluster/control/scheduler/client_port.py), one `Reports` frame per heartbeat with the
 reports of every worker the process hosts (one for a real worker, many for a simulated host).
 
 One report is out at a time: the next is built only once the scheduler answered (`ready`), so a slow

@@ -15,10 +15,15 @@ from actors.engine.config import EngineConfig
 from actors.engine.model.builtin_names import DEFAULT_MODEL, SMOLLM2_MODEL
 from cluster.control.config_base import Strict as _Strict, where as _where
 from cluster.control.ingress_config import IngressSection, TenantSection  # the ingress's sections: their own file
-from cluster.control.routing import LOCAL_PREFILL_MAX_TOKENS, LOCAL_PREFILL_OVERFLOW_S
 
 __all__ = ["ModelSection", "EngineSection", "PoolSection", "LoadThresholds", "SloSection", "AutoscalerSection",
            "SchedulerSection", "TransferSection", "TenantSection", "IngressSection", "TandemConfig"]
+
+# The most uncached prompt tokens a decode worker prefills itself, by default (scheduler.local_prefill_max_tokens).
+LOCAL_PREFILL_MAX_TOKENS = 512
+# The predicted time to first token on the best prefill worker past which a decode worker takes a prompt of
+# any length, by default (scheduler.local_prefill_overflow_s).
+LOCAL_PREFILL_OVERFLOW_S = 0.25
 
 
 class ModelSection(_Strict):

@@ -18,10 +18,10 @@ from pathlib import Path
 from cluster.control.autoscale.load_policy import Bounds
 from cluster.control.autoscale.slo_policy import Forecast, PoolModel, SloPolicy, SloTargets
 from experiments.capacity.metrics import SLO
-from cluster.control.capacity.profile import EngineProfile
+from cluster.control.autoscale.profile import EngineProfile
 from experiments.capacity.roofline import GPUS, MODEL_PRESETS, roofline_profile
 from experiments.capacity.simulator import Layout, SimOptions
-from cluster.control.routing import LOCAL_PREFILL_OVERFLOW_S
+from cluster.control.config import LOCAL_PREFILL_OVERFLOW_S
 from experiments.autoscale.runs import Outcome, SloController, autoscaled, best_static
 from experiments.autoscale.trace import draw, four_phases, phase_bounds
 

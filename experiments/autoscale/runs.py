@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster.control.autoscale.load_policy import Bounds
-from cluster.control.autoscale.slo_policy import Demand, Observed, SloPolicy
+from cluster.control.autoscale.slo_policy import SloPolicy
+from cluster.control.scheduler.demand import Demand, Observed
 from experiments.capacity.elastic import ElasticRun, Window, simulate_elastic
 from experiments.capacity.metrics import SLO, request_latencies
-from cluster.control.capacity.profile import EngineProfile
+from cluster.control.autoscale.profile import EngineProfile
 from experiments.capacity.simulator import Layout, SimOptions, SimResult, simulate
 from experiments.capacity.workload import SimRequest
 

@@ -2,7 +2,7 @@
 
     from dataclasses import replace
     from cluster.control.config import TandemConfig
-    from cluster.control.capacity.profile import EngineLimits, EngineProfile
+    from cluster.control.autoscale.profile import EngineLimits, EngineProfile
     from experiments.capacity.simulator import Layout, SimOptions, simulate
     from experiments.capacity.metrics import SLO, summarize
     from experiments.capacity.workload import SimRequest
@@ -17,6 +17,6 @@
 
 Modules: roofline (GPU profiles and model presets), workload (request lists), sim_worker + simulator (the
 event loop), elastic (a run whose pools resize), metrics, search (pool ratios). The product keeps only the
-cost model it runs on (cluster/control/capacity/: profile, fit); `tandem plan` (experiments/planner/) and
+cost model it runs on (cluster/control/autoscale/: profile, fit); `tandem plan` (experiments/planner/) and
 `tandem bench autoscale` measure profiles and search layouts with these from above.
 """

@@ -5,7 +5,7 @@
 
 Every `interval_s` the `controller` is called with the interval's `Window` (what arrived, what got its
 first token, what finished) and the pools' sizes; it returns the sizes it wants (or None). Resizing
-follows the real scaling path (cluster/control/scaling.py):
+follows the real scaling path (cluster/control/lifecycle/scaling.py):
 
 - a new worker is a machine that starts now and serves after `start_s` (process start + weights);
 - a removed worker drains: it takes nothing new, finishes what it holds, then its machine is released
@@ -31,7 +31,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.control.capacity.profile import EngineProfile
+from cluster.control.autoscale.profile import EngineProfile
 from experiments.capacity.sim_worker import SimSeq, SimWorker
 from experiments.capacity.simulator import Layout, SimOptions, SimResult, _Cluster
 from experiments.capacity.workload import SimRequest

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.control.capacity.profile import EngineLimits, EngineProfile, ModelShape, RooflineCost
+from cluster.control.autoscale.profile import EngineLimits, EngineProfile, ModelShape, RooflineCost
 
 
 @dataclass(frozen=True)

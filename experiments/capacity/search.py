@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from experiments.capacity.metrics import SLO, Summary, attainment, summarize
-from cluster.control.capacity.profile import BatchShape, EngineProfile
+from cluster.control.autoscale.profile import BatchShape, EngineProfile
 from experiments.capacity.simulator import Layout, SimOptions, simulate
 from experiments.capacity.workload import Workload
 

@@ -19,7 +19,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
-from cluster.control.capacity.profile import BatchShape, EngineProfile, chunk_pairs
+from cluster.control.autoscale.profile import BatchShape, EngineProfile, chunk_pairs
 from experiments.capacity.workload import SimRequest
 
 

@@ -6,11 +6,11 @@
     summary.goodput_rps, summary.ttft.p90
 
 Events (a heapq ordered by time, then by creation order, so a run is deterministic): a request
-arrives; a worker's step ends; a KV transfer lands. Policy, as in the real scheduler (cluster/control/scheduler.py):
+arrives; a worker's step ends; a KV transfer lands. Policy, as in the real scheduler (cluster/control/scheduler/actor.py):
 
 - Admission: requests wait in one FIFO queue until a decode (or colocated) worker can promise KV for
-  prompt + output tokens; `pick_decode` (cluster/control/routing.py) picks the decode worker with the most room.
-- Prefill routing: `plan_prefill` from cluster/control/routing.py itself, default "cache_aware" (least
+  prompt + output tokens; `pick_decode` (cluster/control/scheduler/routing.py) picks the decode worker with the most room.
+- Prefill routing: `plan_prefill` from cluster/control/scheduler/routing.py itself, default "cache_aware" (least
   predicted TTFT = queued prefill tokens x the worker's measured per-token cost + transfer). There is
   no prefix cache in the simulator, so cache-aware reduces to least loaded by queued prompt tokens. With
   `local_prefill`, a prompt of up to `local_prefill_max_tokens` runs on the chosen decode worker when
@@ -35,10 +35,9 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from cluster.control.routing import (
-    LOCAL_PREFILL_MAX_TOKENS, LOCAL_PREFILL_OVERFLOW_S, WorkerView, pick_decode, plan_prefill,
-)
-from cluster.control.capacity.profile import EngineProfile
+from cluster.control.autoscale.profile import EngineProfile
+from cluster.control.config import LOCAL_PREFILL_MAX_TOKENS, LOCAL_PREFILL_OVERFLOW_S
+from cluster.control.scheduler.routing import WorkerView, pick_decode, plan_prefill
 from experiments.capacity.sim_worker import SimSeq, SimWorker
 from experiments.capacity.workload import SimRequest
 
@@ -101,7 +100,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class SimOptions:
-    routing: str = "cache_aware"  # cache_aware | least_loaded | round_robin (cluster/control/routing.py)
+    routing: str = "cache_aware"  # cache_aware | least_loaded | round_robin (cluster/control/scheduler/routing.py)
     local_prefill: bool = True
     local_prefill_penalty: float = 1.0
     local_prefill_max_tokens: int | None = LOCAL_PREFILL_MAX_TOKENS  # on a decode worker's own prefill

@@ -13,7 +13,7 @@ from experiments.compare.report import format_compare, headline
 from experiments.compare.rescore import format_grid, slo_grid
 from experiments.compare.run import ComparePlan, run_compare
 from experiments.loadgen.cli import SMOKE_LOAD, add_load_arguments, rates_from_args, spec_from_args
-from cluster.control.capacity.profile import EngineLimits, EngineProfile
+from cluster.control.autoscale.profile import EngineLimits, EngineProfile
 
 # Without --config: chunked prefill in 512-token chunks (what a colocated worker needs to keep decoding
 # during long prompts) and a KV cache of 2048 blocks per worker (0.8 GB for the compare model).

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from experiments.capacity.metrics import SLO, summarize
-from cluster.control.capacity.profile import EngineLimits, EngineProfile, LinearCost
+from cluster.control.autoscale.profile import EngineLimits, EngineProfile, LinearCost
 from experiments.capacity.simulator import Layout, SimOptions, SimResult, simulate
 from cluster.control.config import TandemConfig
 from experiments.compare.predict import requests_of

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from cluster.control.config import TandemConfig
 from experiments.capacity.metrics import SLO, summarize
-from cluster.control.capacity.profile import EngineLimits, EngineProfile
+from cluster.control.autoscale.profile import EngineLimits, EngineProfile
 from experiments.capacity.simulator import Layout, SimOptions, SimResult, simulate
 from experiments.capacity.workload import SimRequest
 

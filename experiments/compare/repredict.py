@@ -7,7 +7,7 @@ import sys
 
 from cluster.control.config import TandemConfig
 from experiments.compare.predict import predict, validation
-from cluster.control.capacity.profile import EngineProfile
+from cluster.control.autoscale.profile import EngineProfile
 
 prof = EngineProfile.load(sys.argv[1])
 d = json.load(open(sys.argv[2]))

@@ -21,8 +21,8 @@ from experiments.loadgen.runner import run_benchmark
 from experiments.planner.from_server import fetch_steps
 from experiments.loadgen.spec import BenchSpec
 from experiments.loadgen.sweep import sweep
-from cluster.control.capacity.fit import refit
-from cluster.control.capacity.profile import EngineProfile
+from cluster.control.autoscale.fit import refit
+from cluster.control.autoscale.profile import EngineProfile
 from experiments.capacity.simulator import Layout
 
 

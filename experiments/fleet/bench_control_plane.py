@@ -30,7 +30,7 @@ from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 from cluster.frontend.client import AdmissionRejected, TandemClient
 from experiments.bench_report import add_out_argument, out_path, summary_line, write_json
-from cluster.control.decision_clock import ControlPlaneStats
+from cluster.control.scheduler.decision_clock import ControlPlaneStats
 from experiments.fleet.control_plane_plots import decision_plots
 from experiments.fleet.fleet import Fleet
 from experiments.fleet.sim_worker import SimSpec

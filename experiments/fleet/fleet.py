@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import ray
 
-from cluster.control.scheduler import Scheduler
-from cluster.control.scheduler_state import SchedulerSettings
+from cluster.control.scheduler.actor import Scheduler
+from cluster.control.scheduler.scheduler_state import SchedulerSettings
 from experiments.fleet.sim_host import SimHost
 from experiments.fleet.sim_worker import SimSpec
 

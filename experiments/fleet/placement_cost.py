@@ -19,13 +19,13 @@ from actors.engine.kv.block_hash import hash_prompt_blocks
 from actors.protocol.kv_events import BlockStored
 from actors.protocol.messages import GenerateRequest, KvRankEndpoint, TransferSample, WorkerInfo, WorkerStats
 from actors.protocol.sampling_params import SamplingParams
-from cluster.control.link_costs import LinkCosts
-from cluster.control.placement import Placer
-from cluster.control.prefix_index import PrefixIndex
-from cluster.control.registry import WorkerRegistry
-from cluster.control.request_table import RequestTable
-from cluster.control.scheduler_state import SchedulerSettings
-from cluster.control.ttft_guard import TtftGuard
+from cluster.control.scheduler.link_costs import LinkCosts
+from cluster.control.scheduler.placement import Placer
+from cluster.control.scheduler.prefix_index import PrefixIndex
+from cluster.control.scheduler.registry import WorkerRegistry
+from cluster.control.scheduler.request_table import RequestTable
+from cluster.control.scheduler.scheduler_state import SchedulerSettings
+from cluster.control.scheduler.ttft_guard import TtftGuard
 
 # Self-contained (it imports only what the scheduler has had since the redesign), so the same file
 # measures an older checkout too: the before/after of a change to routing.

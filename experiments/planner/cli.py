@@ -8,7 +8,7 @@ from pathlib import Path
 
 from experiments.loadgen.spec import LengthDist
 from experiments.capacity.metrics import SLO
-from cluster.control.capacity.profile import EngineLimits, EngineProfile
+from cluster.control.autoscale.profile import EngineLimits, EngineProfile
 from experiments.planner.report import print_table, result_json
 from experiments.capacity.roofline import GPUS, MODEL_PRESETS, model_shape, roofline_profile
 from experiments.capacity.search import recommend, search

@@ -12,8 +12,8 @@ from __future__ import annotations
 import httpx
 
 from actors.worker.step_log import FIELDS, StepRecord
-from cluster.control.capacity.fit import refit
-from cluster.control.capacity.profile import EngineProfile
+from cluster.control.autoscale.fit import refit
+from cluster.control.autoscale.profile import EngineProfile
 from cluster.frontend.admin_key import read_generated_key
 
 

@@ -25,8 +25,8 @@ import torch
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
-from cluster.control.capacity.profile import BatchShape, EngineLimits, EngineProfile, LinearCost, ModelShape, chunk_pairs
-from cluster.control.capacity.fit import fit_nonnegative
+from cluster.control.autoscale.profile import BatchShape, EngineLimits, EngineProfile, LinearCost, ModelShape, chunk_pairs
+from cluster.control.autoscale.fit import fit_nonnegative
 from experiments.planner.transfer_probe import measure_transfer
 
 PREFILL_GRID = [(1, 16), (1, 64), (1, 256), (1, 512), (1, 1024), (4, 32), (4, 128), (8, 64), (2, 512)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from cluster.control.capacity.profile import EngineProfile
+from cluster.control.autoscale.profile import EngineProfile
 from experiments.capacity.search import Evaluated, Recommendation
 
 

@@ -19,7 +19,7 @@ import pytest
 import ray
 import zmq
 
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from kv_transfer.curve import HANDSHAKE_TIMEOUT_S
 from tests.helpers.cluster import collect_tokens, load, wait_until_idle, workload
 from tests.helpers.sockets import stranger

@@ -11,7 +11,7 @@ import pytest
 
 from experiments.compare.layouts import parse_layouts
 from experiments.compare.server import ServeProcess, port_is_free, session_pids
-from cluster.control.capacity.profile import EngineLimits, EngineProfile, LinearCost, ModelShape
+from cluster.control.autoscale.profile import EngineLimits, EngineProfile, LinearCost, ModelShape
 from tandem.cli import main
 from tests.helpers.bench import check_run
 

@@ -13,7 +13,7 @@ import ray
 from actors.engine.kv.block_hash import PrefixHasher, hash_prompt_blocks
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
-from cluster.control.worker_order import WorkerOrder
+from cluster.control.scheduler.worker_order import WorkerOrder
 from cluster.frontend.client import TandemClient
 from experiments.fleet.bench_control_plane import PromptMix
 from experiments.fleet.fleet import Fleet, fleet_settings

@@ -10,7 +10,7 @@ import pytest
 from tandem.cli import main
 from experiments.loadgen.spec import LengthDist
 from experiments.capacity.metrics import SLO, summarize
-from cluster.control.capacity.profile import BatchShape, EngineLimits, EngineProfile, LinearCost, ModelShape
+from cluster.control.autoscale.profile import BatchShape, EngineLimits, EngineProfile, LinearCost, ModelShape
 from experiments.capacity.roofline import MODEL_PRESETS, roofline_profile
 from experiments.capacity.search import recommend, search
 from experiments.capacity.simulator import Layout, SimOptions, simulate

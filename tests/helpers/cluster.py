@@ -12,7 +12,7 @@ import torch
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TandemConfig
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -10,7 +10,7 @@ from typing import Iterator
 import uvicorn
 
 from cluster.control.config import TandemConfig
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from cluster.frontend.http.server import make_server
 
 MODEL = "tiny-llama"  # the embedded default's served name

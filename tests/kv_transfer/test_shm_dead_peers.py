@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from actors.protocol.sampling_params import SamplingParams
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from kv_transfer.shm_segment import PREFIX
 from tests.helpers.cluster import load
 

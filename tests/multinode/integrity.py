@@ -9,7 +9,7 @@ import json
 
 import ray
 
-from cluster.control.launch import NAMESPACE, SCHEDULER_NAME
+from cluster.control.lifecycle.launch import NAMESPACE, SCHEDULER_NAME
 
 
 def main() -> None:

@@ -27,16 +27,16 @@ from dataclasses import dataclass, replace
 
 import ray
 
-from cluster.control.autoscale.demand import DemandSample, joined, observed
+from cluster.control.scheduler.demand import DemandSample, joined, observed
 from cluster.control.autoscale.load_policy import Bounds, Decision, decide
 from cluster.control.autoscale.online_fit import OnlineFit
-from cluster.control.autoscale.pool_load import PoolLoad, merged
-from cluster.control.autoscale.slo_policy import Demand, Forecast, Observed, PoolModel, SloPolicy, SloTargets
-from cluster.control.capacity.profile import EngineProfile
+from cluster.control.scheduler.pool_load import PoolLoad, merged
+from cluster.control.autoscale.slo_policy import Forecast, PoolModel, SloPolicy, SloTargets
+from cluster.control.autoscale.profile import EngineProfile
 from cluster.control.config import AutoscalerSection
-from cluster.control.launch import role_of
-from cluster.control.periodic import Periodic
-from cluster.control.scaling import ResizeInProgress, scale
+from cluster.control.lifecycle.launch import role_of
+from cluster.control.lifecycle.periodic import Periodic
+from cluster.control.lifecycle.scaling import ResizeInProgress, scale
 
 log = logging.getLogger("tandem.autoscaler")
 _READ_TIMEOUT_S = 10.0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.control.autoscale.pool_load import PoolLoad
+from cluster.control.scheduler.pool_load import PoolLoad
 from cluster.control.config import LoadThresholds
 
 

@@ -16,8 +16,8 @@ from collections import deque
 import ray
 
 from actors.worker.step_log import StepRecord
-from cluster.control.capacity.fit import refit
-from cluster.control.capacity.profile import EngineProfile
+from cluster.control.autoscale.fit import refit
+from cluster.control.autoscale.profile import EngineProfile
 
 log = logging.getLogger("tandem.autoscaler")
 WINDOW = 20_000  # steps, all workers together: a few minutes of a small cluster's steps

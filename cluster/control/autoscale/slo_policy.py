@@ -40,34 +40,12 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from cluster.control.autoscale.load_policy import Bounds, Decision
-from cluster.control.capacity.profile import BatchShape, EngineProfile
+from cluster.control.autoscale.profile import BatchShape, EngineProfile
+from cluster.control.scheduler.demand import Demand, Observed
 
 _TAIL = 2.3  # percentile / mean of the queueing wait (exponential tail, p90)
 _CORRECTION_RANGE = (0.25, 4.0)  # a factor outside this says the model does not describe the pool at all
 _SMOOTHING = 0.5  # weight of the newest interval in a correction factor
-
-
-@dataclass(frozen=True)
-class Demand:
-    rate: float  # requests/s
-    prompt_tokens: float  # mean
-    output_tokens: float  # mean
-
-
-@dataclass(frozen=True)
-class Observed:
-    """One interval as the frontend saw it."""
-
-    demand: Demand  # arrivals (refused ones too: they are demand) and the mean lengths
-    ttft_s: float | None  # the SLO's percentile of placement -> first token over the interval; None: none came
-    tpot_s: float | None
-    queued: int = 0  # at the interval's end: requests admitted or waiting that have no first token yet
-    waiting: int = 0  # of them, those waiting for KV room on a decode (or colocated) worker (not yet a prefill's)
-    decoding: int = 0  # at the interval's end: requests holding KV on a decode (or colocated) worker
-    seconds: float = 0.0  # the interval's length (0: unknown)
-    # At the interval's end: the workers per pool that take new work (starting and draining ones left out);
-    # None: the pools' sizes. A pool still starting workers it was asked for served at this size, not that.
-    serving: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.worker.step_log import FIELDS as STEP_FIELDS
-from cluster.control.launch import Cluster, role_of
-from cluster.control.scaling import ResizeInProgress, scale
+from cluster.control.lifecycle.launch import Cluster, role_of
+from cluster.control.lifecycle.scaling import ResizeInProgress, scale
 from cluster.frontend.admin_key import ensure_generated_key, generated_key_path
 from cluster.frontend.http.body_guard import admitted_admin
 from cluster.frontend.http.protocol import ApiError

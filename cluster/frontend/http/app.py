@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.control.config import IngressSection
-from cluster.control.scheduler_state import SchedulerState
+from cluster.control.scheduler.scheduler_state import SchedulerState
 from cluster.frontend.http import responses
 from cluster.frontend.http.body_guard import AdminCheck, BodyGuard, tenant_of
 from cluster.frontend.http.chat_request import prepare_chat

@@ -2,7 +2,7 @@
 
 The tenant, never the request body, decides the prefix-cache salt, so one tenant can neither share
 nor probe another's cache. Without configured keys there is one anonymous tenant and no limits. The
-KV share is enforced where the KV is committed (cluster/control/tenant_shares.py); the gate only says
+KV share is enforced where the KV is committed (cluster/control/scheduler/tenant_shares.py); the gate only says
 what it is.
 """
 

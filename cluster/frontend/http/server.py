@@ -9,7 +9,7 @@ import uvicorn
 
 from actors.engine.model.loader import read_hf_config
 from cluster.control.config import IngressSection, TenantSection
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from cluster.frontend.http.admin import LOOPBACK, AdminAccess, add_admin_routes
 from cluster.frontend.http.autoscaler_metrics import AutoscalerCollector
 from cluster.frontend.http.app import create_app

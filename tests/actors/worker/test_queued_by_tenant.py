@@ -1,5 +1,5 @@
 """A worker reports its queued prompt tokens by tenant: the scheduler's tenant-aware TTFT prediction
-(cluster/control/routing.py) counts another tenant's queue only in part, where the batcher takes tenants
+(cluster/control/scheduler/routing.py) counts another tenant's queue only in part, where the batcher takes tenants
 in turn."""
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from cluster.control.admission_door import _FLOOR, AdmissionDoor
-from cluster.control.room_waiters import _WAKE_PER_POLL, RoomWaiters
+from cluster.control.scheduler.admission_door import _FLOOR, AdmissionDoor
+from cluster.control.scheduler.room_waiters import _WAKE_PER_POLL, RoomWaiters
 
 
 class FakeClock:

@@ -10,9 +10,9 @@ import random
 import pytest
 
 from actors.protocol.sampling_params import SamplingParams
-from cluster.control.affinity import AffinityMap, Served
-from cluster.control.launch import Cluster
-from cluster.control.routing import AFFINITY_SLACK_FLOOR_S, AFFINITY_SLACK_PROMPTS, PrefillPlan, WorkerView, pick_decode, prefer_affine
+from cluster.control.scheduler.affinity import AffinityMap, Served
+from cluster.control.lifecycle.launch import Cluster
+from cluster.control.scheduler.routing import AFFINITY_SLACK_FLOOR_S, AFFINITY_SLACK_PROMPTS, PrefillPlan, WorkerView, pick_decode, prefer_affine
 from tests.helpers.cluster import load, wait_until_idle, wait_until_reported
 
 COST = 0.001  # s per prompt token, every worker

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.control.autoscale.load_policy import Bounds, decide
-from cluster.control.autoscale.pool_load import PoolLoad, merged
+from cluster.control.scheduler.pool_load import PoolLoad, merged
 from cluster.control.config import LoadThresholds
 
 T = LoadThresholds()  # the shipped thresholds: queue 2 s / 0.25 s per worker, KV 0.8 / 0.3

@@ -13,9 +13,9 @@ import ray
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.autoscale.autoscaler import Autoscaler
-from cluster.control.capacity.profile import EngineLimits, EngineProfile, LinearCost, ModelShape
+from cluster.control.autoscale.profile import EngineLimits, EngineProfile, LinearCost, ModelShape
 from cluster.control.config import AutoscalerSection, SloSection
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from cluster.frontend.http.server import make_server
 from tests.helpers.cluster import generate_in_background, load, wait_until_idle, wait_until_resized
 from tests.helpers.http_server import running

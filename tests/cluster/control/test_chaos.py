@@ -26,7 +26,7 @@ import torch
 from actors.engine.engine import Engine
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from cluster.frontend.client import AdmissionRejected
 from cluster.frontend.request_stream import SampleResult
 from tests.helpers.cluster import load, wait_until_idle

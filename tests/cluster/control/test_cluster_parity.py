@@ -8,7 +8,7 @@ import time
 import pytest
 import ray
 
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from tests.helpers.cluster import load, wait_until_idle, workload
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from actors.engine.engine import Engine
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from tests.helpers.cluster import load, wait_until_idle, workload
 
 pytestmark = pytest.mark.slow  # two clusters per model family

@@ -25,7 +25,7 @@ from actors.engine.engine import Engine
 from actors.protocol.messages import TokenDelta
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from cluster.frontend.client import TandemClient
 from cluster.frontend.inbox import Inbox
 from experiments.chaos_killer import alive_worker_pids

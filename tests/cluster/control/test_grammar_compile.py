@@ -16,7 +16,7 @@ from actors.engine.structured import GrammarError, Grammars
 from actors.engine.text.tokenizer import load_tokenizer
 from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.structured_output import MAX_ALTERNATIVES, MAX_DEPTH, MAX_SPEC_BYTES, StructuredOutput
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from tests.helpers.cluster import load, wait_until_idle
 
 PLAIN = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

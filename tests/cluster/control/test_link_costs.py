@@ -8,8 +8,8 @@ import math
 import pytest
 
 from actors.protocol.messages import TransferSample
-from cluster.control.link_costs import LinkCosts
-from cluster.control.routing import WorkerView, plan_prefill
+from cluster.control.scheduler.link_costs import LinkCosts
+from cluster.control.scheduler.routing import WorkerView, plan_prefill
 
 MB = 1 << 20
 

@@ -19,7 +19,7 @@ from actors.protocol.ids import AttemptId
 from actors.protocol.messages import GenerateRequest, TokenDelta, WorkerRequest
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from cluster.frontend.request_stream import MAX_MOVES, RequestStream
 from tests.helpers.cluster import load, wait_until_idle
 

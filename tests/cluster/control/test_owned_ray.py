@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[3]
 SCRIPT = """
 import os, stat
 from ray._private import worker
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from tests.helpers.cluster import load
 cluster = Cluster.start(load("local.yaml"))
 try:

@@ -10,8 +10,8 @@ import ray
 from actors.protocol.sampling_params import SamplingParams
 from actors.worker.remote import worker_actor
 from actors.worker.spec import WorkerSpec
-from cluster.control.launch import Cluster
-from cluster.control.scheduler import Scheduler, SchedulerSettings
+from cluster.control.lifecycle.launch import Cluster
+from cluster.control.scheduler.actor import Scheduler, SchedulerSettings
 from tests.helpers.cluster import load, wait_until_idle
 
 

@@ -16,8 +16,8 @@ import pytest
 import ray
 
 from actors.protocol.sampling_params import SamplingParams
-from cluster.control.launch import Cluster
-from cluster.control.room_waiters import RoomWaiters
+from cluster.control.lifecycle.launch import Cluster
+from cluster.control.scheduler.room_waiters import RoomWaiters
 from tests.helpers.cluster import load, wait_until_idle
 from tests.helpers.models import make_hf_model
 

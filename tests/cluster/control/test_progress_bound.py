@@ -18,7 +18,7 @@ import ray
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import SchedulerSection
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from tests.helpers.cluster import load, wait_until_idle
 from tests.helpers.http_server import MODEL, serving
 

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[3]
 SCRIPT = """
 import json, os, re, stat, subprocess
 import httpx, psutil, ray
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from tests.helpers.cluster import load
 cluster = Cluster.start(load("local.yaml"))
 try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import GenerateRequest, LivePhase, LiveRequest, WorkerRequest
 from actors.protocol.sampling_params import SamplingParams
-from cluster.control.request_table import Adoption, RequestTable
+from cluster.control.scheduler.request_table import Adoption, RequestTable
 
 ATTEMPT = AttemptId("r1", "a1")
 

@@ -13,9 +13,9 @@ import ray
 
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
-from cluster.control.launch import Cluster
-from cluster.control.role_flip import flip, flip_refusal
-from cluster.control.scaling import scale
+from cluster.control.lifecycle.launch import Cluster
+from cluster.control.lifecycle.role_flip import flip, flip_refusal
+from cluster.control.lifecycle.scaling import scale
 from tests.helpers.cluster import ClosedLoop, load, wait_until_idle
 
 PROMPTS = [list(range(20 + 9 * i, 60 + 13 * i)) for i in range(6)]

@@ -12,8 +12,8 @@ import yaml
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from tandem.cli import main as tandem
-from cluster.control.launch import NAMESPACE, Cluster
-from cluster.control.scaling import ConfigWatcher, ResizeInProgress, scale
+from cluster.control.lifecycle.launch import NAMESPACE, Cluster
+from cluster.control.lifecycle.scaling import ConfigWatcher, ResizeInProgress, scale
 from tests.helpers.cluster import CONFIGS, ClosedLoop, load, wait_until_idle, wait_until_resized
 
 pytestmark = pytest.mark.slow  # pools resized under load

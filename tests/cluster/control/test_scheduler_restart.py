@@ -15,7 +15,7 @@ import ray
 
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from cluster.control.config import TandemConfig
 from tests.helpers.cluster import load, wait_until_idle
 from tests.helpers.models import make_hf_model

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.control.config import SchedulerSection
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from tests.cluster.control.test_scheduler_restart import config, lose_the_scheduler_and_a_decode_worker  # noqa: F401
 
 pytestmark = pytest.mark.slow  # two kills at the shipped bounds

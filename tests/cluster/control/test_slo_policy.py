@@ -8,9 +8,8 @@ import math
 import pytest
 
 from cluster.control.autoscale.load_policy import Bounds
-from cluster.control.autoscale.slo_policy import (
-    Corrections, Demand, Forecast, Observed, PoolModel, SloPolicy, SloTargets,
-)
+from cluster.control.autoscale.slo_policy import Corrections, Forecast, PoolModel, SloPolicy, SloTargets
+from cluster.control.scheduler.demand import Demand, Observed
 from experiments.capacity.elastic import simulate_elastic
 from experiments.capacity.roofline import MODEL_PRESETS, roofline_profile
 from experiments.capacity.simulator import Layout, simulate

@@ -12,8 +12,8 @@ from actors.engine.step_shape import StepShape, shape_of
 from actors.engine.sequence import Sequence
 from actors.protocol.sampling_params import SamplingParams
 from actors.worker.step_log import StepLog, StepRecord
-from cluster.control.capacity.fit import fit_worker_steps
-from cluster.control.capacity.profile import BatchShape, LinearCost
+from cluster.control.autoscale.fit import fit_worker_steps
+from cluster.control.autoscale.profile import BatchShape, LinearCost
 
 TRUE = LinearCost(prefill_base_s=0.010, prefill_per_token_s=0.002, prefill_per_pair_s=1e-7,
                   decode_base_s=0.040, decode_per_seq_s=0.003, decode_per_context_token_s=2e-6)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from actors.protocol.messages import GenerateRequest
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TenantSection
-from cluster.control.registry import WorkerRegistry
-from cluster.control.request_table import RequestTable
-from cluster.control.tenant_shares import TenantShares
+from cluster.control.scheduler.registry import WorkerRegistry
+from cluster.control.scheduler.request_table import RequestTable
+from cluster.control.scheduler.tenant_shares import TenantShares
 from cluster.frontend.http.gate import Gate, tenant_limits
 
 

@@ -19,7 +19,7 @@ from ray._private import state
 
 from actors.engine.engine import Engine
 from cluster.control.config import TandemConfig
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from tests.helpers.cluster import generate_in_background, load, wait_until_idle, workload
 
 pytestmark = pytest.mark.slow  # tensor-parallel clusters, ranks killed
@@ -107,7 +107,7 @@ def test_losing_a_rank_restarts_the_group_and_streams_migrate(ray_session):
 
 
 def test_scaling_adds_and_removes_whole_groups(ray_session):
-    from cluster.control.scaling import scale
+    from cluster.control.lifecycle.scaling import scale
 
     prompts, params = workload(8)
     config = _tp_config(2)

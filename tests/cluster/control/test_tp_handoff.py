@@ -15,7 +15,7 @@ import ray
 from actors.engine.engine import Engine
 from actors.engine.model.parallel import TPShard
 from cluster.control.config import TandemConfig
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from tests.helpers.cluster import generate_in_background, load, wait_until_idle, workload
 from tests.helpers.models import make_hf_model
 

@@ -13,13 +13,13 @@ import time
 import pytest
 from actors.protocol.messages import GenerateRequest, KvRankEndpoint, Rejected, WorkerInfo, WorkerStats
 from actors.protocol.sampling_params import SamplingParams
-from cluster.control.link_costs import LinkCosts
-from cluster.control.placement import Placement, Placer
-from cluster.control.prefix_index import PrefixIndex
-from cluster.control.registry import WorkerRegistry
-from cluster.control.request_table import RequestTable
-from cluster.control.scheduler_state import SchedulerSettings
-from cluster.control.ttft_guard import shed_guard
+from cluster.control.scheduler.link_costs import LinkCosts
+from cluster.control.scheduler.placement import Placement, Placer
+from cluster.control.scheduler.prefix_index import PrefixIndex
+from cluster.control.scheduler.registry import WorkerRegistry
+from cluster.control.scheduler.request_table import RequestTable
+from cluster.control.scheduler.scheduler_state import SchedulerSettings
+from cluster.control.scheduler.ttft_guard import shed_guard
 
 SETTINGS = SchedulerSettings(
     mode="disaggregated", routing="cache_aware", block_size=16, model_id="m", reserve="prompt_plus_max_tokens",

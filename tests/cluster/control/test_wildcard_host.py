@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ray
 
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from tests.helpers.cluster import load, wait_until_idle, workload
 
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from cluster.control.config import TenantSection
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from cluster.frontend.admin_key import read_generated_key
 from cluster.frontend.http.server import make_server
 from tests.helpers.cluster import load

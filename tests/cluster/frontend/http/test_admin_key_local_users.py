@@ -13,7 +13,7 @@ import stat
 import httpx
 import pytest
 
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 from cluster.frontend.admin_key import generated_key_path, read_generated_key
 from cluster.frontend.http.server import make_server
 from tests.helpers.cluster import load

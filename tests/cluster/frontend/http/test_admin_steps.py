@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from cluster.control.capacity.fit import fit_worker_steps
-from cluster.control.capacity.profile import BatchShape
+from cluster.control.autoscale.fit import fit_worker_steps
+from cluster.control.autoscale.profile import BatchShape
 from experiments.planner.from_server import fetch_steps
 from tests.helpers.cluster import load
 from tests.helpers.http_server import MODEL, serving
@@ -84,7 +84,7 @@ def test_the_autoscaler_model_follows_the_workers_steps(served):
     """Mode slo's online fit (autoscaler.slo.refit): each update takes only the steps logged since the last,
     and the profile it returns keeps the seed's model and limits with the cost fitted on those steps."""
     from cluster.control.autoscale.online_fit import OnlineFit
-    from cluster.control.capacity.profile import EngineLimits, EngineProfile, LinearCost, ModelShape
+    from cluster.control.autoscale.profile import EngineLimits, EngineProfile, LinearCost, ModelShape
 
     cluster, url = served
     seed = EngineProfile("measured", "seed", ModelShape("tiny-llama", 2, 64, 4, 2, 16, 128, 512),

@@ -85,7 +85,7 @@ def test_no_ready_worker_is_503(ray_session):
     """A scheduler with no worker registered: the ingress answers 503 with Retry-After, not 5xx noise."""
     import ray
 
-    from cluster.control.scheduler import Scheduler, SchedulerSettings
+    from cluster.control.scheduler.actor import Scheduler, SchedulerSettings
 
     settings = SchedulerSettings(mode="disaggregated", routing="cache_aware", block_size=16, model_id="m",
                                  reserve="prompt_plus_max_tokens", max_queued=8, queue_timeout_s=1.0,

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from cluster.control.admission_door import _FLOOR
+from cluster.control.scheduler.admission_door import _FLOOR
 from cluster.control.config import SchedulerSection
 from tests.helpers.cluster import load, wait_until_idle
 from tests.helpers.http_server import MODEL, serving

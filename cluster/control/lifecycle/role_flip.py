@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import ray
 
 from cluster.control.config import TandemConfig
-from cluster.control.draining import wait_drained
-from cluster.control.launch import Cluster, role_of
+from cluster.control.lifecycle.draining import wait_drained
+from cluster.control.lifecycle.launch import Cluster, role_of
 
 log = logging.getLogger("tandem.scaling")
 _CALL_TIMEOUT_S = 30.0

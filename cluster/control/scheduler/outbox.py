@@ -12,9 +12,9 @@ from actors.protocol.ids import AttemptId
 from actors.protocol.messages import KvReservation, TokenDelta, WorkerRequest
 from actors.protocol.token_stream import TokenPublisher
 from actors.protocol.worker_commands import AbortAttempt, ReleaseAttempt, ReserveBlocks, WorkerCommand
-from cluster.control.registry import WorkerRegistry
-from cluster.control.scheduler_state import Tracked
-from cluster.control.worker_mail import MailLost, WorkerMail
+from cluster.control.scheduler.registry import WorkerRegistry
+from cluster.control.scheduler.scheduler_state import Tracked
+from cluster.control.scheduler.worker_mail import MailLost, WorkerMail
 from kv_transfer.curve import CurveKeys
 
 log = logging.getLogger("tandem.scheduler")

@@ -1,8 +1,8 @@
 """Placement: where one request goes, decided from the scheduler's current view with no await inside.
 
 Admission (a decode or colocated worker with room for prompt + max_tokens x n, counting only KV not
-committed to requests in flight), cache-aware prefill routing (cluster/control/routing.py), and load
-shedding on the predicted time to first token (cluster/control/ttft_guard.py). The scheduler carries a
+committed to requests in flight), cache-aware prefill routing (cluster/control/scheduler/routing.py), and load
+shedding on the predicted time to first token (cluster/control/scheduler/ttft_guard.py). The scheduler carries a
 `Placement` out; whatever it awaits meanwhile, it checks the plan's workers are still the same before
 it commits (`still_valid`).
 
@@ -25,17 +25,17 @@ import time
 from dataclasses import dataclass
 
 from actors.protocol.messages import GenerateRequest, Rejected
-from cluster.control.affinity import AffinityMap, Served
-from cluster.control.link_costs import LinkCosts
-from cluster.control.prefix_index import PrefixIndex
-from cluster.control.registry import WorkerRegistry
-from cluster.control.request_table import RequestTable
-from cluster.control.routing import (
+from cluster.control.scheduler.affinity import AffinityMap, Served
+from cluster.control.scheduler.link_costs import LinkCosts
+from cluster.control.scheduler.prefix_index import PrefixIndex
+from cluster.control.scheduler.registry import WorkerRegistry
+from cluster.control.scheduler.request_table import RequestTable
+from cluster.control.scheduler.routing import (
     ANY_TENANT, PrefillPlan, RecentTenants, WorkerView, pick_decode, plan_prefill, predicted_ttft, prefer_affine,
 )
-from cluster.control.scheduler_state import SchedulerSettings
-from cluster.control.ttft_guard import TtftGuard
-from cluster.control.worker_order import WorkerOrder
+from cluster.control.scheduler.scheduler_state import SchedulerSettings
+from cluster.control.scheduler.ttft_guard import TtftGuard
+from cluster.control.scheduler.worker_order import WorkerOrder
 
 CANDIDATES = 16  # a pool this small is weighed whole, per request
 SAMPLED = 8  # in a bigger one: the best this many by load or room, and as many deepest prefix holders

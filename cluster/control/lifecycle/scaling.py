@@ -16,10 +16,10 @@ from pathlib import Path
 import ray
 
 from cluster.control.config import TandemConfig
-from cluster.control.draining import wait_drained
-from cluster.control.launch import Cluster, role_of, worker_index
-from cluster.control.periodic import Periodic
-from cluster.control.role_flip import become, flip_refusal
+from cluster.control.lifecycle.draining import wait_drained
+from cluster.control.lifecycle.launch import Cluster, role_of, worker_index
+from cluster.control.lifecycle.periodic import Periodic
+from cluster.control.lifecycle.role_flip import become, flip_refusal
 
 log = logging.getLogger("tandem.scaling")
 _resizing = threading.Lock()

@@ -20,9 +20,9 @@ from actors.engine.text.tokenizer import has_tokenizer, load_tokenizer
 from actors.worker.remote import worker_actor
 from actors.worker.spec import WorkerSpec
 from cluster.control.config import TandemConfig
-from cluster.control.resize_state import ResizeState
-from cluster.control.scheduler import Scheduler, SchedulerSettings
-from cluster.control.scheduler_state import SchedulerState
+from cluster.control.lifecycle.resize_state import ResizeState
+from cluster.control.scheduler.actor import Scheduler, SchedulerSettings
+from cluster.control.scheduler.scheduler_state import SchedulerState
 from cluster.frontend.client import TandemClient
 from kv_transfer.collective_transport import host_rendezvous
 from kv_transfer.curve import CurveKeys

@@ -3,7 +3,7 @@
 Pure functions over snapshots of worker state, so the policy is tested without a cluster. The
 cache-aware policy minimises predicted time to first token: queue wait + uncached prompt tokens x
 measured per-token prefill cost + the KV handoff's cost on the link to the decode worker (measured,
-cluster/control/link_costs.py). A request with an affinity key (`prompt_cache_key`) goes where the
+cluster/control/scheduler/link_costs.py). A request with an affinity key (`prompt_cache_key`) goes where the
 key's last request went, unless the prefix index knows a deeper hit elsewhere or that worker is too busy
 (`prefer_affine`, `pick_decode`).
 """
@@ -16,11 +16,6 @@ from dataclasses import dataclass, field
 
 ANY_TENANT = object()  # predicted_ttft: count the whole queue (a batcher that does not take tenants in turn)
 
-# The most uncached prompt tokens a decode worker prefills itself, by default (scheduler.local_prefill_max_tokens).
-LOCAL_PREFILL_MAX_TOKENS = 512
-# The predicted time to first token on the best prefill worker past which a decode worker takes a prompt of
-# any length, by default (scheduler.local_prefill_overflow_s).
-LOCAL_PREFILL_OVERFLOW_S = 0.25
 # How much longer than on the policy's choice a request may be predicted to wait for its first token on the
 # worker its affinity key last went to, in prefills of its own prompt there. That worker likely holds the
 # prompt up to the key's last request, which the prefix index may not know yet (unreported, or shorter than a

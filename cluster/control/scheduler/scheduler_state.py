@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass, field, fields
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import GenerateRequest, WorkerInfo, WorkerStats
 from cluster.control.config import SchedulerSection
-from cluster.control.link_costs import LinkEstimate
+from cluster.control.scheduler.link_costs import LinkEstimate
 from kv_transfer.curve import CurveKeys
-from cluster.control.routing import PrefillPlan, WorkerView
+from cluster.control.scheduler.routing import PrefillPlan, WorkerView
 
 
 _DEFAULTS = SchedulerSection()  # the bounds' defaults live in the config, documented there

@@ -18,7 +18,7 @@ from dataclasses import replace
 import numpy as np
 
 from actors.worker.step_log import StepRecord
-from cluster.control.capacity.profile import EngineProfile, LinearCost
+from cluster.control.autoscale.profile import EngineProfile, LinearCost
 
 MIN_STEPS = 3  # steps of a kind below which its half of the model cannot be fitted from a log
 

@@ -58,25 +58,25 @@ from actors.protocol.messages import (
 )
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.worker_commands import AbortAttempt, SubmitAttempt
-from cluster.control.admission_door import AdmissionDoor
-from cluster.control.autoscale.pool_load import PoolLoad, pool_loads
-from cluster.control.autoscale.demand import DemandSample, DemandWindow
-from cluster.control.client_port import ClientPort
-from cluster.control.decision_clock import ControlPlaneStats, DecisionClock
-from cluster.control.incarnation import Incarnation
-from cluster.control.link_costs import LinkCosts
-from cluster.control.outbox import Outbox
-from cluster.control.placement import Placement, Placer
-from cluster.control.prefix_index import PrefixIndex
-from cluster.control.rebuild import Rebuild
-from cluster.control.registry import WorkerRegistry
-from cluster.control.request_table import RequestTable
-from cluster.control.room_waiters import RoomWaiters
-from cluster.control.scheduler_state import Phase, SchedulerCounters, SchedulerSettings, SchedulerState, Tracked
-from cluster.control.tenant_shares import TenantShares
-from cluster.control.ttft_guard import shed_guard
-from cluster.control.until_placed import UntilPlaced
-from cluster.control.worker_mail import WorkerMail
+from cluster.control.scheduler.admission_door import AdmissionDoor
+from cluster.control.scheduler.pool_load import PoolLoad, pool_loads
+from cluster.control.scheduler.demand import DemandSample, DemandWindow
+from cluster.control.scheduler.client_port import ClientPort
+from cluster.control.scheduler.decision_clock import ControlPlaneStats, DecisionClock
+from cluster.control.scheduler.incarnation import Incarnation
+from cluster.control.scheduler.link_costs import LinkCosts
+from cluster.control.scheduler.outbox import Outbox
+from cluster.control.scheduler.placement import Placement, Placer
+from cluster.control.scheduler.prefix_index import PrefixIndex
+from cluster.control.scheduler.rebuild import Rebuild
+from cluster.control.scheduler.registry import WorkerRegistry
+from cluster.control.scheduler.request_table import RequestTable
+from cluster.control.scheduler.room_waiters import RoomWaiters
+from cluster.control.scheduler.scheduler_state import Phase, SchedulerCounters, SchedulerSettings, SchedulerState, Tracked
+from cluster.control.scheduler.tenant_shares import TenantShares
+from cluster.control.scheduler.ttft_guard import shed_guard
+from cluster.control.scheduler.until_placed import UntilPlaced
+from cluster.control.scheduler.worker_mail import WorkerMail
 from kv_transfer.curve import CurveKeys
 
 log = logging.getLogger("tandem.scheduler")

@@ -10,8 +10,8 @@ one tenant is refused at once (429) instead of standing in front of everyone els
 from __future__ import annotations
 
 from actors.protocol.messages import GenerateRequest, Rejected
-from cluster.control.registry import WorkerRegistry
-from cluster.control.request_table import RequestTable
+from cluster.control.scheduler.registry import WorkerRegistry
+from cluster.control.scheduler.request_table import RequestTable
 
 
 class TenantShares:

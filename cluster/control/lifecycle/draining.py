@@ -7,7 +7,7 @@ import time
 
 import ray
 
-from cluster.control.launch import Cluster
+from cluster.control.lifecycle.launch import Cluster
 
 _CALL_TIMEOUT_S = 30.0
 

@@ -17,9 +17,9 @@ from typing import Callable
 
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import LivePhase, LiveRequest
-from cluster.control.recent import Recent
-from cluster.control.routing import PrefillPlan
-from cluster.control.scheduler_state import Phase, Tracked
+from cluster.control.scheduler.recent import Recent
+from cluster.control.scheduler.routing import PrefillPlan
+from cluster.control.scheduler.scheduler_state import Phase, Tracked
 
 _ABORTS_KEPT_S = 600.0  # aborts and ended attempts: long enough for a restart to settle
 _ABORTS_KEPT = 100_000

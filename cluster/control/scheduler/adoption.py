@@ -5,9 +5,9 @@ decides (`RequestTable.adopt_live`), the outbox tells the workers."""
 from __future__ import annotations
 
 from actors.protocol.messages import LiveRequest
-from cluster.control.outbox import Outbox
-from cluster.control.placement import Placer
-from cluster.control.request_table import Adoption, RequestTable
+from cluster.control.scheduler.outbox import Outbox
+from cluster.control.scheduler.placement import Placer
+from cluster.control.scheduler.request_table import Adoption, RequestTable
 
 
 def adopt_live(table: RequestTable, placer: Placer, outbox: Outbox, entry, item: LiveRequest) -> None:

@@ -21,8 +21,8 @@ from contextlib import contextmanager
 import ray
 
 from actors.protocol.messages import WorkerInfo, WorkerPulse, WorkerStats
-from cluster.control.routing import WorkerView
-from cluster.control.scheduler_state import WorkerEntry
+from cluster.control.scheduler.routing import WorkerView
+from cluster.control.scheduler.scheduler_state import WorkerEntry
 
 log = logging.getLogger("tandem.scheduler")
 

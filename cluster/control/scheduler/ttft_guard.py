@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import FirstTokenWait
-from cluster.control.routing import PrefillPlan
+from cluster.control.scheduler.routing import PrefillPlan
 
 
 class TtftGuard:

@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import Admitted, AdmittedBy, Forgotten, GenerateRequest, LiveRequest
-from cluster.control.adoption import adopt_live
-from cluster.control.incarnation import Incarnation
-from cluster.control.outbox import Outbox
-from cluster.control.placement import Placer
-from cluster.control.request_table import RequestTable
+from cluster.control.scheduler.adoption import adopt_live
+from cluster.control.scheduler.incarnation import Incarnation
+from cluster.control.scheduler.outbox import Outbox
+from cluster.control.scheduler.placement import Placer
+from cluster.control.scheduler.request_table import RequestTable
 
 log = logging.getLogger("tandem.scheduler")
 

@@ -16,9 +16,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cluster.control.autoscale.slo_policy import Demand, Observed
-
 _MOST_SAMPLES = 4096  # first-token waits kept per interval: a percentile needs no more
+
+
+@dataclass(frozen=True)
+class Demand:
+    rate: float  # requests/s
+    prompt_tokens: float  # mean
+    output_tokens: float  # mean
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One interval as the frontend saw it."""
+
+    demand: Demand  # arrivals (refused ones too: they are demand) and the mean lengths
+    ttft_s: float | None  # the SLO's percentile of placement -> first token over the interval; None: none came
+    tpot_s: float | None
+    queued: int = 0  # at the interval's end: requests admitted or waiting that have no first token yet
+    waiting: int = 0  # of them, those waiting for KV room on a decode (or colocated) worker (not yet a prefill's)
+    decoding: int = 0  # at the interval's end: requests holding KV on a decode (or colocated) worker
+    seconds: float = 0.0  # the interval's length (0: unknown)
+    # At the interval's end: the workers per pool that take new work (starting and draining ones left out);
+    # None: the pools' sizes. A pool still starting workers it was asked for served at this size, not that.
+    serving: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ import time
 from collections.abc import Awaitable, Callable
 
 from actors.protocol.messages import Admitted, GenerateRequest, Rejected
-from cluster.control.placement import Placement, Placer
-from cluster.control.registry import WorkerRegistry
-from cluster.control.room_waiters import RoomWaiters
-from cluster.control.scheduler_state import SchedulerSettings
-from cluster.control.tenant_shares import TenantShares
-from cluster.control.ttft_guard import TtftGuard
+from cluster.control.scheduler.placement import Placement, Placer
+from cluster.control.scheduler.registry import WorkerRegistry
+from cluster.control.scheduler.room_waiters import RoomWaiters
+from cluster.control.scheduler.scheduler_state import SchedulerSettings
+from cluster.control.scheduler.tenant_shares import TenantShares
+from cluster.control.scheduler.ttft_guard import TtftGuard
 
 CarryOut = Callable[[GenerateRequest, Placement, int], Awaitable["Admitted | None"]]
 
