@@ -171,11 +171,6 @@ class Worker:
             case _:
                 log.error("worker %s: dropped an unknown command %s", self.spec.worker_id, type(command).__name__)
 
-    def reserve_many(self, asks: tuple[ReserveBlocks, ...]) -> tuple[KvReservation | None, ...]:
-        """Reservations answered in order (None: no room, or it failed); what the command port does for a
-        `Reserve` frame, as a call."""
-        return self._reserve(asks).result(timeout=_CALL_TIMEOUT_S)
-
     def _reserve(self, asks: tuple[ReserveBlocks, ...]) -> Future:
         """Queued for the engine thread at once (a later abort cannot overtake them); answered when decided."""
         if self._faults.slow_reserve_s:

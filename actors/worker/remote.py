@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 import ray
 
 if TYPE_CHECKING:
-    from actors.protocol.messages import KvReservation, WorkerInfo, WorkerStats
-    from actors.protocol.worker_commands import ReserveBlocks, WorkerCommand
+    from actors.protocol.messages import WorkerInfo, WorkerStats
     from actors.worker.spec import WorkerSpec
     from actors.worker.step_log import StepRecord
 
@@ -57,15 +56,6 @@ class WorkerActor:
 
     def inject_fault(self, fault: str | None, delay_s: float = 1.0) -> None:
         self._worker.inject_fault(fault, delay_s)
-
-    def deliver(self, commands: tuple[WorkerCommand, ...]) -> None:
-        self._worker.deliver(commands)
-
-    def handle(self, command: WorkerCommand) -> None:
-        self._worker.handle(command)
-
-    def reserve_many(self, asks: tuple[ReserveBlocks, ...]) -> tuple[KvReservation | None, ...]:
-        return self._worker.reserve_many(asks)
 
     def check_integrity(self) -> WorkerStats:
         return self._worker.check_integrity()

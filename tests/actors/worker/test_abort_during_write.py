@@ -27,6 +27,7 @@ from actors.worker.actor import Worker
 from actors.worker.kv_handoff import HandoffSender
 from actors.worker.spec import WorkerSpec
 from tests.helpers.cluster import load
+from tests.helpers.command_port import CommandLine
 
 NUM_BLOCKS = 8  # blocks of 16 tokens: the aborted reservation takes 6, the next request needs 4
 HOLD_MAX_S = 30.0
@@ -38,6 +39,15 @@ def decode():
     worker = Worker(WorkerSpec("decode-t", "decode", engine, lease_s=30.0, heartbeat_s=0.02))
     yield worker, engine
     worker.shutdown()
+
+
+def reserve(worker, ask: ReserveBlocks):
+    """Asked on the worker's command port, as the scheduler asks."""
+    line = CommandLine(worker.info().command_endpoint)
+    try:
+        return line.reserve(ask)
+    finally:
+        line.close()
 
 
 def wait_for(predicate, timeout_s: float = 30.0):
@@ -56,7 +66,7 @@ def test_abort_during_a_page_write_keeps_the_blocks_until_the_write_is_over(deco
         params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
         aborted = WorkerRequest(AttemptId("tenant-a", "0"), GenerateRequest("tenant-a", range(100, 196), params,
                                                                             sink_url))
-        (reservation,) = worker.reserve_many((ReserveBlocks("decode-t", aborted),))
+        (reservation,) = reserve(worker, ReserveBlocks("decode-t", aborted))
         assert len(reservation.block_ids) == 6
 
         # Pages of garbage from a "prefill worker": were they written into another request's blocks,
@@ -105,7 +115,7 @@ def test_pages_for_an_ended_lease_are_refused_before_writing(decode):
     worker, engine = decode
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     request = WorkerRequest(AttemptId("r", "0"), GenerateRequest("r", range(10, 42), params, "tcp://127.0.0.1:9"))
-    (reservation,) = worker.reserve_many((ReserveBlocks("decode-t", request),))
+    (reservation,) = reserve(worker, ReserveBlocks("decode-t", request))
     worker.handle(AbortAttempt("decode-t", request.attempt))
     wait_for(lambda: worker.check_integrity().reserved == 0)
     source = Engine(engine)

@@ -19,6 +19,7 @@ from actors.protocol.worker_commands import ReserveBlocks, SubmitAttempt
 from actors.worker.remote import worker_actor
 from actors.worker.spec import WorkerSpec
 from cluster.control.config import SchedulerSection
+from tests.helpers.command_port import CommandLine
 from tests.helpers.cluster import load
 
 LEASE_S = 1.0
@@ -40,12 +41,12 @@ def test_reservation_without_pages_expires_at_the_lease(ray_session, lease_s):
     sink = zmq.Context.instance().socket(zmq.PULL)
     port = sink.bind_to_random_port("tcp://127.0.0.1")
     try:
-        ray.get(worker.info.remote(), timeout=120)
+        line = CommandLine(ray.get(worker.info.remote(), timeout=120).command_endpoint)
         attempt = AttemptId("never-sent", "a0")
         request = WorkerRequest(attempt, GenerateRequest("never-sent", range(10, 50), SamplingParams(max_tokens=4),
                                                          f"tcp://127.0.0.1:{port}"))
         start = time.monotonic()
-        (reservation,) = ray.get(worker.reserve_many.remote((ReserveBlocks("decode-lease", request),)), timeout=30)
+        (reservation,) = line.reserve(ReserveBlocks("decode-lease", request))
         assert len(reservation.block_ids) == 3  # 40 tokens in blocks of 16
         assert sink.poll(int((lease_s + NO_HANG_S) * 1000)), f"no failure reported {NO_HANG_S}s after the lease"
         (delta,) = decode_deltas(sink.recv())
@@ -54,6 +55,7 @@ def test_reservation_without_pages_expires_at_the_lease(ray_session, lease_s):
         assert f"did not arrive within the {lease_s}s lease" in delta.error
         stats = ray.get(worker.check_integrity.remote(), timeout=30)
         assert stats.reserved == 0 and stats.used_blocks == 0 and stats.leases_expired == 1
+        line.close()
     finally:
         sink.close(linger=0)
         ray.get(worker.shutdown.remote(), timeout=30)
@@ -70,13 +72,13 @@ def test_hold_without_release_expires_within_the_lease(ray_session):
     sink_port = sink.bind_to_random_port("tcp://127.0.0.1")
     pages_port = pages.bind_to_random_port("tcp://127.0.0.1")
     try:
-        ray.get(worker.info.remote(), timeout=120)
+        line = CommandLine(ray.get(worker.info.remote(), timeout=120).command_endpoint)
         target = KvRankEndpoint(f"tcp://127.0.0.1:{pages_port}", 0, 2, 2)  # the tiny model's 2 KV heads
         dest = KvDestination("decode-x", (target,), KvReservation("l1", (7, 8, 9)))
         request = WorkerRequest(AttemptId("never-acked", "a0"), GenerateRequest(
             "never-acked", range(10, 50), SamplingParams(max_tokens=4, temperature=0.0),
             f"tcp://127.0.0.1:{sink_port}"), dest)
-        worker.deliver.remote((SubmitAttempt("prefill-lease", request),))
+        line.send(SubmitAttempt("prefill-lease", request))
         assert pages.poll(30_000) and pages.recv_multipart()  # the pages left the prefill worker
         sent = time.monotonic()
         (first,) = decode_deltas(sink.recv())
@@ -89,6 +91,7 @@ def test_hold_without_release_expires_within_the_lease(ray_session):
             time.sleep(0.02)
         assert time.monotonic() - sent >= LEASE_S * 0.9
         assert stats.leases_expired == 1 and stats.used_blocks == 0 and stats.transfers_sent == 1
+        line.close()
     finally:
         sink.close(linger=0)
         pages.close(linger=0)
