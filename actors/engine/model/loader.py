@@ -11,19 +11,22 @@ from pathlib import Path
 
 import torch
 
-from actors.engine.model.checkpoint_reader import Cat, CheckpointFiles, Stack
+from actors.engine.model.checkpoint_reader import Cat, CheckpointFiles, Stack, Transposed
 from actors.engine.model.gemma import Gemma2Config, Gemma2Model, Gemma3Config
 from actors.engine.model.llama import LlamaConfig, LlamaModel
+from actors.engine.model.llama4 import Llama4Config, Llama4Model
 from actors.engine.model.parallel import TPShard, rank_slice
 
 # Architecture by config.json model_type. Qwen2 is the Llama layout with a qkv bias, Qwen3 with q/k norms,
 # Phi-3 with partial longrope, Mixtral and Qwen3-MoE with expert MLPs: LlamaConfig.from_hf reads which.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                  "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "llama4_text": "Llama4ForCausalLM"}
 SUPPORTED_ARCHITECTURES = set(_BY_MODEL_TYPE.values())
 # Families with a decoder of their own (any other is the Llama decoder).
-_DECODERS = {"Gemma2ForCausalLM": (Gemma2Config, Gemma2Model), "Gemma3ForCausalLM": (Gemma3Config, Gemma2Model)}
+_DECODERS = {"Gemma2ForCausalLM": (Gemma2Config, Gemma2Model), "Gemma3ForCausalLM": (Gemma3Config, Gemma2Model),
+             "Llama4ForCausalLM": (Llama4Config, Llama4Model)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -42,7 +45,12 @@ _RENAMES = {
     "mlp.gate.weight": "mlp.router.weight",  # Qwen3-MoE
     "mlp.experts.gate_up_proj": "mlp.gate_up",  # experts as saved stacked by transformers 5
     "mlp.experts.down_proj": "mlp.down",
+    "feed_forward.down_proj.weight": "mlp.down.weight",  # Llama 4
+    "feed_forward.router.weight": "mlp.router.weight",
+    "feed_forward.shared_expert.down_proj.weight": "mlp.shared.down.weight",
 }
+# Llama 4's stacked experts, saved [E, H, 2I] and [E, I, H] (for x @ W): read transposed.
+_TRANSPOSED_EXPERTS = {"feed_forward.experts.gate_up_proj": "mlp.gate_up", "feed_forward.experts.down_proj": "mlp.down"}
 # One expert's weights, as the hub's Mixtral (w1 gate, w3 up, w2 down) and Qwen3-MoE checkpoints name them.
 _EXPERT = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
 _EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
@@ -51,6 +59,11 @@ _FUSED = {
     "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "attn.qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "mlp.gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+_FUSED_FEED_FORWARD = {  # Llama 4's dense MLP and shared expert
+    "mlp.gate_up.weight": ("feed_forward.gate_proj.weight", "feed_forward.up_proj.weight"),
+    "mlp.shared.gate_up.weight": ("feed_forward.shared_expert.gate_proj.weight",
+                                  "feed_forward.shared_expert.up_proj.weight"),
 }
 
 
@@ -125,9 +138,12 @@ def _remap(checkpoint: dict, cfg: LlamaConfig) -> dict:
         for hf_name, ours in _RENAMES.items():
             if hf_name in parts:
                 state[f"layers.{i}.{ours}"] = parts.pop(hf_name)
-        for ours, hf_names in _FUSED.items():
+        for ours, hf_names in (*_FUSED.items(), *_FUSED_FEED_FORWARD.items()):
             if all(n in parts for n in hf_names):
                 state[f"layers.{i}.{ours}"] = Cat([parts.pop(n) for n in hf_names])
+        for hf_name, ours in _TRANSPOSED_EXPERTS.items():
+            if hf_name in parts:
+                state[f"layers.{i}.{ours}"] = Transposed(parts.pop(hf_name))
         state.update({f"layers.{i}.{name}": t for name, t in _stack_experts(parts).items()})
         for leftover in parts:
             state[f"model.layers.{i}.{leftover}"] = parts[leftover]
