@@ -148,6 +148,18 @@ def test_roofline_llama3_8b_on_h100_matches_a_hand_calculation():
     assert p.step_s(BatchShape(decode_seqs=64, decode_context=64 * 1024)) < 2 * decode
 
 
+def test_llama4_scout_preset_holds_every_expert_and_runs_one():
+    model = MODEL_PRESETS["llama4-scout"]
+    assert model.num_params == pytest.approx(107.8e9, rel=0.001)  # the text model of Scout's "109B"
+    assert model.kv_bytes_per_token == 2 * 48 * 8 * 128 * 2  # 192 KiB
+    # Per token, attention and 2 experts' width (routed + shared): near the "17B active" of its name.
+    assert model.layer_params * model.num_layers == pytest.approx(15.1e9, rel=0.01)
+    with pytest.raises(ValueError, match="does not fit"):
+        roofline_profile("h100", model)  # 216 GB of bf16 weights
+    p = roofline_profile("h100", model, tensor_parallel=4)
+    assert p.engine.num_kv_blocks == int((0.9 * 4 * 80e9 - 2 * model.num_params) // (196608 * 16))
+
+
 def test_roofline_refuses_a_model_that_does_not_fit():
     with pytest.raises(ValueError, match="does not fit"):
         roofline_profile("l4", MODEL_PRESETS["llama3-70b"])
