@@ -26,7 +26,6 @@ from torch import nn
 from actors.engine.model.attention_backend import LayerAttention, StepAttention
 from actors.engine.model.llama import MLP, Attention, DecoderLayer, LlamaConfig, LlamaModel, RMSNorm, normalized
 from actors.engine.model.moe import SparseMoE
-from actors.engine.model.parallel import TPShard
 from actors.engine.model.rope import RotaryEmbedding
 
 
@@ -142,9 +141,3 @@ class Llama4DecoderLayer(DecoderLayer):
 
 class Llama4Model(LlamaModel):
     layer_cls = Llama4DecoderLayer
-
-    def __init__(self, cfg: Llama4Config, shard: TPShard = TPShard()):
-        if shard.size > 1:
-            raise ValueError("tensor parallelism is not supported for Llama 4 yet (its shared expert's width "
-                             "is not sliced per rank); run it with tensor_parallel_size=1")
-        super().__init__(cfg, shard)

@@ -12,7 +12,6 @@ import transformers
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.engine.model.llama4 import Llama4Config, Llama4Model
-from actors.engine.model.parallel import TPShard
 from actors.protocol.sampling_params import SamplingParams
 
 
@@ -45,5 +44,3 @@ def test_what_tandem_refuses_is_named(hf_models):
         Llama4Config.from_hf({**hf, "attention_bias": True})
     with pytest.raises(ValueError, match="chunked_attention layers need attention_chunk_size"):
         Llama4Config.from_hf({**hf, "attention_chunk_size": None})
-    with pytest.raises(ValueError, match="tensor parallelism is not supported for Llama 4"):
-        Llama4Model(Llama4Config.from_hf(hf), TPShard(0, 2))
