@@ -194,12 +194,32 @@ def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             vs = v_cache.index_select(0, p.context_blocks).view(-1, num_kv_heads, head_dim)[: p.context_len]
         ks = ks.unflatten(0, (p.count, -1)).transpose(1, 2)
         vs = vs.unflatten(0, (p.count, -1)).transpose(1, 2)
-        mask = _prefill_mask(p.query_len, p.context_len, sliding_window, q.device, chunk)
-        o = _attend(qs, ks, vs, mask, scale, softcap).transpose(1, 2).flatten(0, 1)
+        o = _attend_run(qs, ks, vs, p.context_len, scale, sliding_window, softcap, chunk).transpose(1, 2).flatten(0, 1)
         if o.shape[0] == q.shape[0]:
             return o
         out[rows] = o
     return out
+
+
+def _attend_run(q, k, v, context_len: int, scale: float, window: int | None, softcap: float | None,
+                chunk: int | None) -> torch.Tensor:
+    """q [B, H, Q, D], the queries at the last Q of `context_len` positions, over k, v [B, KVH, context_len, D].
+    A chunked layer attends chunk by chunk, each query's keys its own chunk's: a fresh prompt of T tokens
+    costs T x chunk score pairs and no [T, T] mask."""
+    query_len = q.shape[2]
+    if chunk is None:
+        return _attend(q, k, v, _prefill_mask(query_len, context_len, window, q.device), scale, softcap)
+    first = context_len - query_len
+    outs = []
+    start = first
+    while start < context_len:
+        chunk_start = start // chunk * chunk
+        end = min(chunk_start + chunk, context_len)
+        mask = _prefill_mask(end - start, end - chunk_start, window, q.device)
+        outs.append(_attend(q[:, :, start - first : end - first], k[:, :, chunk_start:end], v[:, :, chunk_start:end],
+                            mask, scale, softcap))
+        start = end
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def _attend(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | None) -> torch.Tensor:
@@ -217,13 +237,12 @@ def _attend(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | N
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
 
 
-def _prefill_mask(query_len: int, context_len: int, sliding_window: int | None, device,
-                  chunk: int | None = None) -> torch.Tensor | None:
+def _prefill_mask(query_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
     """Causal mask for queries at the last `query_len` positions of the context; None = plain causal."""
-    if query_len == context_len and sliding_window is None and (chunk is None or context_len <= chunk):
+    if query_len == context_len and sliding_window is None:
         return None
     q_pos = torch.arange(context_len - query_len, context_len, device=device)[:, None]
-    return key_mask(q_pos, torch.arange(context_len, device=device)[None, :], sliding_window, chunk)
+    return key_mask(q_pos, torch.arange(context_len, device=device)[None, :], sliding_window)
 
 
 def key_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, chunk: int | None = None) -> torch.Tensor:

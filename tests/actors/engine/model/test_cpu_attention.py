@@ -78,10 +78,12 @@ def test_the_kernel_attends_as_sdpa_does(query_lens, computed_lens, window, soft
 
 @pytest.mark.parametrize("query_lens,computed_lens", MIXED)
 @pytest.mark.parametrize("chunk,window", [(16, None), (100, None), (40, 25)])
-def test_the_kernel_keeps_to_attention_chunks_as_sdpa_does(query_lens, computed_lens, chunk, window):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_keeps_to_attention_chunks_as_sdpa_does(query_lens, computed_lens, chunk, window, dtype):
     """Llama 4's local layers: a query sees only its own chunk's keys (runs of 4 cross chunk edges)."""
-    (reference, kernel), _ = _step(query_lens, computed_lens, window=window, chunk=chunk)
-    assert (reference - kernel).abs().max().item() <= F32_TOLERANCE
+    (reference, kernel), _ = _step(query_lens, computed_lens, window=window, chunk=chunk, dtype=dtype)
+    tolerance = F32_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE
+    assert (reference - kernel).abs().max().item() <= tolerance
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [

@@ -17,7 +17,8 @@ from actors.protocol.sampling_params import SamplingParams
 
 def test_sdpa_decodes_keep_to_the_chunks_as_transformers_does(hf_models):
     model_dir = hf_models["llama4"]
-    prompts = [list(range(3, 10)), list(range(40, 69))]  # 7 and 29 tokens: decodes cross chunk edges of 8
+    # 7 and twice 29 tokens (the two prefill side by side in one call, chunk by chunk); decodes cross edges of 8.
+    prompts = [list(range(3, 10)), list(range(40, 69)), list(range(100, 129))]
     engine = Engine(EngineConfig(model=str(model_dir), block_size=8, num_kv_blocks=32, attention_backend="sdpa"))
     assert engine.runner.attention.name == "sdpa"
     results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
