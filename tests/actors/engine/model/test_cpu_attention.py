@@ -1,8 +1,8 @@
 """tandem's CPU paged-attention kernel (csrc/paged_attention_cpu.c through cpu_paged_backend.py) against the
 reference SDPA path on the same mixed steps: decodes at many context lengths, short runs after a cached
-context, fresh prompts beside them, sliding windows, Gemma 2's softcap, Llama 4's attention chunks, GQA from 1 to 8 query heads per
-kv head, block tables in scattered order; float32 to 2e-6, bfloat16 to its rounding. And the backend
-choice when the kernel cannot be built."""
+context, fresh prompts beside them, sliding windows, Gemma 2's softcap, Llama 4's attention chunks, GQA
+from 1 to 8 query heads per kv head, block tables in scattered order; float32 to 2e-6, bfloat16 to its
+rounding. And the backend choice when the kernel cannot be built."""
 
 from __future__ import annotations
 

@@ -52,8 +52,8 @@ def test_kernel_matches_softmax_over_the_gathered_context(window, softcap, chunk
         used += len(tables[-1])
     width = max(map(len, tables)) + 2  # wider than needed, as a graph's tables are: the tail must be ignored
     padded = torch.tensor([t + [num_blocks - 1] * (width - len(t)) for t in tables], dtype=torch.int32)
-    got = paged_decode_attention(q, k_cache, v_cache, padded, torch.tensor(lens, dtype=torch.int32), 0.3, window, softcap,
-                                 chunk)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = paged_decode_attention(q, k_cache, v_cache, padded, seq_lens, 0.3, window, softcap, chunk)
     torch.testing.assert_close(got, _reference(q, k_cache, v_cache, tables, lens, 0.3, window, softcap, chunk),
                                rtol=1e-5, atol=1e-5)
 
