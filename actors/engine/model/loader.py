@@ -65,6 +65,11 @@ _FUSED_FEED_FORWARD = {  # Llama 4's dense MLP and shared expert
     "mlp.shared.gate_up.weight": ("feed_forward.shared_expert.gate_proj.weight",
                                   "feed_forward.shared_expert.up_proj.weight"),
 }
+# Multimodal checkpoints whose text model tandem serves: that model's architecture, and the prefix of its
+# weights (the others, the vision encoder's and projector's, are not read). The hub's Llama 4 (Scout,
+# Maverick) ship this way.
+_TEXT_OF_MULTIMODAL = {"Llama4ForConditionalGeneration": ("Llama4ForCausalLM", "language_model.")}
+TEXT_WEIGHTS_PREFIX = "text_weights_prefix"  # the key read_hf_config adds for such a checkpoint
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
@@ -72,6 +77,10 @@ def read_hf_config(model_dir: str | Path) -> dict:
     if not path.is_file():
         raise ValueError(f"model directory {model_dir} has no config.json (expected a Hugging Face checkpoint)")
     hf = json.loads(path.read_text())
+    multimodal = [a for a in hf.get("architectures") or [] if a in _TEXT_OF_MULTIMODAL]
+    if multimodal and isinstance(hf.get("text_config"), dict):
+        text_arch, prefix = _TEXT_OF_MULTIMODAL[multimodal[0]]
+        hf = {**hf["text_config"], "architectures": [text_arch], TEXT_WEIGHTS_PREFIX: prefix}
     if not hf.get("architectures") and hf.get("model_type") in _BY_MODEL_TYPE:
         # Some exported checkpoints name only the model type.
         hf = {**hf, "architectures": [_BY_MODEL_TYPE[hf["model_type"]]]}
@@ -97,7 +106,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str | torc
         model = model_cls(cfg, shard)
     target = DTYPES[dtype]
     with CheckpointFiles(Path(model_dir)) as checkpoint:
-        sources = _remap(checkpoint, cfg)
+        sources = _remap(checkpoint, cfg, hf.get(TEXT_WEIGHTS_PREFIX))
         expected = {name for name in model.state_dict() if not (cfg.tie_word_embeddings and name == "lm_head.weight")}
         missing, unexpected = expected - sources.keys(), sources.keys() - expected
         if missing or unexpected:
@@ -116,11 +125,16 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str | torc
     return model.eval()
 
 
-def _remap(checkpoint: dict, cfg: LlamaConfig) -> dict:
-    """Checkpoint names -> tandem's parameter names, each a source not yet read (checkpoint_reader)."""
+def _remap(checkpoint: dict, cfg: LlamaConfig, text_prefix: str | None = None) -> dict:
+    """Checkpoint names -> tandem's parameter names, each a source not yet read (checkpoint_reader).
+    `text_prefix`: a multimodal checkpoint's, whose names without it are the text model's."""
     state: dict = {}
     per_layer: dict[int, dict] = {}
     for name, tensor in checkpoint.items():
+        if text_prefix is not None:
+            if not name.startswith(text_prefix):
+                continue
+            name = name.removeprefix(text_prefix)
         if name.endswith("rotary_emb.inv_freq"):
             continue
         if name == "model.embed_tokens.weight":

@@ -1,5 +1,6 @@
 """Llama 4 text beyond the parity tests of every family (test_model_parity.py): its decodes on the
-reference SDPA path (chunked decode masks built per step), and the configs tandem refuses."""
+reference SDPA path (chunked decode masks built per step), the text model of a multimodal checkpoint
+(as the hub ships Llama 4), and the configs tandem refuses."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import transformers
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.engine.model.llama4 import Llama4Config, Llama4Model
+from actors.engine.model.loader import load_model
+from tests.helpers.models import paged_prefill_logits
 from actors.protocol.sampling_params import SamplingParams
 
 
@@ -28,6 +31,23 @@ def test_sdpa_decodes_keep_to_the_chunks_as_transformers_does(hf_models):
             ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, min_new_tokens=20)
         assert result.outputs[0].token_ids == ref[0, len(prompt):].tolist()
     engine.check_integrity()
+
+
+def test_the_text_model_of_a_multimodal_checkpoint_is_served(hf_models, tmp_path):
+    """A Llama4ForConditionalGeneration directory (text_config inside, weights under language_model., a
+    vision encoder beside): tandem loads the text model alone, with the logits transformers gives text."""
+    text = transformers.Llama4TextConfig.from_pretrained(hf_models["llama4"])
+    vision = transformers.Llama4VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=64, image_size=32, patch_size=16, vision_output_dim=32,
+                                             projector_input_dim=32, projector_output_dim=32)
+    torch.manual_seed(0)
+    hf = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(text_config=text, vision_config=vision))
+    hf.eval().save_pretrained(tmp_path)
+    ids = torch.randint(0, 400, (45,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    got = paged_prefill_logits(load_model(tmp_path), ids)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
 def test_the_layer_kinds_come_from_the_config(hf_models):
