@@ -26,10 +26,10 @@ def test_sdpa_decodes_keep_to_the_chunks_as_transformers_does(hf_models):
     assert engine.runner.attention.name == "sdpa"
     results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    for prompt, result in zip(prompts, results):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, min_new_tokens=20)
-        assert result.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    with torch.no_grad():
+        refs = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=20, min_new_tokens=20)[0, len(p):]
+                for p in prompts]
+    assert [r.outputs[0].token_ids for r in results] == [ref.tolist() for ref in refs]
     engine.check_integrity()
 
 
