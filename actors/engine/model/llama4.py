@@ -3,10 +3,11 @@ cache as the Llama family.
 
 What differs from Llama:
 - Two kinds of attention layer (`no_rope_layers`, 1 where a layer rotates): rope layers attend only within
-  their chunk of `attention_chunk_size` positions (a token at p sees p - p % chunk .. p) and, with
-  `use_qk_norm`, L2-normalize each head of q and k after the rotation (an RMSNorm without a weight);
-  NoPE layers attend to the whole context unrotated, their queries scaled by
-  1 + attn_scale * log(1 + floor((p + 1) / floor_scale)) (`attn_temperature_tuning`).
+  their chunk of `attention_chunk_size` positions (a token at p sees p - p % chunk .. p; `layer_types`
+  says which layers are chunked, by default the rope ones) and, with `use_qk_norm`, L2-normalize each head
+  of q and k after the rotation (an RMSNorm without a weight); NoPE layers attend to the whole context
+  unrotated, their queries scaled by 1 + attn_scale * log(1 + floor((p + 1) / floor_scale))
+  (`attn_temperature_tuning`).
 - The rotation turns adjacent pairs of dims (Meta's complex form), already the pair layout of
   rope.py's RotaryEmbedding: q and k rows stay in checkpoint order.
 - Every `interleave_moe_layer_step`-th layer (`moe_layers`) is a mixture of experts: a top-k router whose
@@ -32,7 +33,7 @@ from actors.engine.model.rope import RotaryEmbedding
 @dataclass(frozen=True)
 class Llama4Config(LlamaConfig):
     rope_layers: tuple[bool, ...] = ()  # per layer: True where it rotates q and k (HF's no_rope_layers)
-    attention_chunk_size: int | None = None  # the rope layers' chunk; None: they attend to the whole context
+    attention_chunks: tuple[int | None, ...] = ()  # per layer: its chunk (layer_types), None: the whole context
     l2_qk_norm: bool = False  # use_qk_norm, on the rope layers only
     attn_temperature_tuning: bool = False
     floor_scale: float = 8192.0
@@ -60,8 +61,8 @@ class Llama4Config(LlamaConfig):
         chunk = hf.get("attention_chunk_size")
         layer_types = hf.get("layer_types") or [
             "chunked_attention" if rotates and chunk else "full_attention" for rotates in rope_layers]
-        if any(kind == "chunked_attention" and not rotates for kind, rotates in zip(layer_types, rope_layers)):
-            raise ValueError("config.json: a chunked_attention layer without rope is not a Llama 4 layout")
+        if len(layer_types) != n:
+            raise ValueError(f"config.json: layer_types names {len(layer_types)} layers, num_hidden_layers is {n}")
         if "chunked_attention" in layer_types and not chunk:
             raise ValueError("config.json: chunked_attention layers need attention_chunk_size")
         return cls(**{**dataclasses.asdict(base),
@@ -70,7 +71,7 @@ class Llama4Config(LlamaConfig):
                       "expert_intermediate_size": hf.get("intermediate_size", 8192),
                       "dense_layers": tuple(i for i in range(n) if i not in moe_layers)},
                    rope_layers=tuple(bool(r) for r in rope_layers),
-                   attention_chunk_size=chunk if "chunked_attention" in layer_types else None,
+                   attention_chunks=tuple(chunk if kind == "chunked_attention" else None for kind in layer_types),
                    l2_qk_norm=bool(hf.get("use_qk_norm", True)),
                    attn_temperature_tuning=bool(hf.get("attn_temperature_tuning", True)),
                    floor_scale=float(hf.get("floor_scale", 8192)), attn_scale=float(hf.get("attn_scale", 0.1)))
@@ -80,7 +81,7 @@ class Llama4Attention(Attention):
     def __init__(self, cfg: Llama4Config, index: int):
         super().__init__(cfg, None)
         self.rotates = cfg.rope_layers[index]
-        self.chunk = cfg.attention_chunk_size if self.rotates else None
+        self.chunk = cfg.attention_chunks[index]
         self.l2_norm = cfg.l2_qk_norm and self.rotates
         self.eps = cfg.rms_norm_eps
         self.tuned = cfg.attn_temperature_tuning and not self.rotates

@@ -52,7 +52,7 @@ def test_the_text_model_of_a_multimodal_checkpoint_is_served(hf_models, tmp_path
 
 def test_the_layer_kinds_come_from_the_config(hf_models):
     cfg = Llama4Config.from_hf(json.loads((hf_models["llama4"] / "config.json").read_text()))
-    assert cfg.rope_layers == (True, False, True, False) and cfg.attention_chunk_size == 8
+    assert cfg.rope_layers == (True, False, True, False) and cfg.attention_chunks == (8, None, 8, None)
     assert cfg.dense_layers == (0, 2) and (cfg.intermediate_size, cfg.expert_intermediate_size) == (96, 32)
     model = Llama4Model(cfg)
     assert [layer.attn.layer_attention.chunk for layer in model.layers] == [8, None, 8, None]
