@@ -48,6 +48,16 @@ MODEL_PRESETS = {
                             head_dim=128, intermediate_size=11008, vocab_size=32000),
     "qwen2.5-7b": ModelShape("qwen2.5-7b", num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4,
                              head_dim=128, intermediate_size=18944, vocab_size=152064),
+    # Llama 4 Scout (17B active, 16 experts), its text model: every layer routes a token to 1 of 16 experts
+    # of width 8192 beside a shared expert as wide, so a token runs a width of 16384 (intermediate_size here:
+    # the FLOPs) while all 16 experts are held (num_params: the memory, and a decode step's weight reads).
+    # KV: 48 layers x 8 KV heads x 128 x K and V x 2 bytes = 192 KiB a token; tandem caches every token in
+    # the 36 chunked layers too (chunks of 8192), as in the global ones.
+    "llama4-scout": ModelShape("llama4-scout", num_layers=48, hidden_size=5120, num_heads=40, num_kv_heads=8,
+                               head_dim=128, intermediate_size=16384, vocab_size=202048,
+                               num_params=48 * (5120 * (5120 + 2 * 1024) + 5120 * 5120  # attention
+                                                + 16 * 5120 + 17 * 3 * 5120 * 8192 + 2 * 5120)  # router, experts, norms
+                               + 2 * 202048 * 5120 + 5120),
 }
 
 

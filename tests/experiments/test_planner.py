@@ -148,6 +148,36 @@ def test_roofline_llama3_8b_on_h100_matches_a_hand_calculation():
     assert p.step_s(BatchShape(decode_seqs=64, decode_context=64 * 1024)) < 2 * decode
 
 
+def test_llama4_scout_preset_holds_every_expert_and_runs_one():
+    model = MODEL_PRESETS["llama4-scout"]
+    assert model.num_params == pytest.approx(107.8e9, rel=0.001)  # the text model of Scout's "109B"
+    assert model.kv_bytes_per_token == 2 * 48 * 8 * 128 * 2  # 192 KiB
+    # Per token, attention and 2 experts' width (routed + shared): near the "17B active" of its name.
+    assert model.layer_params * model.num_layers == pytest.approx(15.1e9, rel=0.01)
+    with pytest.raises(ValueError, match="does not fit"):
+        roofline_profile("h100", model)  # 216 GB of bf16 weights
+    p = roofline_profile("h100", model, tensor_parallel=4)
+    assert p.engine.num_kv_blocks == int((0.9 * 4 * 80e9 - 2 * model.num_params) // (196608 * 16))
+    # --model-config on Scout's text config (its published sizes) gives the preset's shape.
+    scout = {"model_type": "llama4_text", "num_hidden_layers": 48, "hidden_size": 5120, "num_attention_heads": 40,
+             "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+             "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "vocab_size": 202048}
+    assert ModelShape.from_hf_config("llama4-scout", scout) == model
+
+
+def test_a_llama4_config_counts_the_parameters_transformers_builds(tmp_path):
+    import transformers
+
+    from cluster.control.capacity.roofline import model_shape
+    from tests.helpers.models import make_hf_model
+
+    model_dir = make_hf_model(tmp_path / "llama4", "llama4")  # 2 MoE layers of 4 experts, 2 dense ones
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    shape = model_shape(hf_config=model_dir)
+    assert shape.num_params == sum(p.numel() for p in hf.parameters())
+    assert shape.intermediate_size == (2 * 2 * 32 + 2 * 96) // 4  # routed + shared in MoE layers, dense in others
+
+
 def test_roofline_refuses_a_model_that_does_not_fit():
     with pytest.raises(ValueError, match="does not fit"):
         roofline_profile("l4", MODEL_PRESETS["llama3-70b"])

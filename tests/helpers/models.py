@@ -78,6 +78,18 @@ _CONFIGS = {
         num_key_value_heads=2, intermediate_size=128, vocab_size=300, max_position_embeddings=512,
         sliding_window=24, head_dim=16,
     ),
+    # Llama 4 text: rope layers (0, 2) attend in chunks of 8 with L2-normed q/k, NoPE layers (1, 3) see the whole
+    # context with queries temperature-tuned (floor_scale 4, so the scale grows within the prompts); layers 1
+    # and 3 route each token to 1 of 4 experts beside a shared expert, 0 and 2 are dense (a width of their own);
+    # llama3 rope scaling with a short original context.
+    "llama4": dict(
+        architectures=["Llama4ForCausalLM"], hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=32, intermediate_size_mlp=96, vocab_size=400,
+        max_position_embeddings=512, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+        attention_chunk_size=8, no_rope_layer_interval=2, floor_scale=4, attn_scale=0.5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    ),
 }
 
 
@@ -91,7 +103,8 @@ def make_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, with_tokeni
                   "MistralForCausalLM": transformers.MistralConfig, "Qwen3ForCausalLM": transformers.Qwen3Config,
                   "Gemma2ForCausalLM": transformers.Gemma2Config, "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
                   "Phi3ForCausalLM": transformers.Phi3Config, "MixtralForCausalLM": transformers.MixtralConfig,
-                  "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig}[arch]
+                  "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+                  "Llama4ForCausalLM": transformers.Llama4TextConfig}[arch]
     # A wide init keeps logit gaps large, so float rounding never flips a greedy argmax.
     config = config_cls(initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None, **spec)
     torch.manual_seed(seed)

@@ -11,12 +11,13 @@ length in the forward pass.
 `AttentionBatch` is built once per engine step (`build_attention_batch`) and shared by every layer, so
 the index arithmetic costs nothing per layer. Layers may differ in their attention window (sliding or
 full, interleaved in one model): the batch holds one decode mask per distinct window, and each layer
-masks its prefill chunks with its own.
+masks its prefill chunks with its own. Llama 4's chunked layers (a query sees only the keys of its own
+chunk of positions) get their decode mask built on the first layer that asks, then shared.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +52,21 @@ class AttentionBatch(StepAttention):
     # Per window of the model's layers (None: full attention): [B, 1, 1, max_blocks * block_size], True
     # where a key may be attended.
     decode_masks: dict[int | None, torch.Tensor] | None
+    decode_lens: torch.Tensor | None = None  # [B] context length of each decode sequence (CPU)
+    block_size: int = 0
+    chunked_masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)  # by (window, chunk)
 
     def attend(self, q, k, v, k_cache, v_cache, layer: LayerAttention) -> torch.Tensor:
-        return paged_attention(q, k, v, k_cache, v_cache, self, layer.scale, layer.window, layer.softcap)
+        return paged_attention(q, k, v, k_cache, v_cache, self, layer.scale, layer.window, layer.softcap, layer.chunk)
+
+    def decode_mask(self, window: int | None, chunk: int | None) -> torch.Tensor:
+        if chunk is None:
+            return self.decode_masks[window]
+        if (window, chunk) not in self.chunked_masks:
+            key_pos = torch.arange(self.decode_blocks.shape[1] * self.block_size)[None, :]
+            mask = key_mask(self.decode_lens[:, None] - 1, key_pos, window, chunk)
+            self.chunked_masks[window, chunk] = to_device(mask[:, None, None, :], self.decode_blocks.device)
+        return self.chunked_masks[window, chunk]
 
 
 class SdpaBackend(AttentionBackend):
@@ -93,7 +106,7 @@ def build_attention_batch(
             add_prefill(prefills, start, q_len, done, table[:num_blocks], device)
         start += q_len
 
-    decode_token_idx = decode_blocks = decode_masks = None
+    decode_token_idx = decode_blocks = decode_masks = lens = None
     if decode_idx:
         width = max(len(t) for t in decode_tables)
         decode_blocks = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
@@ -101,11 +114,8 @@ def build_attention_batch(
         key_pos = torch.arange(width * block_size)[None, :]
         decode_masks = {}
         for window in windows:
-            mask = key_pos < lens[:, None]
-            if window is not None:
-                # The decode query sits at position len-1; keys older than the window are masked.
-                mask &= key_pos > (lens[:, None] - 1 - window)
-            decode_masks[window] = to_device(mask[:, None, None, :], device)
+            # The decode query sits at position len-1.
+            decode_masks[window] = to_device(key_mask(lens[:, None] - 1, key_pos, window)[:, None, None, :], device)
         decode_token_idx = tensor_on(decode_idx, torch.long, device)
         decode_blocks = to_device(decode_blocks, device)
 
@@ -117,6 +127,8 @@ def build_attention_batch(
         decode_token_idx=decode_token_idx,
         decode_blocks=decode_blocks,
         decode_masks=decode_masks,
+        decode_lens=lens,
+        block_size=block_size,
     )
 
 
@@ -145,26 +157,28 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Write the new K/V into the cache, then attend each query token to its sequence's context.
-    `softcap`: scores become tanh(s / softcap) * softcap before the mask (Gemma 2)."""
+    `softcap`: scores become tanh(s / softcap) * softcap before the mask (Gemma 2); `chunk`: keys only
+    in the query's own chunk of positions (Llama 4)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     write_new_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-    out = attend_prefills(q, k, v, k_cache, v_cache, batch.prefills, scale, sliding_window, softcap)
+    out = attend_prefills(q, k, v, k_cache, v_cache, batch.prefills, scale, sliding_window, softcap, chunk)
     if batch.decode_token_idx is not None:
         qd = q[batch.decode_token_idx].unsqueeze(2)  # [B, H, 1, D]
         # Whole blocks are gathered (contiguous copies), then viewed as one padded context per sequence.
         b = batch.decode_blocks.shape[0]
         kd = k_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
         vd = v_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        o = _attend(qd, kd, vd, batch.decode_masks[sliding_window], scale, softcap)
+        o = _attend(qd, kd, vd, batch.decode_mask(sliding_window, chunk), scale, softcap)
         out[batch.decode_token_idx] = o.squeeze(2)
     return out
 
 
 def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     prefills: list[PrefillSlice], scale: float, sliding_window: int | None,
-                    softcap: float | None) -> torch.Tensor:
+                    softcap: float | None, chunk: int | None = None) -> torch.Tensor:
     """The output rows of the step's prefill slices with SDPA (their new K/V already in the cache): a new
     [T, H, D] tensor whose other rows are for the caller to fill, or, when fresh prompts fill the whole
     batch, their output itself (no copy: a prefill's 16 MB a layer)."""
@@ -180,12 +194,32 @@ def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             vs = v_cache.index_select(0, p.context_blocks).view(-1, num_kv_heads, head_dim)[: p.context_len]
         ks = ks.unflatten(0, (p.count, -1)).transpose(1, 2)
         vs = vs.unflatten(0, (p.count, -1)).transpose(1, 2)
-        mask = _prefill_mask(p.query_len, p.context_len, sliding_window, q.device)
-        o = _attend(qs, ks, vs, mask, scale, softcap).transpose(1, 2).flatten(0, 1)
+        o = _attend_run(qs, ks, vs, p.context_len, scale, sliding_window, softcap, chunk).transpose(1, 2).flatten(0, 1)
         if o.shape[0] == q.shape[0]:
             return o
         out[rows] = o
     return out
+
+
+def _attend_run(q, k, v, context_len: int, scale: float, window: int | None, softcap: float | None,
+                chunk: int | None) -> torch.Tensor:
+    """q [B, H, Q, D], the queries at the last Q of `context_len` positions, over k, v [B, KVH, context_len, D].
+    A chunked layer attends chunk by chunk, each query's keys its own chunk's: a fresh prompt of T tokens
+    costs T x chunk score pairs and no [T, T] mask."""
+    query_len = q.shape[2]
+    if chunk is None:
+        return _attend(q, k, v, _prefill_mask(query_len, context_len, window, q.device), scale, softcap)
+    first = context_len - query_len
+    outs = []
+    start = first
+    while start < context_len:
+        chunk_start = start // chunk * chunk
+        end = min(chunk_start + chunk, context_len)
+        mask = _prefill_mask(end - start, end - chunk_start, window, q.device)
+        outs.append(_attend(q[:, :, start - first : end - first], k[:, :, chunk_start:end], v[:, :, chunk_start:end],
+                            mask, scale, softcap))
+        start = end
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def _attend(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | None) -> torch.Tensor:
@@ -208,8 +242,15 @@ def _prefill_mask(query_len: int, context_len: int, sliding_window: int | None, 
     if query_len == context_len and sliding_window is None:
         return None
     q_pos = torch.arange(context_len - query_len, context_len, device=device)[:, None]
-    k_pos = torch.arange(context_len, device=device)[None, :]
+    return key_mask(q_pos, torch.arange(context_len, device=device)[None, :], sliding_window)
+
+
+def key_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, chunk: int | None = None) -> torch.Tensor:
+    """True where a query at `q_pos` may attend a key at `k_pos` (broadcast): at or before it, within
+    `window` positions of it (itself included), and in its own chunk of `chunk` positions."""
     mask = k_pos <= q_pos
-    if sliding_window is not None:
-        mask &= k_pos > q_pos - sliding_window
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    if chunk is not None:
+        mask &= k_pos >= q_pos.div(chunk, rounding_mode="floor") * chunk
     return mask

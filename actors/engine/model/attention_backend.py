@@ -36,6 +36,9 @@ class LayerAttention:
     scale: float
     window: int | None  # keys within this many positions of the query (itself included); None: all
     softcap: float | None  # scores become tanh(s / softcap) * softcap (Gemma 2)
+    # Keys in the query's own chunk of this many positions (Llama 4's local layers: positions
+    # c*chunk .. c*chunk + chunk - 1 attend only among themselves); None: no chunks.
+    chunk: int | None = None
 
 
 class StepAttention(ABC):

@@ -69,6 +69,21 @@ class Stack:
                             for item in self.items])
 
 
+class Transposed:
+    """Stacked experts' weights [E, A, B] read as [E, B, A]: Llama 4 saves them for x @ W, tandem runs
+    F.linear (x @ W.T)."""
+
+    def __init__(self, part):
+        self.part = part
+        self.shape = (part.shape[0], part.shape[2], part.shape[1])
+
+    def read(self, dim: int, ranges: Ranges) -> torch.Tensor:
+        if ranges is not None and dim == 0:
+            raise ValueError("experts are not split by expert")
+        whole = self.part.read(0, None) if ranges is None else self.part.read(3 - dim, ranges)
+        return whole.transpose(1, 2).contiguous()
+
+
 class CheckpointFiles:
     """The open *.safetensors of a checkpoint directory (a context manager: the files close on exit)."""
 

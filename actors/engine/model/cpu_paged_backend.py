@@ -54,11 +54,13 @@ class CpuPagedStep(StepAttention):
     def attend(self, q, k, v, k_cache, v_cache, layer: LayerAttention) -> torch.Tensor:
         write_new_kv(k, v, k_cache, v_cache, self.slot_mapping)
         if self.block_tables is None:
-            return attend_prefills(q, k, v, k_cache, v_cache, self.prefills, layer.scale, layer.window, layer.softcap)
+            return attend_prefills(q, k, v, k_cache, v_cache, self.prefills, layer.scale, layer.window, layer.softcap,
+                                   layer.chunk)
         q = q.contiguous()
-        out = attend_prefills(q, k, v, k_cache, v_cache, self.prefills, layer.scale, layer.window, layer.softcap)
+        out = attend_prefills(q, k, v, k_cache, v_cache, self.prefills, layer.scale, layer.window, layer.softcap,
+                              layer.chunk)
         cpu_kernel.paged_attention(out, q, k_cache, v_cache, self.block_tables, self.query_starts, self.query_lens,
-                                   self.context_lens, layer.scale, layer.window, layer.softcap)
+                                   self.context_lens, layer.scale, layer.window, layer.softcap, layer.chunk)
         return out
 
 

@@ -11,19 +11,22 @@ from pathlib import Path
 
 import torch
 
-from actors.engine.model.checkpoint_reader import Cat, CheckpointFiles, Stack
+from actors.engine.model.checkpoint_reader import Cat, CheckpointFiles, Stack, Transposed
 from actors.engine.model.gemma import Gemma2Config, Gemma2Model, Gemma3Config
 from actors.engine.model.llama import LlamaConfig, LlamaModel
+from actors.engine.model.llama4 import Llama4Config, Llama4Model
 from actors.engine.model.parallel import TPShard, rank_slice
 
 # Architecture by config.json model_type. Qwen2 is the Llama layout with a qkv bias, Qwen3 with q/k norms,
 # Phi-3 with partial longrope, Mixtral and Qwen3-MoE with expert MLPs: LlamaConfig.from_hf reads which.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                  "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "llama4_text": "Llama4ForCausalLM"}
 SUPPORTED_ARCHITECTURES = set(_BY_MODEL_TYPE.values())
 # Families with a decoder of their own (any other is the Llama decoder).
-_DECODERS = {"Gemma2ForCausalLM": (Gemma2Config, Gemma2Model), "Gemma3ForCausalLM": (Gemma3Config, Gemma2Model)}
+_DECODERS = {"Gemma2ForCausalLM": (Gemma2Config, Gemma2Model), "Gemma3ForCausalLM": (Gemma3Config, Gemma2Model),
+             "Llama4ForCausalLM": (Llama4Config, Llama4Model)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -42,7 +45,12 @@ _RENAMES = {
     "mlp.gate.weight": "mlp.router.weight",  # Qwen3-MoE
     "mlp.experts.gate_up_proj": "mlp.gate_up",  # experts as saved stacked by transformers 5
     "mlp.experts.down_proj": "mlp.down",
+    "feed_forward.down_proj.weight": "mlp.down.weight",  # Llama 4
+    "feed_forward.router.weight": "mlp.router.weight",
+    "feed_forward.shared_expert.down_proj.weight": "mlp.shared.down.weight",
 }
+# Llama 4's stacked experts, saved [E, H, 2I] and [E, I, H] (for x @ W): read transposed.
+_TRANSPOSED_EXPERTS = {"feed_forward.experts.gate_up_proj": "mlp.gate_up", "feed_forward.experts.down_proj": "mlp.down"}
 # One expert's weights, as the hub's Mixtral (w1 gate, w3 up, w2 down) and Qwen3-MoE checkpoints name them.
 _EXPERT = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
 _EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
@@ -52,6 +60,16 @@ _FUSED = {
     "attn.qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "mlp.gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
+_FUSED_FEED_FORWARD = {  # Llama 4's dense MLP and shared expert
+    "mlp.gate_up.weight": ("feed_forward.gate_proj.weight", "feed_forward.up_proj.weight"),
+    "mlp.shared.gate_up.weight": ("feed_forward.shared_expert.gate_proj.weight",
+                                  "feed_forward.shared_expert.up_proj.weight"),
+}
+# Multimodal checkpoints whose text model tandem serves: that model's architecture, and the prefix of its
+# weights (the others, the vision encoder's and projector's, are not read). The hub's Llama 4 (Scout,
+# Maverick) ship this way.
+_TEXT_OF_MULTIMODAL = {"Llama4ForConditionalGeneration": ("Llama4ForCausalLM", "language_model.")}
+TEXT_WEIGHTS_PREFIX = "text_weights_prefix"  # the key read_hf_config adds for such a checkpoint
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
@@ -59,6 +77,10 @@ def read_hf_config(model_dir: str | Path) -> dict:
     if not path.is_file():
         raise ValueError(f"model directory {model_dir} has no config.json (expected a Hugging Face checkpoint)")
     hf = json.loads(path.read_text())
+    multimodal = [a for a in hf.get("architectures") or [] if a in _TEXT_OF_MULTIMODAL]
+    if multimodal and isinstance(hf.get("text_config"), dict):
+        text_arch, prefix = _TEXT_OF_MULTIMODAL[multimodal[0]]
+        hf = {**hf["text_config"], "architectures": [text_arch], TEXT_WEIGHTS_PREFIX: prefix}
     if not hf.get("architectures") and hf.get("model_type") in _BY_MODEL_TYPE:
         # Some exported checkpoints name only the model type.
         hf = {**hf, "architectures": [_BY_MODEL_TYPE[hf["model_type"]]]}
@@ -84,7 +106,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str | torc
         model = model_cls(cfg, shard)
     target = DTYPES[dtype]
     with CheckpointFiles(Path(model_dir)) as checkpoint:
-        sources = _remap(checkpoint, cfg)
+        sources = _remap(checkpoint, cfg, hf.get(TEXT_WEIGHTS_PREFIX))
         expected = {name for name in model.state_dict() if not (cfg.tie_word_embeddings and name == "lm_head.weight")}
         missing, unexpected = expected - sources.keys(), sources.keys() - expected
         if missing or unexpected:
@@ -103,11 +125,16 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str | torc
     return model.eval()
 
 
-def _remap(checkpoint: dict, cfg: LlamaConfig) -> dict:
-    """Checkpoint names -> tandem's parameter names, each a source not yet read (checkpoint_reader)."""
+def _remap(checkpoint: dict, cfg: LlamaConfig, text_prefix: str | None = None) -> dict:
+    """Checkpoint names -> tandem's parameter names, each a source not yet read (checkpoint_reader).
+    `text_prefix`: a multimodal checkpoint's, whose names without it are the text model's."""
     state: dict = {}
     per_layer: dict[int, dict] = {}
     for name, tensor in checkpoint.items():
+        if text_prefix is not None:
+            if not name.startswith(text_prefix):
+                continue
+            name = name.removeprefix(text_prefix)
         if name.endswith("rotary_emb.inv_freq"):
             continue
         if name == "model.embed_tokens.weight":
@@ -125,9 +152,12 @@ def _remap(checkpoint: dict, cfg: LlamaConfig) -> dict:
         for hf_name, ours in _RENAMES.items():
             if hf_name in parts:
                 state[f"layers.{i}.{ours}"] = parts.pop(hf_name)
-        for ours, hf_names in _FUSED.items():
+        for ours, hf_names in (*_FUSED.items(), *_FUSED_FEED_FORWARD.items()):
             if all(n in parts for n in hf_names):
                 state[f"layers.{i}.{ours}"] = Cat([parts.pop(n) for n in hf_names])
+        for hf_name, ours in _TRANSPOSED_EXPERTS.items():
+            if hf_name in parts:
+                state[f"layers.{i}.{ours}"] = Transposed(parts.pop(hf_name))
         state.update({f"layers.{i}.{name}": t for name, t in _stack_experts(parts).items()})
         for leftover in parts:
             state[f"model.layers.{i}.{leftover}"] = parts[leftover]

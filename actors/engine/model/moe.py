@@ -4,6 +4,9 @@ and the token's output is the router-weighted sum of those experts' gated MLPs.
 The experts' weights are stacked, `gate_up` [E, 2 * I, H] and `down` [E, H, I]; each expert runs once
 per step on just the tokens routed to it (tokens sorted by expert), so a step costs about top-k dense
 MLPs whatever the number of experts.
+
+Subclasses change the routing (`route`) and where the router weight applies (`scales_inputs`: Llama 4
+scales each token's input to an expert, not the expert's output).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
 
 class SparseMoE(nn.Module):
     tp: TPComm = SINGLE  # a tensor-parallel rank's group (LlamaModel.attach); each expert is split by its width
+    scales_inputs = False  # the router weight multiplies the expert's input rather than its output
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -32,12 +36,17 @@ class SparseMoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * size, hidden))
         self.down = nn.Parameter(torch.empty(experts, hidden, size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [T, k] and their float32 weights [T, k]."""
         # Routing in float32 whatever the weights' dtype, as the reference implementations do.
         probs = torch.softmax(self.router(x).float(), dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
         flat = chosen.flatten()
         order = flat.argsort(stable=True)
         token_of = order // self.top_k  # the token behind each (token, choice) pair, grouped by expert
@@ -50,7 +59,9 @@ class SparseMoE(nn.Module):
             pairs = order[start : start + count]
             tokens = token_of[start : start + count]
             start += count
-            gate, up = F.linear(x[tokens], self.gate_up[expert]).chunk(2, dim=-1)
+            weight = weights.flatten()[pairs, None]
+            rows = (x[tokens] * weight).to(x.dtype) if self.scales_inputs else x[tokens]
+            gate, up = F.linear(rows, self.gate_up[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down[expert])
-            out.index_add_(0, tokens, (y * weights.flatten()[pairs, None]).to(x.dtype))
+            out.index_add_(0, tokens, (y if self.scales_inputs else y * weight).to(x.dtype))
         return self.tp.all_reduce(out)

@@ -204,6 +204,12 @@ def rank_slice(name: str, cfg, shard: TPShard) -> tuple[int, list[tuple[int, int
         return 1, [shard.split(cfg.intermediate_size)]
     if name.endswith("mlp.down"):  # experts [E, H, I]
         return 2, [shard.split(cfg.expert_intermediate_size)]
+    if name.endswith("mlp.shared.gate_up.weight"):  # Llama 4's shared expert, as wide as an expert
+        width = cfg.expert_intermediate_size
+        i0, i1 = shard.split(width)
+        return 0, [(i0, i1), (width + i0, width + i1)]
+    if name.endswith("mlp.shared.down.weight"):
+        return 1, [shard.split(cfg.expert_intermediate_size)]
     if name in ("embed_tokens.weight", "lm_head.weight"):
         return 0, [shard.vocab(cfg.vocab_size)]
     return None

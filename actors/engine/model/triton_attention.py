@@ -9,7 +9,8 @@ whatever the contexts are: a CUDA graph can replay it (decode_graphs.py). GQA he
 read their KV head (the second read mostly hits L2); a grouped variant would read it once.
 
 Masks, as the SDPA path has them: keys at positions < seq_len, and with a window w, positions >=
-seq_len - w (the query at seq_len - 1 and the w - 1 before it). A softcap c turns scores s into
+seq_len - w (the query at seq_len - 1 and the w - 1 before it); with Llama 4's attention chunk c, positions
+from the start of the query's chunk (a multiple of c) on. A softcap c turns scores s into
 c * tanh(s / c) before the mask.
 """
 
@@ -23,7 +24,7 @@ BLOCK_N = 32  # context tokens per tile
 
 
 @triton.jit
-def _paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, scale, softcap, window,
+def _paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, scale, softcap, window, chunk,
                   stride_q_tok, stride_q_head, stride_c_block, stride_c_tok, stride_c_head, stride_table,
                   stride_o_tok, stride_o_head,
                   GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -36,6 +37,7 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, scale,
     q = tl.load(q_ptr + seq * stride_q_tok + head * stride_q_head + d, mask=d_ok, other=0.0).to(tl.float32)
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    lo = tl.where(chunk > 0, tl.maximum(lo, (seq_len - 1) // tl.maximum(chunk, 1) * chunk), lo)
     m_i = tl.full((1,), float("-inf"), tl.float32)
     l_i = tl.zeros((1,), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
@@ -64,7 +66,8 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, scale,
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float, window: int | None, softcap: float | None,
+                           chunk: int | None = None) -> torch.Tensor:
     """q [B, H, D] (one token per sequence, at position seq_lens - 1, its K/V already in the cache);
     caches [num_blocks, block_size, KVH, D]; block_tables int32 [B, >= pages of the longest context];
     seq_lens int32 [B]. Returns [B, H, D] in q's dtype."""
@@ -74,7 +77,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("paged_decode_attention needs unit-stride head dims and K/V caches of one layout")
     out = torch.empty_like(q)
     _paged_decode[(batch, heads)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, scale, softcap or 0.0, window or 0,
+        q, k_cache, v_cache, out, block_tables, seq_lens, scale, softcap or 0.0, window or 0, chunk or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),

@@ -76,4 +76,4 @@ class TritonDecodeStep(StepAttention):
     def attend(self, q, k, v, k_cache, v_cache, layer: LayerAttention) -> torch.Tensor:
         write_new_kv(k, v, k_cache, v_cache, self.slot_mapping)
         return self.backend.kernel(q, k_cache, v_cache, self.block_tables, self.seq_lens, layer.scale, layer.window,
-                                   layer.softcap)
+                                   layer.softcap, layer.chunk)

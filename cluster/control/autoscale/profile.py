@@ -102,6 +102,8 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, name: str, hf: dict, dtype_bytes: int = 2) -> "ModelShape":
         try:
+            if hf.get("model_type") == "llama4_text":
+                return cls._llama4(name, hf, dtype_bytes)
             heads = hf["num_attention_heads"]
             return cls(name=name, num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_heads=heads,
                        num_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -109,6 +111,25 @@ class ModelShape:
                        intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"], dtype_bytes=dtype_bytes)
         except KeyError as exc:
             raise ValueError(f"config.json of {name!r} lacks {exc.args[0]!r}") from None
+
+    @classmethod
+    def _llama4(cls, name: str, hf: dict, dtype_bytes: int) -> "ModelShape":
+        """Llama 4 text: MoE layers (1 routed + 1 shared expert a token, all experts held) among dense ones.
+        intermediate_size becomes the MLP width a token runs, averaged over the layers (the FLOPs);
+        num_params counts every expert (the memory)."""
+        n, h, width, dense_width = (hf["num_hidden_layers"], hf["hidden_size"], hf["intermediate_size"],
+                                    hf["intermediate_size_mlp"])
+        experts, top_k = hf["num_local_experts"], hf.get("num_experts_per_tok", 1)
+        step = hf.get("interleave_moe_layer_step", 1)
+        moe = len(hf["moe_layers"] if hf.get("moe_layers") is not None else range(step - 1, n, step))
+        heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or h // heads
+        attention = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h
+        mlps = moe * (h * experts + (experts + 1) * 3 * h * width) + (n - moe) * 3 * h * dense_width
+        return cls(name=name, num_layers=n, hidden_size=h, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                   intermediate_size=(moe * (top_k + 1) * width + (n - moe) * dense_width) // n,
+                   vocab_size=hf["vocab_size"], dtype_bytes=dtype_bytes,
+                   num_params=n * (attention + 2 * h) + mlps + 2 * hf["vocab_size"] * h + h)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ def _config(name: str, model_dir):
     return config.model_copy(update={"model": config.model.model_copy(update={"path": str(model_dir)})})
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen2-mixed", "qwen3-moe", "mistral"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen2-mixed", "qwen3-moe", "mistral", "llama4"])
 def test_layouts_match_the_engine(ray_session, hf_models, family):
     prompts, params = workload(16)
     prompts = [[t % 300 for t in p] for p in prompts]  # these test models have 300 to 400 tokens

@@ -7,8 +7,9 @@
  * One call attends the query rows of several sequences. Sequence s has query_lens[s] query tokens at
  * rows query_starts[s].. of q and out, and context_lens[s] tokens in its cache (its queries are the last
  * ones): query i sits at position context_lens[s] - query_lens[s] + i and attends keys at positions
- * <= its own, and within `window` of it when window > 0. K/V of key position p live in block
- * block_tables[s * max_blocks + p / block_size], row p % block_size.
+ * <= its own, within `window` of it when window > 0, and in its own chunk of `attn_chunk` positions when
+ * attn_chunk > 0 (Llama 4's local layers: position p sees only p - p % attn_chunk .. p). K/V of key
+ * position p live in block block_tables[s * max_blocks + p / block_size], row p % block_size.
  *
  * Work is split over (sequence, tile of query tokens, group of kv heads); every query head of the group
  * (GQA included) is a row of the same work item, so each K/V row is read once for all of them, and with
@@ -91,7 +92,15 @@ typedef struct {
     int64_t num_heads, num_kv_heads, head_dim, block_size;
     float scale, softcap; /* softcap <= 0: none */
     int64_t window;       /* <= 0: none */
+    int64_t attn_chunk;   /* <= 0: none (not the 16-key chunks below: Llama 4's attention chunks) */
 } shape_t;
+
+/* The first key position a query at `pos` may attend. */
+static inline int64_t first_key(int64_t pos, const shape_t *sh) {
+    int64_t first = sh->window > 0 ? pos - sh->window + 1 : 0;
+    if (sh->attn_chunk > 0 && pos - pos % sh->attn_chunk > first) first = pos - pos % sh->attn_chunk;
+    return first < 0 ? 0 : first;
+}
 
 typedef struct { /* one thread's working rows, allocated once per thread */
     float q[MAX_ROWS][MAX_HEAD_DIM], acc[MAX_ROWS][MAX_HEAD_DIM];
@@ -180,7 +189,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
         vec score = sum16(part);
         if (sh->softcap > 0)
             for (int t = 0; t < LANES; t++) score[t] = tanhf(score[t] / sh->softcap) * sh->softcap;
-        const float hi = (float)x->pos[r], lo = sh->window > 0 ? hi - (float)sh->window + 1 : 0.0f;
+        const float hi = (float)x->pos[r], lo = (float)first_key(x->pos[r], sh);
         ivec keep = (position >= lo) & (position <= hi) & (position < (float)(p0 + n));
         score = (vec)(((ivec)score & keep) | ((ivec)none & ~keep));
         const float chunk_max = max_lane(score);
@@ -231,8 +240,7 @@ static inline __attribute__((always_inline)) void attend_item_d(
         x->pos[r] = q_pos0 + i;
     }
     const int64_t last = q_pos0 + q_first + q_count - 1; /* the tile's last query: no key after it */
-    int64_t first = sh->window > 0 ? q_pos0 + q_first - sh->window + 1 : 0;
-    if (first < 0) first = 0;
+    const int64_t first = first_key(q_pos0 + q_first, sh); /* the tile's first query reaches furthest back */
     const void *k[MAX_KV_HEADS][MAX_BLOCK], *v[MAX_KV_HEADS][MAX_BLOCK];
     for (int64_t b = first / BS; b <= last / BS; b++) {
         const int64_t p0 = b * BS, n = last + 1 - p0 < BS ? last + 1 - p0 : BS;
@@ -287,11 +295,12 @@ static void attend_item(void *out, const void *q, const void *k_cache, const voi
 int paged_attention(void *out, const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                     const int64_t *query_starts, const int64_t *query_lens, const int64_t *context_lens,
                     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                    int64_t max_blocks, float scale, int64_t window, float softcap, int bf16, int num_threads) {
+                    int64_t max_blocks, float scale, int64_t window, int64_t attn_chunk, float softcap, int bf16,
+                    int num_threads) {
     if (head_dim > MAX_HEAD_DIM || head_dim % LANES || block_size > MAX_BLOCK || num_heads % num_kv_heads ||
         num_heads / num_kv_heads > MAX_ROWS)
         return BAD_SHAPE;
-    const shape_t sh = {bf16, num_heads, num_kv_heads, head_dim, block_size, scale, softcap, window};
+    const shape_t sh = {bf16, num_heads, num_kv_heads, head_dim, block_size, scale, softcap, window, attn_chunk};
     const int64_t G = num_heads / num_kv_heads;
     /* kv heads per item: all of them where the rows fit, unless too few items would keep threads busy. */
     int64_t group = num_kv_heads < MAX_ROWS / G ? num_kv_heads : MAX_ROWS / G;

@@ -33,6 +33,7 @@ def test_refusal_names_what_flashinfer_cannot_serve():
     assert "head_dim 80" in refusal(odd, torch.bfloat16)
     # Windows and Gemma 2's cap are plan parameters of FlashInfer's kernels, not refusals.
     assert refusal(LayerAttention(8, 4, 256, 0.06, 4096, 50.0), torch.bfloat16) is None
+    assert "chunked attention" in refusal(LayerAttention(8, 4, 128, 0.09, None, None, 8192), torch.bfloat16)
 
 
 def test_cpu_runs_its_kernel_and_an_explicit_gpu_backend_is_an_error(caplog, monkeypatch):

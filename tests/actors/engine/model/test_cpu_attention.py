@@ -1,8 +1,8 @@
 """tandem's CPU paged-attention kernel (csrc/paged_attention_cpu.c through cpu_paged_backend.py) against the
 reference SDPA path on the same mixed steps: decodes at many context lengths, short runs after a cached
-context, fresh prompts beside them, sliding windows, Gemma 2's softcap, GQA from 1 to 8 query heads per
-kv head, block tables in scattered order; float32 to 2e-6, bfloat16 to its rounding. And the backend
-choice when the kernel cannot be built."""
+context, fresh prompts beside them, sliding windows, Gemma 2's softcap, Llama 4's attention chunks, GQA
+from 1 to 8 query heads per kv head, block tables in scattered order; float32 to 2e-6, bfloat16 to its
+rounding. And the backend choice when the kernel cannot be built."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ F32_TOLERANCE, BF16_TOLERANCE = 2e-6, 0.02
 
 
 def _step(query_lens, computed_lens, *, heads=9, kv_heads=3, head_dim=64, block_size=16, window=None,
-          softcap=None, dtype=torch.float32, threads=1, seed=0):
+          softcap=None, dtype=torch.float32, threads=1, seed=0, chunk=None):
     """Both backends' output for one step on the same caches; the caches after each step, too."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -42,7 +42,7 @@ def _step(query_lens, computed_lens, *, heads=9, kv_heads=3, head_dim=64, block_
 
     q, k, v = randn(tokens, heads, head_dim), randn(tokens, kv_heads, head_dim), randn(tokens, kv_heads, head_dim)
     k_cache, v_cache = randn(num_blocks, block_size, kv_heads, head_dim), randn(num_blocks, block_size, kv_heads, head_dim)
-    layer = LayerAttention(heads, kv_heads, head_dim, head_dim**-0.5, window, softcap)
+    layer = LayerAttention(heads, kv_heads, head_dim, head_dim**-0.5, window, softcap, chunk)
     outputs, caches = [], []
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -74,6 +74,16 @@ def test_the_kernel_attends_as_sdpa_does(query_lens, computed_lens, window, soft
     assert (reference - kernel).abs().max().item() <= tolerance
     for (k_ref, v_ref), (k_cpu, v_cpu) in zip(caches[:1], caches[1:]):
         assert torch.equal(k_ref, k_cpu) and torch.equal(v_ref, v_cpu)  # the new K/V land in the same slots
+
+
+@pytest.mark.parametrize("query_lens,computed_lens", MIXED)
+@pytest.mark.parametrize("chunk,window", [(16, None), (100, None), (40, 25)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_keeps_to_attention_chunks_as_sdpa_does(query_lens, computed_lens, chunk, window, dtype):
+    """Llama 4's local layers: a query sees only its own chunk's keys (runs of 4 cross chunk edges)."""
+    (reference, kernel), _ = _step(query_lens, computed_lens, window=window, chunk=chunk, dtype=dtype)
+    tolerance = F32_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE
+    assert (reference - kernel).abs().max().item() <= tolerance
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [

@@ -20,7 +20,7 @@ from actors.protocol.sampling_params import SamplingParams  # noqa: E402
 from tests.helpers.models import make_hf_model  # noqa: E402
 
 
-def _reference(q, k_cache, v_cache, tables, lens, scale, window, softcap):
+def _reference(q, k_cache, v_cache, tables, lens, scale, window, softcap, chunk=None):
     out = torch.empty_like(q)
     groups = q.shape[1] // k_cache.shape[2]
     for b, (table, n) in enumerate(zip(tables, lens)):
@@ -31,12 +31,15 @@ def _reference(q, k_cache, v_cache, tables, lens, scale, window, softcap):
             s = torch.tanh(s / softcap) * softcap
         if window:
             s[:, torch.arange(n) < n - window] = float("-inf")
+        if chunk:
+            s[:, torch.arange(n) < (n - 1) // chunk * chunk] = float("-inf")
         out[b] = torch.einsum("ht,thd->hd", s.softmax(-1), v.double()).to(q.dtype)
     return out
 
 
-@pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 0.5), (6, 0.8)])
-def test_kernel_matches_softmax_over_the_gathered_context(window, softcap):
+@pytest.mark.parametrize("window,softcap,chunk", [(None, None, None), (7, None, None), (None, 0.5, None),
+                                                  (6, 0.8, None), (None, None, 8), (12, None, 16)])
+def test_kernel_matches_softmax_over_the_gathered_context(window, softcap, chunk):
     g = torch.Generator().manual_seed(0)
     block, num_blocks, heads, kv_heads, head_dim = 4, 40, 8, 2, 24  # 24: the kernel masks its padded lanes
     k_cache, v_cache = (torch.randn(num_blocks, block, kv_heads, head_dim, generator=g) for _ in range(2))
@@ -49,12 +52,13 @@ def test_kernel_matches_softmax_over_the_gathered_context(window, softcap):
         used += len(tables[-1])
     width = max(map(len, tables)) + 2  # wider than needed, as a graph's tables are: the tail must be ignored
     padded = torch.tensor([t + [num_blocks - 1] * (width - len(t)) for t in tables], dtype=torch.int32)
-    got = paged_decode_attention(q, k_cache, v_cache, padded, torch.tensor(lens, dtype=torch.int32), 0.3, window, softcap)
-    torch.testing.assert_close(got, _reference(q, k_cache, v_cache, tables, lens, 0.3, window, softcap),
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = paged_decode_attention(q, k_cache, v_cache, padded, seq_lens, 0.3, window, softcap, chunk)
+    torch.testing.assert_close(got, _reference(q, k_cache, v_cache, tables, lens, 0.3, window, softcap, chunk),
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "llama4"])  # llama4's chunks of 8 bind on all three
 def test_the_triton_engine_decodes_as_the_sdpa_engine(tmp_path, kind):
     model_dir = make_hf_model(tmp_path / kind, kind, seed=5)
     prompts = [list(range(2, 9)), list(range(30, 61)), [7] * 20]  # gemma2's window (12) binds on the last two
