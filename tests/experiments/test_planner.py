@@ -168,7 +168,7 @@ def test_llama4_scout_preset_holds_every_expert_and_runs_one():
 def test_a_llama4_config_counts_the_parameters_transformers_builds(tmp_path):
     import transformers
 
-    from cluster.control.capacity.roofline import model_shape
+    from experiments.capacity.roofline import model_shape
     from tests.helpers.models import make_hf_model
 
     model_dir = make_hf_model(tmp_path / "llama4", "llama4")  # 2 MoE layers of 4 experts, 2 dense ones
