@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.engine.model.attention_backend import (
-    AttentionBackend, LayerAttention, StepAttention, positions_and_slots, write_new_kv,
+    AttentionBackend, LayerAttention, StepAttention, positions_and_slots, sink_logits, write_new_kv,
 )
 from actors.engine.model.host_to_device import tensor_on, to_device
 
@@ -53,7 +53,7 @@ class AttentionBatch(StepAttention):
     decode_masks: dict[int | None, torch.Tensor] | None
 
     def attend(self, q, k, v, k_cache, v_cache, layer: LayerAttention) -> torch.Tensor:
-        return paged_attention(q, k, v, k_cache, v_cache, self, layer.scale, layer.window, layer.softcap)
+        return paged_attention(q, k, v, k_cache, v_cache, self, layer.scale, layer.window, layer.softcap, layer.sinks)
 
 
 class SdpaBackend(AttentionBackend):
@@ -145,26 +145,28 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
+    sinks: tuple[float, ...] | None = None,
 ) -> torch.Tensor:
     """Write the new K/V into the cache, then attend each query token to its sequence's context.
-    `softcap`: scores become tanh(s / softcap) * softcap before the mask (Gemma 2)."""
+    `softcap`: scores become tanh(s / softcap) * softcap before the mask (Gemma 2); `sinks`: a logit per
+    query head in every softmax's denominator (gpt-oss)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     write_new_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-    out = attend_prefills(q, k, v, k_cache, v_cache, batch.prefills, scale, sliding_window, softcap)
+    out = attend_prefills(q, k, v, k_cache, v_cache, batch.prefills, scale, sliding_window, softcap, sinks)
     if batch.decode_token_idx is not None:
         qd = q[batch.decode_token_idx].unsqueeze(2)  # [B, H, 1, D]
         # Whole blocks are gathered (contiguous copies), then viewed as one padded context per sequence.
         b = batch.decode_blocks.shape[0]
         kd = k_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
         vd = v_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        o = _attend(qd, kd, vd, batch.decode_masks[sliding_window], scale, softcap)
+        o = _attend(qd, kd, vd, batch.decode_masks[sliding_window], scale, softcap, sinks)
         out[batch.decode_token_idx] = o.squeeze(2)
     return out
 
 
 def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     prefills: list[PrefillSlice], scale: float, sliding_window: int | None,
-                    softcap: float | None) -> torch.Tensor:
+                    softcap: float | None, sinks: tuple[float, ...] | None = None) -> torch.Tensor:
     """The output rows of the step's prefill slices with SDPA (their new K/V already in the cache): a new
     [T, H, D] tensor whose other rows are for the caller to fill, or, when fresh prompts fill the whole
     batch, their output itself (no copy: a prefill's 16 MB a layer)."""
@@ -181,26 +183,35 @@ def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         ks = ks.unflatten(0, (p.count, -1)).transpose(1, 2)
         vs = vs.unflatten(0, (p.count, -1)).transpose(1, 2)
         mask = _prefill_mask(p.query_len, p.context_len, sliding_window, q.device)
-        o = _attend(qs, ks, vs, mask, scale, softcap).transpose(1, 2).flatten(0, 1)
+        o = _attend(qs, ks, vs, mask, scale, softcap, sinks).transpose(1, 2).flatten(0, 1)
         if o.shape[0] == q.shape[0]:
             return o
         out[rows] = o
     return out
 
 
-def _attend(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | None) -> torch.Tensor:
+def _attend(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | None,
+            sinks: tuple[float, ...] | None = None) -> torch.Tensor:
     """q [B, H, Q, D] over k, v [B, KVH, K, D]; `mask` True where a key may be attended, None: causal."""
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=True)
-    # No fused kernel caps scores: the scores are materialized (as transformers' eager path does).
+    # No fused kernel caps scores or takes sinks: the scores are materialized (as transformers' eager path does).
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
+    # The sink is one more column of each row's softmax whose weight is then dropped: the keys' weights sum
+    # to less than 1.
+    sink = sink_logits(sinks, q.device).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 def _prefill_mask(query_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor | None:

@@ -41,6 +41,8 @@ def refusal(layer: LayerAttention, dtype: torch.dtype) -> str | None:
         return f"head_dim {layer.head_dim} (its precompiled kernels cover {', '.join(map(str, SERVED_HEAD_DIMS))})"
     if layer.num_heads % layer.num_kv_heads:
         return f"{layer.num_heads} query heads over {layer.num_kv_heads} KV heads (not a whole group each)"
+    if layer.sinks is not None:
+        return "attention sinks (gpt-oss; tandem does not pass them to FlashInfer yet)"
     return None
 
 

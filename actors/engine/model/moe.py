@@ -32,12 +32,22 @@ class SparseMoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * size, hidden))
         self.down = nn.Parameter(torch.empty(experts, hidden, size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's expert weights and experts, both [T, k]."""
         # Routing in float32 whatever the weights' dtype, as the reference implementations do.
         probs = torch.softmax(self.router(x).float(), dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+        weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `index`'s gated MLP on the rows routed to it."""
+        gate, up = F.linear(x, self.gate_up[index]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down[index])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)  # [T, k]
         flat = chosen.flatten()
         order = flat.argsort(stable=True)
         token_of = order // self.top_k  # the token behind each (token, choice) pair, grouped by expert
@@ -50,7 +60,6 @@ class SparseMoE(nn.Module):
             pairs = order[start : start + count]
             tokens = token_of[start : start + count]
             start += count
-            gate, up = F.linear(x[tokens], self.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[expert])
+            y = self.expert(expert, x[tokens])
             out.index_add_(0, tokens, (y * weights.flatten()[pairs, None]).to(x.dtype))
         return self.tp.all_reduce(out)

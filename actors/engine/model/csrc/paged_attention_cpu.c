@@ -8,7 +8,9 @@
  * rows query_starts[s].. of q and out, and context_lens[s] tokens in its cache (its queries are the last
  * ones): query i sits at position context_lens[s] - query_lens[s] + i and attends keys at positions
  * <= its own, and within `window` of it when window > 0. K/V of key position p live in block
- * block_tables[s * max_blocks + p / block_size], row p % block_size.
+ * block_tables[s * max_blocks + p / block_size], row p % block_size. With `sinks` (gpt-oss; NULL: none),
+ * query head h's softmax has one more logit, sinks[h], that attends nothing: a row starts with it as its
+ * running max and a weight of 1 in its sum, so the keys' weights sum to less than 1.
  *
  * Work is split over (sequence, tile of query tokens, group of kv heads); every query head of the group
  * (GQA included) is a row of the same work item, so each K/V row is read once for all of them, and with
@@ -91,6 +93,7 @@ typedef struct {
     int64_t num_heads, num_kv_heads, head_dim, block_size;
     float scale, softcap; /* softcap <= 0: none */
     int64_t window;       /* <= 0: none */
+    const float *sinks;   /* [num_heads] or NULL */
 } shape_t;
 
 typedef struct { /* one thread's working rows, allocated once per thread */
@@ -226,8 +229,8 @@ static inline __attribute__((always_inline)) void attend_item_d(
             store(&x->q[r][d], load_row(src, d, sh->bf16) * sh->scale);
             store(&x->acc[r][d], splat(0.0f));
         }
-        x->max[r] = -INFINITY;
-        x->total[r] = 0.0f;
+        x->max[r] = sh->sinks ? sh->sinks[h] : -INFINITY;
+        x->total[r] = sh->sinks ? 1.0f : 0.0f;
         x->pos[r] = q_pos0 + i;
     }
     const int64_t last = q_pos0 + q_first + q_count - 1; /* the tile's last query: no key after it */
@@ -287,11 +290,12 @@ static void attend_item(void *out, const void *q, const void *k_cache, const voi
 int paged_attention(void *out, const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                     const int64_t *query_starts, const int64_t *query_lens, const int64_t *context_lens,
                     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                    int64_t max_blocks, float scale, int64_t window, float softcap, int bf16, int num_threads) {
+                    int64_t max_blocks, float scale, int64_t window, float softcap, int bf16, int num_threads,
+                    const float *sinks) {
     if (head_dim > MAX_HEAD_DIM || head_dim % LANES || block_size > MAX_BLOCK || num_heads % num_kv_heads ||
         num_heads / num_kv_heads > MAX_ROWS)
         return BAD_SHAPE;
-    const shape_t sh = {bf16, num_heads, num_kv_heads, head_dim, block_size, scale, softcap, window};
+    const shape_t sh = {bf16, num_heads, num_kv_heads, head_dim, block_size, scale, softcap, window, sinks};
     const int64_t G = num_heads / num_kv_heads;
     /* kv heads per item: all of them where the rows fit, unless too few items would keep threads busy. */
     int64_t group = num_kv_heads < MAX_ROWS / G ? num_kv_heads : MAX_ROWS / G;

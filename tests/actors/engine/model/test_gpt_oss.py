@@ -1,0 +1,51 @@
+"""gpt-oss beyond the shared parity tests: greedy decoding on each CPU attention path (the C kernel's
+sinks and the reference SDPA path's), the checkpoint's interleaved experts, and what tandem refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from actors.engine.config import EngineConfig
+from actors.engine.engine import Engine
+from actors.engine.model.loader import load_model
+from actors.engine.model.parallel import TPShard
+from actors.protocol.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "cpu"])
+def test_greedy_matches_transformers_on_each_cpu_attention_path(hf_models, backend):
+    """Prompts shorter than, about, and many times the window of 8; 30 tokens decoded past them."""
+    model_dir = hf_models["gpt-oss"]
+    prompts = [torch.randint(0, 400, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 41)]
+    engine = Engine(EngineConfig(model=str(model_dir), block_size=8, num_kv_blocks=64, attention_backend=backend))
+    assert engine.runner.attention.name == backend
+    results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, result in zip(prompts, results):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, min_new_tokens=30)
+        assert result.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    engine.check_integrity()
+
+
+def test_interleaved_experts_load_as_gate_rows_then_up_rows(hf_models):
+    model_dir = hf_models["gpt-oss"]
+    ours = load_model(model_dir)
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        gate_up = f.get_tensor("model.layers.1.mlp.experts.gate_up_proj")  # [E, H, 2I], gate at even columns
+        bias = f.get_tensor("model.layers.1.mlp.experts.gate_up_proj_bias")
+        down = f.get_tensor("model.layers.1.mlp.experts.down_proj")  # [E, I, H]
+    mlp = ours.layers[1].mlp
+    width = gate_up.shape[-1] // 2
+    assert torch.equal(mlp.gate_up[2, :width], gate_up[2, :, 0::2].T)
+    assert torch.equal(mlp.gate_up[2, width:], gate_up[2, :, 1::2].T)
+    assert torch.equal(mlp.gate_up_bias[3], torch.cat([bias[3, 0::2], bias[3, 1::2]]))
+    assert torch.equal(mlp.down[1], down[1].T)
+
+
+def test_tensor_parallel_is_refused_by_name(hf_models):
+    with pytest.raises(ValueError, match="gpt-oss runs with tensor_parallel_size 1"):
+        load_model(hf_models["gpt-oss"], shard=TPShard(0, 2))
