@@ -48,6 +48,12 @@ MODEL_PRESETS = {
                             head_dim=128, intermediate_size=11008, vocab_size=32000),
     "qwen2.5-7b": ModelShape("qwen2.5-7b", num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4,
                              head_dim=128, intermediate_size=18944, vocab_size=152064),
+    # gpt-oss-120b: 128 experts of width 2,880, 4 per token. The shape's MLP is the active one (4 x 2,880: the
+    # FLOPs a token costs); num_params is every weight (bf16: tandem has no MXFP4). KV: 72 KiB a token, every
+    # one of the 36 layers, the 18 sliding-window (128) ones included: tandem's block table is shared by all
+    # layers, so a windowed layer keeps (and a handoff ships) its blocks behind the window.
+    "gpt-oss-120b": ModelShape("gpt-oss-120b", num_layers=36, hidden_size=2880, num_heads=64, num_kv_heads=8,
+                               head_dim=64, intermediate_size=4 * 2880, vocab_size=201088, num_params=116_829_156_672),
 }
 
 
