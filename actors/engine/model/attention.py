@@ -199,6 +199,10 @@ def _attend(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | N
     # No fused kernel caps scores or takes sinks: the scores are materialized (as transformers' eager path does).
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if sinks is not None:
+        # Scores in float32, as fused kernels and tandem's C kernel keep them: bfloat16 scores put gpt-oss's
+        # logprobs 1.5x further from float32 than transformers' own bfloat16 (test_bfloat16), 1.1x this way.
+        q, k = q.float(), k.float()
     scores = (q @ k.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -210,8 +214,8 @@ def _attend(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | N
     # The sink is one more column of each row's softmax whose weight is then dropped: the keys' weights sum
     # to less than 1.
     sink = sink_logits(sinks, q.device).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-    probs = torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1]
-    return probs.to(v.dtype) @ v
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs @ v.float()).to(v.dtype)
 
 
 def _prefill_mask(query_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
