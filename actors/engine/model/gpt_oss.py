@@ -24,7 +24,7 @@ from torch import nn
 from actors.engine.model.attention_backend import LayerAttention
 from actors.engine.model.llama import Attention, DecoderLayer, LlamaConfig, LlamaModel
 from actors.engine.model.moe import SparseMoE
-from actors.engine.model.parallel import TPShard
+from actors.engine.model.parallel import TPComm
 
 # transformers' GptOssConfig defaults, for configs that leave these out.
 _DEFAULT_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -97,10 +97,17 @@ class GptOssDecoderLayer(DecoderLayer):
 
 
 class GptOssModel(LlamaModel):
+    """Under tensor parallelism each rank holds its query heads' sinks and a slice of every expert's width
+    (parallel.rank_slice); o's and the experts' down biases are added once, by rank 0."""
+
     layer_cls = GptOssDecoderLayer
 
-    def __init__(self, cfg: GptOssConfig, shard: TPShard = TPShard()):
-        if shard.size > 1:
-            # o's and the experts' down biases would be added once per rank, and the sinks are not split yet.
-            raise ValueError("gpt-oss runs with tensor_parallel_size 1 in tandem for now")
-        super().__init__(cfg, shard)
+    def attach(self, comm: TPComm) -> None:
+        super().attach(comm)
+        if comm.shard.rank != 0:
+            # These biases land on outputs the ranks then sum (all_reduce): any rank but one adds zeros.
+            with torch.no_grad():
+                for layer in self.layers:
+                    if layer.attn.o.bias is not None:
+                        layer.attn.o.bias.zero_()
+                    layer.mlp.down_bias.zero_()

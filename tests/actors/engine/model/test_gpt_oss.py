@@ -1,5 +1,6 @@
 """gpt-oss beyond the shared parity tests: greedy decoding on each CPU attention path (the C kernel's
-sinks and the reference SDPA path's), the checkpoint's interleaved experts, and what tandem refuses."""
+sinks and the reference SDPA path's) and the checkpoint's interleaved experts. Tensor parallelism:
+test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from safetensors import safe_open
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.engine.model.loader import load_model
-from actors.engine.model.parallel import TPShard
 from actors.protocol.sampling_params import SamplingParams
 
 
@@ -45,7 +45,3 @@ def test_interleaved_experts_load_as_gate_rows_then_up_rows(hf_models):
     assert torch.equal(mlp.gate_up_bias[3], torch.cat([bias[3, 0::2], bias[3, 1::2]]))
     assert torch.equal(mlp.down[1], down[1].T)
 
-
-def test_tensor_parallel_is_refused_by_name(hf_models):
-    with pytest.raises(ValueError, match="gpt-oss runs with tensor_parallel_size 1"):
-        load_model(hf_models["gpt-oss"], shard=TPShard(0, 2))

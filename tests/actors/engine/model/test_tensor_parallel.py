@@ -20,7 +20,8 @@ from tests.helpers.models import make_hf_model, paged_prefill_logits
 
 BLOCK_SIZE = 8
 # (family, overrides, TP size): 4 KV heads split in 2; 2 KV heads over 4 ranks (replicated); 1 KV head
-# (Qwen2, qkv bias, tied) over 2; a 401-token vocabulary over 2; Phi-3 over 4; Gemma 2 and Qwen3-MoE over 2.
+# (Qwen2, qkv bias, tied) over 2; a 401-token vocabulary over 2; Phi-3 over 4; Gemma 2, Qwen3-MoE and gpt-oss
+# (sinks split by query head, expert biases split by width, o's and down's biases added once) over 2.
 LAYOUTS = [
     ("llama", {"num_key_value_heads": 4}, 2),
     ("llama", {}, 4),
@@ -29,6 +30,7 @@ LAYOUTS = [
     ("phi3", {}, 4),
     ("gemma2", {}, 2),
     ("qwen3-moe", {}, 2),
+    ("gpt-oss", {}, 2),
 ]
 IDS = [f"{f}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'base'}-tp{n}" for f, o, n in LAYOUTS]
 
@@ -74,7 +76,7 @@ def test_sharded_prefill_logits_match_the_whole_model(tmp_path, family, override
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("family, overrides, size", _params([0, 1, 6]))
+@pytest.mark.parametrize("family, overrides, size", _params([0, 1, 6, 7]))
 def test_tp_engine_greedy_equals_one_process(tmp_path, family, overrides, size):
     """Chunked prefill (24-token budget), several sequences per step, and n=2 forks (a copied block)."""
     model_dir = make_hf_model(tmp_path / "m", family, seed=3, **overrides)
