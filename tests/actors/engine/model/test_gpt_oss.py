@@ -4,6 +4,8 @@ test_tensor_parallel.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -45,3 +47,18 @@ def test_interleaved_experts_load_as_gate_rows_then_up_rows(hf_models):
     assert torch.equal(mlp.gate_up_bias[3], torch.cat([bias[3, 0::2], bias[3, 1::2]]))
     assert torch.equal(mlp.down[1], down[1].T)
 
+
+
+def test_cuda_kernels_without_sinks_refuse_sink_layers_by_name(hf_models):
+    """FlashInfer and tandem's Triton kernel take no sinks: such layers attend with SDPA (auto), and an
+    explicit choice of either is an error that says why."""
+    from actors.engine.model.backend_choice import choose_attention_backend
+    from actors.engine.model.flashinfer_backend import refusal
+
+    layers = load_model(hf_models["gpt-oss"]).layer_attentions()
+    assert all(layer.sinks is not None and len(layer.sinks) == 4 for layer in layers)
+    served_shape = dataclasses.replace(layers[0], head_dim=64)  # FlashInfer would serve it but for the sinks
+    assert "attention sinks" in refusal(served_shape, torch.bfloat16)
+    assert refusal(dataclasses.replace(served_shape, sinks=None), torch.bfloat16) is None
+    with pytest.raises(ValueError, match="its kernel has no attention sinks"):
+        choose_attention_backend("triton", layers, (8, None), 8, torch.float32, torch.device("cpu"))
