@@ -196,26 +196,38 @@ def _attend(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | N
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=True)
-    # No fused kernel caps scores or takes sinks: the scores are materialized (as transformers' eager path does).
-    groups = q.shape[1] // k.shape[1]
+    # No fused kernel caps scores or takes sinks: the scores are materialized (as transformers' eager path
+    # does), a few query rows at a time so that a long prompt's scores never exist all at once.
+    dtype, groups = v.dtype, q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if sinks is not None:
         # Scores in float32, as fused kernels and tandem's C kernel keep them: bfloat16 scores put gpt-oss's
         # logprobs 1.5x further from float32 than transformers' own bfloat16 (test_bfloat16), 1.1x this way.
-        q, k = q.float(), k.float()
+        q, k, v = q.float(), k.float(), v.float()
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+    rows = max(1, SCORES_PER_PASS // (q.shape[0] * q.shape[1] * k.shape[2]))
+    out = torch.cat([_attend_rows(q[:, :, i : i + rows], k, v, mask[..., i : i + rows, :], scale, softcap, sinks)
+                     for i in range(0, q.shape[2], rows)], dim=2)
+    return out.to(dtype)
+
+
+SCORES_PER_PASS = 1 << 25  # scores materialized at once (128 MiB in float32): a query row is never split
+
+
+def _attend_rows(q, k, v, mask: torch.Tensor, scale: float, softcap: float | None,
+                 sinks: tuple[float, ...] | None) -> torch.Tensor:
+    """Some query rows over all their keys, with the scores materialized (k and v have q's heads)."""
     scores = (q @ k.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    if mask is None:
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
     # The sink is one more column of each row's softmax whose weight is then dropped: the keys' weights sum
     # to less than 1.
     sink = sink_logits(sinks, q.device).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return (probs @ v.float()).to(v.dtype)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ v
 
 
 def _prefill_mask(query_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor | None:

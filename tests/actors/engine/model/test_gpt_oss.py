@@ -62,3 +62,21 @@ def test_cuda_kernels_without_sinks_refuse_sink_layers_by_name(hf_models):
     assert refusal(dataclasses.replace(served_shape, sinks=None), torch.bfloat16) is None
     with pytest.raises(ValueError, match="its kernel has no attention sinks"):
         choose_attention_backend("triton", layers, (8, None), 8, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("softcap, sinks", [(None, (0.5, -1.0, 2.0, 0.0)), (3.0, None), (3.0, (1.0, 1.0, -2.0, 4.0))])
+def test_materialized_scores_in_row_passes_equal_one_pass(monkeypatch, softcap, sinks):
+    """The SDPA path's materialized scores (sinks, caps) go a few query rows at a time; any split of the
+    rows gives the same output, windowed or causal, for a fresh prompt and a chunk after a cached context."""
+    from actors.engine.model import attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, n, 16, generator=gen) for heads, n in ((4, 37), (2, 53), (2, 53)))
+    for mask in (None, attention._prefill_mask(37, 53, 8, "cpu")):
+        queries = q if mask is not None else q[:, :, :37]
+        keys, values = (k, v) if mask is not None else (k[:, :, :37], v[:, :, :37])
+        whole = attention._attend(queries, keys, values, mask, 0.25, softcap, sinks)
+        monkeypatch.setattr(attention, "SCORES_PER_PASS", 4 * 53 * 5)  # 5 query rows a pass
+        parts = attention._attend(queries, keys, values, mask, 0.25, softcap, sinks)
+        monkeypatch.undo()
+        torch.testing.assert_close(parts, whole, rtol=1e-6, atol=1e-6)
