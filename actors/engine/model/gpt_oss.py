@@ -41,6 +41,10 @@ class GptOssConfig(LlamaConfig):
         missing = [k for k in ("num_local_experts", "num_experts_per_tok") if k not in hf]
         if missing:
             raise ValueError(f"config.json has no {', '.join(repr(k) for k in missing)}")
+        if quantized := hf.get("quantization_config"):
+            # OpenAI's own checkpoints store the experts as MXFP4 blocks and scales.
+            raise ValueError(f"config.json: {quantized.get('quant_method', 'quantized')} weights are not supported; "
+                             "use a bfloat16 checkpoint of the model (its experts dequantized)")
         layer_types = hf.get("layer_types") or [
             "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(hf.get("num_hidden_layers", 0))]
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {**_DEFAULT_ROPE, "rope_theta": hf.get(

@@ -80,3 +80,44 @@ def test_materialized_scores_in_row_passes_equal_one_pass(monkeypatch, softcap, 
         parts = attention._attend(queries, keys, values, mask, 0.25, softcap, sinks)
         monkeypatch.undo()
         torch.testing.assert_close(parts, whole, rtol=1e-6, atol=1e-6)
+
+
+def test_the_published_120b_config_reads_with_transformers_defaults_and_mxfp4_is_refused():
+    """gpt-oss-120b's config.json as published (old `rope_scaling` beside `rope_theta`); without
+    `layer_types` the layers alternate sliding and full from the first, as transformers' default."""
+    from actors.engine.model.gpt_oss import GptOssConfig
+
+    hf = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_hidden_layers": 36,
+          "hidden_size": 2880, "intermediate_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
+          "head_dim": 64, "vocab_size": 201088, "num_local_experts": 128, "num_experts_per_tok": 4,
+          "sliding_window": 128, "rope_theta": 150000, "max_position_embeddings": 131072,
+          "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                           "truncate": False, "original_max_position_embeddings": 4096}}
+    cfg = GptOssConfig.from_hf(hf)
+    assert cfg.sliding_windows == (128, None) * 18
+    assert (cfg.rope_theta, cfg.rope_scaling["rope_type"], cfg.rope_scaling["factor"]) == (150000.0, "yarn", 32.0)
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.expert_intermediate_size) == (128, 4, 2880)
+    assert cfg.attention_bias and cfg.rms_norm_eps == 1e-5 and cfg.swiglu_limit == 7.0
+    with pytest.raises(ValueError, match="mxfp4 weights are not supported"):
+        GptOssConfig.from_hf({**hf, "quantization_config": {"quant_method": "mxfp4"}})
+
+
+@pytest.mark.parametrize("rope", [
+    {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+    {"factor": 40.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+     "original_max_position_embeddings": 4096},  # DeepSeek-V3's, truncated (the default)
+    {"factor": 4.0, "original_max_position_embeddings": 2048, "attention_factor": 1.3},
+])
+def test_yarn_frequencies_and_attention_factor_match_transformers(rope):
+    from transformers import GptOssConfig as HFConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from actors.engine.model.rope import RopeSpec, inverse_frequencies, read_rope_parameters
+
+    parameters = {"rope_type": "yarn", "rope_theta": 150000.0, **rope}
+    hf_config = HFConfig(head_dim=64, max_position_embeddings=131072, rope_parameters=parameters)
+    ref_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    theta, scaling = read_rope_parameters({"rope_parameters": parameters})
+    freq, factor = inverse_frequencies(RopeSpec(theta, scaling, 64, 131072), 131072)
+    torch.testing.assert_close(freq, ref_freq, rtol=1e-6, atol=0)
+    assert factor == pytest.approx(ref_factor, rel=1e-7)
