@@ -3,7 +3,8 @@ and the token's output is the router-weighted sum of those experts' gated MLPs.
 
 The experts' weights are stacked, `gate_up` [E, 2 * I, H] and `down` [E, H, I]; each expert runs once
 per step on just the tokens routed to it (tokens sorted by expert), so a step costs about top-k dense
-MLPs whatever the number of experts.
+MLPs whatever the number of experts. A family with its own router or expert MLP overrides `route` and
+`expert` (gpt_oss.py).
 """
 
 from __future__ import annotations
