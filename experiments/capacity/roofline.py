@@ -58,6 +58,12 @@ MODEL_PRESETS = {
                                num_params=48 * (5120 * (5120 + 2 * 1024) + 5120 * 5120  # attention
                                                 + 16 * 5120 + 17 * 3 * 5120 * 8192 + 2 * 5120)  # router, experts, norms
                                + 2 * 202048 * 5120 + 5120),
+    # gpt-oss-120b: 128 experts of width 2,880, 4 per token. The shape's MLP is the active one (4 x 2,880: the
+    # FLOPs a token costs); num_params is every weight (bf16: tandem has no MXFP4). KV: 72 KiB a token, every
+    # one of the 36 layers, the 18 sliding-window (128) ones included: tandem's block table is shared by all
+    # layers, so a windowed layer keeps (and a handoff ships) its blocks behind the window.
+    "gpt-oss-120b": ModelShape("gpt-oss-120b", num_layers=36, hidden_size=2880, num_heads=64, num_kv_heads=8,
+                               head_dim=64, intermediate_size=4 * 2880, vocab_size=201088, num_params=116_829_156_672),
 }
 
 

@@ -178,6 +178,17 @@ def test_a_llama4_config_counts_the_parameters_transformers_builds(tmp_path):
     assert shape.intermediate_size == (2 * 2 * 32 + 2 * 96) // 4  # routed + shared in MoE layers, dense in others
 
 
+def test_gpt_oss_120b_preset_counts_every_weight_and_the_active_experts_flops():
+    model = MODEL_PRESETS["gpt-oss-120b"]
+    assert model.kv_bytes_per_token == 2 * 36 * 8 * 64 * 2 == 73728  # K and V of 8 heads of 64, 36 layers, bf16
+    assert model.num_params == pytest.approx(116.8e9, rel=0.001)  # OpenAI's model card: 116.8B total
+    # 4 of 128 experts a token: the FLOPs of about 5B weights a token, the embedding and lm_head aside.
+    assert model.layer_params * model.num_layers == pytest.approx(4.6e9, rel=0.02)
+    with pytest.raises(ValueError, match="does not fit"):  # 234 GB of bf16 weights
+        roofline_profile("h200", model)
+    assert roofline_profile("h100", model, tensor_parallel=4).engine.num_kv_blocks > 0
+
+
 def test_roofline_refuses_a_model_that_does_not_fit():
     with pytest.raises(ValueError, match="does not fit"):
         roofline_profile("l4", MODEL_PRESETS["llama3-70b"])

@@ -90,7 +90,18 @@ _CONFIGS = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
     ),
+    # gpt-oss: sinks, biases everywhere (made random below: transformers starts most at zero), a window of 8
+    # on every other layer, YaRN with an original context shorter than the prompts, 2 of 4 experts, and a
+    # SwiGLU clamp low enough to cut some of this random model's activations.
+    "gpt-oss": dict(
+        architectures=["GptOssForCausalLM"], hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=32, vocab_size=400, max_position_embeddings=512,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+    ),
 }
+_RANDOM_BIASES = {"gpt-oss"}  # families whose biases and sinks the tests draw at random
 
 
 def make_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, with_tokenizer: bool = False, **overrides) -> Path:
@@ -104,11 +115,17 @@ def make_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, with_tokeni
                   "Gemma2ForCausalLM": transformers.Gemma2Config, "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
                   "Phi3ForCausalLM": transformers.Phi3Config, "MixtralForCausalLM": transformers.MixtralConfig,
                   "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
-                  "Llama4ForCausalLM": transformers.Llama4TextConfig}[arch]
+                  "Llama4ForCausalLM": transformers.Llama4TextConfig,
+                  "GptOssForCausalLM": transformers.GptOssConfig}[arch]
     # A wide init keeps logit gaps large, so float rounding never flips a greedy argmax.
     config = config_cls(initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None, **spec)
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).eval()
+    if kind in _RANDOM_BIASES:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("bias", "sinks")):
+                    param.normal_(0.0, 0.5)
     model.save_pretrained(out_dir)
     if with_tokenizer:
         from actors.engine.text.tokenizer import DEFAULT_TOKENIZER_DIR

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.engine.model.attention_backend import (
-    AttentionBackend, LayerAttention, StepAttention, positions_and_slots, write_new_kv,
+    AttentionBackend, LayerAttention, StepAttention, positions_and_slots, sink_logits, write_new_kv,
 )
 from actors.engine.model.host_to_device import tensor_on, to_device
 
@@ -57,7 +57,8 @@ class AttentionBatch(StepAttention):
     chunked_masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)  # by (window, chunk)
 
     def attend(self, q, k, v, k_cache, v_cache, layer: LayerAttention) -> torch.Tensor:
-        return paged_attention(q, k, v, k_cache, v_cache, self, layer.scale, layer.window, layer.softcap, layer.chunk)
+        return paged_attention(q, k, v, k_cache, v_cache, self, layer.scale, layer.window, layer.softcap, layer.chunk,
+                               layer.sinks)
 
     def decode_mask(self, window: int | None, chunk: int | None) -> torch.Tensor:
         if chunk is None:
@@ -158,27 +159,30 @@ def paged_attention(
     sliding_window: int | None,
     softcap: float | None = None,
     chunk: int | None = None,
+    sinks: tuple[float, ...] | None = None,
 ) -> torch.Tensor:
     """Write the new K/V into the cache, then attend each query token to its sequence's context.
     `softcap`: scores become tanh(s / softcap) * softcap before the mask (Gemma 2); `chunk`: keys only
-    in the query's own chunk of positions (Llama 4)."""
+    in the query's own chunk of positions (Llama 4); `sinks`: a logit per query head in every softmax's
+    denominator (gpt-oss)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     write_new_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-    out = attend_prefills(q, k, v, k_cache, v_cache, batch.prefills, scale, sliding_window, softcap, chunk)
+    out = attend_prefills(q, k, v, k_cache, v_cache, batch.prefills, scale, sliding_window, softcap, chunk, sinks)
     if batch.decode_token_idx is not None:
         qd = q[batch.decode_token_idx].unsqueeze(2)  # [B, H, 1, D]
         # Whole blocks are gathered (contiguous copies), then viewed as one padded context per sequence.
         b = batch.decode_blocks.shape[0]
         kd = k_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
         vd = v_cache.index_select(0, batch.decode_blocks.flatten()).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        o = _attend(qd, kd, vd, batch.decode_mask(sliding_window, chunk), scale, softcap)
+        o = _attend(qd, kd, vd, batch.decode_mask(sliding_window, chunk), scale, softcap, sinks)
         out[batch.decode_token_idx] = o.squeeze(2)
     return out
 
 
 def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     prefills: list[PrefillSlice], scale: float, sliding_window: int | None,
-                    softcap: float | None, chunk: int | None = None) -> torch.Tensor:
+                    softcap: float | None, chunk: int | None = None,
+                    sinks: tuple[float, ...] | None = None) -> torch.Tensor:
     """The output rows of the step's prefill slices with SDPA (their new K/V already in the cache): a new
     [T, H, D] tensor whose other rows are for the caller to fill, or, when fresh prompts fill the whole
     batch, their output itself (no copy: a prefill's 16 MB a layer)."""
@@ -194,7 +198,8 @@ def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             vs = v_cache.index_select(0, p.context_blocks).view(-1, num_kv_heads, head_dim)[: p.context_len]
         ks = ks.unflatten(0, (p.count, -1)).transpose(1, 2)
         vs = vs.unflatten(0, (p.count, -1)).transpose(1, 2)
-        o = _attend_run(qs, ks, vs, p.context_len, scale, sliding_window, softcap, chunk).transpose(1, 2).flatten(0, 1)
+        o = _attend_run(qs, ks, vs, p.context_len, scale, sliding_window, softcap, chunk, sinks)
+        o = o.transpose(1, 2).flatten(0, 1)
         if o.shape[0] == q.shape[0]:
             return o
         out[rows] = o
@@ -202,13 +207,13 @@ def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 def _attend_run(q, k, v, context_len: int, scale: float, window: int | None, softcap: float | None,
-                chunk: int | None) -> torch.Tensor:
+                chunk: int | None, sinks: tuple[float, ...] | None = None) -> torch.Tensor:
     """q [B, H, Q, D], the queries at the last Q of `context_len` positions, over k, v [B, KVH, context_len, D].
     A chunked layer attends chunk by chunk, each query's keys its own chunk's: a fresh prompt of T tokens
     costs T x chunk score pairs and no [T, T] mask."""
     query_len = q.shape[2]
     if chunk is None:
-        return _attend(q, k, v, _prefill_mask(query_len, context_len, window, q.device), scale, softcap)
+        return _attend(q, k, v, _prefill_mask(query_len, context_len, window, q.device), scale, softcap, sinks)
     first = context_len - query_len
     outs = []
     start = first
@@ -217,24 +222,49 @@ def _attend_run(q, k, v, context_len: int, scale: float, window: int | None, sof
         end = min(chunk_start + chunk, context_len)
         mask = _prefill_mask(end - start, end - chunk_start, window, q.device)
         outs.append(_attend(q[:, :, start - first : end - first], k[:, :, chunk_start:end], v[:, :, chunk_start:end],
-                            mask, scale, softcap))
+                            mask, scale, softcap, sinks))
         start = end
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
-def _attend(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | None) -> torch.Tensor:
+def _attend(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | None,
+            sinks: tuple[float, ...] | None = None) -> torch.Tensor:
     """q [B, H, Q, D] over k, v [B, KVH, K, D]; `mask` True where a key may be attended, None: causal."""
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=True)
-    # No fused kernel caps scores: the scores are materialized (as transformers' eager path does).
-    groups = q.shape[1] // k.shape[1]
+    # No fused kernel caps scores or takes sinks: the scores are materialized (as transformers' eager path
+    # does), a few query rows at a time so that a long prompt's scores never exist all at once.
+    dtype, groups = v.dtype, q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    if sinks is not None:
+        # Scores in float32, as fused kernels and tandem's C kernel keep them: bfloat16 scores put gpt-oss's
+        # logprobs 1.5x further from float32 than transformers' own bfloat16 (test_bfloat16), 1.1x this way.
+        q, k, v = q.float(), k.float(), v.float()
     if mask is None:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+    rows = max(1, SCORES_PER_PASS // (q.shape[0] * q.shape[1] * k.shape[2]))
+    out = torch.cat([_attend_rows(q[:, :, i : i + rows], k, v, mask[..., i : i + rows, :], scale, softcap, sinks)
+                     for i in range(0, q.shape[2], rows)], dim=2)
+    return out.to(dtype)
+
+
+SCORES_PER_PASS = 1 << 25  # scores materialized at once (128 MiB in float32): a query row is never split
+
+
+def _attend_rows(q, k, v, mask: torch.Tensor, scale: float, softcap: float | None,
+                 sinks: tuple[float, ...] | None) -> torch.Tensor:
+    """Some query rows over all their keys, with the scores materialized (k and v have q's heads)."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
+    # The sink is one more column of each row's softmax whose weight is then dropped: the keys' weights sum
+    # to less than 1.
+    sink = sink_logits(sinks, q.device).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ v
 
 
 def _prefill_mask(query_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor | None:

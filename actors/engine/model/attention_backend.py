@@ -20,6 +20,7 @@ SDPA for prefill). `backend_choice.py` picks one.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -39,6 +40,15 @@ class LayerAttention:
     # Keys in the query's own chunk of this many positions (Llama 4's local layers: positions
     # c*chunk .. c*chunk + chunk - 1 attend only among themselves); None: no chunks.
     chunk: int | None = None
+    # gpt-oss: one learned logit per query head that joins the softmax's denominator and attends nothing
+    # (a value, not a tensor, so that layers compare and hash by it); None: no sinks.
+    sinks: tuple[float, ...] | None = None
+
+
+@functools.lru_cache(maxsize=256)
+def sink_logits(sinks: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A layer's sink logits as a float32 tensor on `device`, built once per layer and device."""
+    return torch.tensor(sinks, dtype=torch.float32, device=device)
 
 
 class StepAttention(ABC):

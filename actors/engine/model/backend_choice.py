@@ -50,7 +50,7 @@ def choose_attention_backend(choice: str, layers: tuple[LayerAttention, ...], wi
     reasons = {}
     for name in ("flashinfer", "triton") if choice == "auto" else (choice,):
         why_not = (_why_not_flashinfer(layers, dtype, device) if name == "flashinfer"
-                   else _why_not_triton(device))
+                   else _why_not_triton(layers, device))
         if why_not is None:
             return _build(name, layers, windows, block_size, dtype, device)
         if choice != "auto":
@@ -80,7 +80,9 @@ def _why_not_flashinfer(layers: tuple[LayerAttention, ...], dtype: torch.dtype, 
     return None
 
 
-def _why_not_triton(device: torch.device) -> str | None:
+def _why_not_triton(layers: tuple[LayerAttention, ...], device: torch.device) -> str | None:
+    if any(layer.sinks is not None for layer in layers):
+        return "its kernel has no attention sinks (gpt-oss)"
     if not installed("triton"):
         return "triton is not installed (CUDA builds of torch ship it)"
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -69,9 +69,31 @@ class Stack:
                             for item in self.items])
 
 
+class Interleaved:
+    """gpt-oss's experts: gate and up alternate along the last dim of the checkpoint's `gate_up_proj` [E, H, 2I]
+    and its bias [E, 2I]; read as SparseMoE's layout, gate rows then up rows along dim 1 ([E, 2I, H], [E, 2I])."""
+
+    def __init__(self, part):
+        self.part = part
+        self.width = part.shape[-1] // 2
+        self.shape = (part.shape[0], part.shape[-1], *part.shape[1:-1])
+
+    def read(self, dim: int, ranges: Ranges) -> torch.Tensor:
+        if ranges is not None and dim != 1:
+            raise ValueError("gpt-oss experts are split only by their width")
+        last = len(self.part.shape) - 1
+        pieces = []
+        for start, stop in ranges or [(0, 2 * self.width)]:
+            for half, offset in ((0, 0), (1, self.width)):  # gate at even columns, up at odd ones
+                low, high = max(start, offset) - offset, min(stop, offset + self.width) - offset
+                if low < high:
+                    pieces.append(self.part.read(last, [(2 * low, 2 * high)])[..., half::2])
+        return torch.cat(pieces, dim=-1).transpose(1, -1).contiguous()
+
+
 class Transposed:
-    """Stacked experts' weights [E, A, B] read as [E, B, A]: Llama 4 saves them for x @ W, tandem runs
-    F.linear (x @ W.T)."""
+    """Stacked experts' weights [E, A, B] read as [E, B, A]: Llama 4 and gpt-oss save them for x @ W, tandem
+    runs F.linear (x @ W.T)."""
 
     def __init__(self, part):
         self.part = part

@@ -87,7 +87,7 @@ def load() -> ctypes.CDLL:
                 fn.restype = ctypes.c_int
                 fn.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6
                                + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
-                                  ctypes.c_int])
+                                  ctypes.c_int, ctypes.c_void_p])
                 _library = library
         if _library is None:
             raise KernelUnavailable(_build_error)
@@ -108,8 +108,9 @@ def why_unavailable(dtype: torch.dtype) -> str | None:
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
                     context_lens: torch.Tensor, scale: float, window: int | None, softcap: float | None,
-                    chunk: int | None = None) -> None:
+                    chunk: int | None = None, sinks: torch.Tensor | None = None) -> None:
     """Attend the query rows of each listed sequence to its cached context, into `out` (see the C file).
+    `sinks`: float32 [H], contiguous (gpt-oss's per-head sink logits), or None.
     q, out [T, H, D]; caches [num_blocks, block_size, KVH, D], all contiguous and of one dtype;
     block_tables int32 [S, max_blocks]; query_starts, query_lens, context_lens int64 [S]."""
     fn = load().paged_attention
@@ -118,6 +119,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
     code = fn(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
               query_starts.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(), len(query_lens),
               num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale, window or 0, chunk or 0,
-              softcap or 0.0, q.dtype == torch.bfloat16, torch.get_num_threads())
+              softcap or 0.0, q.dtype == torch.bfloat16, torch.get_num_threads(),
+              None if sinks is None else sinks.data_ptr())
     if code:
         raise ValueError(f"the CPU paged-attention kernel refused this shape: {_ERRORS.get(code, code)}")

@@ -18,7 +18,7 @@ import torch
 from actors.engine.model import cpu_kernel
 from actors.engine.model.attention import PrefillSlice, add_prefill, attend_prefills
 from actors.engine.model.attention_backend import (
-    AttentionBackend, LayerAttention, StepAttention, positions_and_slots, write_new_kv,
+    AttentionBackend, LayerAttention, StepAttention, positions_and_slots, sink_logits, write_new_kv,
 )
 
 KERNEL_MAX_QUERY = 4
@@ -55,12 +55,13 @@ class CpuPagedStep(StepAttention):
         write_new_kv(k, v, k_cache, v_cache, self.slot_mapping)
         if self.block_tables is None:
             return attend_prefills(q, k, v, k_cache, v_cache, self.prefills, layer.scale, layer.window, layer.softcap,
-                                   layer.chunk)
+                                   layer.chunk, layer.sinks)
         q = q.contiguous()
         out = attend_prefills(q, k, v, k_cache, v_cache, self.prefills, layer.scale, layer.window, layer.softcap,
-                              layer.chunk)
+                              layer.chunk, layer.sinks)
+        sinks = None if layer.sinks is None else sink_logits(layer.sinks, q.device)
         cpu_kernel.paged_attention(out, q, k_cache, v_cache, self.block_tables, self.query_starts, self.query_lens,
-                                   self.context_lens, layer.scale, layer.window, layer.softcap, layer.chunk)
+                                   self.context_lens, layer.scale, layer.window, layer.softcap, layer.chunk, sinks)
         return out
 
 

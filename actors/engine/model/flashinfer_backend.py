@@ -43,6 +43,8 @@ def refusal(layer: LayerAttention, dtype: torch.dtype) -> str | None:
         return f"{layer.num_heads} query heads over {layer.num_kv_heads} KV heads (not a whole group each)"
     if layer.chunk is not None:
         return f"chunked attention (chunks of {layer.chunk}: its masks are causal windows, not chunks)"
+    if layer.sinks is not None:
+        return "attention sinks (gpt-oss; tandem does not pass them to FlashInfer yet)"
     return None
 
 

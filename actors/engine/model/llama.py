@@ -237,12 +237,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attn_cls, moe_cls = Attention, SparseMoE  # a family's own attention or experts (gpt_oss.py)
+
     def __init__(self, cfg: LlamaConfig, index: int):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, cfg.sliding_windows[index])
+        self.attn = self.attn_cls(cfg, cfg.sliding_windows[index])
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
+        self.mlp = self.moe_cls(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
 
     def forward(self, x, positions, rope, kv_cache, batch):
         # In place: x is this layer's own (the embedding's or the previous layer's output).

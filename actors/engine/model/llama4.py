@@ -92,7 +92,7 @@ class Llama4Attention(Attention):
 
     @functools.cached_property
     def layer_attention(self) -> LayerAttention:
-        return LayerAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.scale, None, None, self.chunk)
+        return LayerAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.scale, None, None, chunk=self.chunk)
 
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, batch: StepAttention):
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from actors.engine.model.checkpoint_reader import Cat, CheckpointFiles, Stack, Transposed
+from actors.engine.model.checkpoint_reader import Cat, CheckpointFiles, Interleaved, Stack, Transposed
 from actors.engine.model.gemma import Gemma2Config, Gemma2Model, Gemma3Config
+from actors.engine.model.gpt_oss import GptOssConfig, GptOssModel
 from actors.engine.model.llama import LlamaConfig, LlamaModel
 from actors.engine.model.llama4 import Llama4Config, Llama4Model
 from actors.engine.model.parallel import TPShard, rank_slice
@@ -22,11 +23,11 @@ from actors.engine.model.parallel import TPShard, rank_slice
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                   "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "llama4_text": "Llama4ForCausalLM"}
+                  "llama4_text": "Llama4ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 SUPPORTED_ARCHITECTURES = set(_BY_MODEL_TYPE.values())
 # Families with a decoder of their own (any other is the Llama decoder).
 _DECODERS = {"Gemma2ForCausalLM": (Gemma2Config, Gemma2Model), "Gemma3ForCausalLM": (Gemma3Config, Gemma2Model),
-             "Llama4ForCausalLM": (Llama4Config, Llama4Model)}
+             "Llama4ForCausalLM": (Llama4Config, Llama4Model), "GptOssForCausalLM": (GptOssConfig, GptOssModel)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -48,6 +49,12 @@ _RENAMES = {
     "feed_forward.down_proj.weight": "mlp.down.weight",  # Llama 4
     "feed_forward.router.weight": "mlp.router.weight",
     "feed_forward.shared_expert.down_proj.weight": "mlp.shared.down.weight",
+    "self_attn.o_proj.bias": "attn.o.bias",  # gpt-oss
+    "self_attn.sinks": "attn.sinks",
+    "mlp.router.weight": "mlp.router.weight",
+    "mlp.router.bias": "mlp.router.bias",
+    "mlp.experts.gate_up_proj_bias": "mlp.gate_up_bias",
+    "mlp.experts.down_proj_bias": "mlp.down_bias",
 }
 # Llama 4's stacked experts, saved [E, H, 2I] and [E, I, H] (for x @ W): read transposed.
 _TRANSPOSED_EXPERTS = {"feed_forward.experts.gate_up_proj": "mlp.gate_up", "feed_forward.experts.down_proj": "mlp.down"}
@@ -149,6 +156,7 @@ def _remap(checkpoint: dict, cfg: LlamaConfig, text_prefix: str | None = None) -
         else:
             state[name] = tensor  # reported as unexpected by the caller
     for i, parts in per_layer.items():
+        _gpt_oss_experts(parts)
         for hf_name, ours in _RENAMES.items():
             if hf_name in parts:
                 state[f"layers.{i}.{ours}"] = parts.pop(hf_name)
@@ -162,6 +170,16 @@ def _remap(checkpoint: dict, cfg: LlamaConfig, text_prefix: str | None = None) -
         for leftover in parts:
             state[f"model.layers.{i}.{leftover}"] = parts[leftover]
     return state
+
+
+def _gpt_oss_experts(parts: dict) -> None:
+    """gpt-oss's experts (recognized by their biases) in `parts`, turned into SparseMoE's layout in place."""
+    if "mlp.experts.gate_up_proj_bias" not in parts or "mlp.experts.gate_up_proj" not in parts:
+        return
+    for name in ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias"):
+        parts[name] = Interleaved(parts[name])
+    if "mlp.experts.down_proj" in parts:
+        parts["mlp.experts.down_proj"] = Transposed(parts["mlp.experts.down_proj"])
 
 
 def _stack_experts(parts: dict) -> dict:

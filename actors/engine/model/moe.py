@@ -5,8 +5,8 @@ The experts' weights are stacked, `gate_up` [E, 2 * I, H] and `down` [E, H, I]; 
 per step on just the tokens routed to it (tokens sorted by expert), so a step costs about top-k dense
 MLPs whatever the number of experts.
 
-Subclasses change the routing (`route`) and where the router weight applies (`scales_inputs`: Llama 4
-scales each token's input to an expert, not the expert's output).
+Subclasses change the routing (`route`), the expert MLP (`expert`: gpt_oss.py) and where the router weight
+applies (`scales_inputs`: Llama 4 scales each token's input to an expert, not the expert's output).
 """
 
 from __future__ import annotations
@@ -37,16 +37,21 @@ class SparseMoE(nn.Module):
         self.down = nn.Parameter(torch.empty(experts, hidden, size))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's top-k experts [T, k] and their float32 weights [T, k]."""
+        """Each token's top-k experts' float32 weights [T, k] and the experts [T, k]."""
         # Routing in float32 whatever the weights' dtype, as the reference implementations do.
         probs = torch.softmax(self.router(x).float(), dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+        weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, chosen
 
+    def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `index`'s gated MLP on the rows routed to it."""
+        gate, up = F.linear(x, self.gate_up[index]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down[index])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, chosen = self.route(x)
+        weights, chosen = self.route(x)  # [T, k]
         flat = chosen.flatten()
         order = flat.argsort(stable=True)
         token_of = order // self.top_k  # the token behind each (token, choice) pair, grouped by expert
@@ -61,7 +66,6 @@ class SparseMoE(nn.Module):
             start += count
             weight = weights.flatten()[pairs, None]
             rows = (x[tokens] * weight).to(x.dtype) if self.scales_inputs else x[tokens]
-            gate, up = F.linear(rows, self.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[expert])
+            y = self.expert(expert, rows)
             out.index_add_(0, tokens, (y if self.scales_inputs else y * weight).to(x.dtype))
         return self.tp.all_reduce(out)

@@ -200,6 +200,11 @@ def rank_slice(name: str, cfg, shard: TPShard) -> tuple[int, list[tuple[int, int
         width = cfg.expert_intermediate_size if name.endswith("mlp.gate_up") else cfg.intermediate_size
         i0, i1 = shard.split(width)
         return (1 if name.endswith("mlp.gate_up") else 0), [(i0, i1), (width + i0, width + i1)]
+    if name.endswith("attn.sinks"):  # gpt-oss: one per query head
+        return 0, [shard.split(cfg.num_heads)]
+    if name.endswith("mlp.gate_up_bias"):  # gpt-oss's experts [E, 2I], split like their gate_up
+        i0, i1 = shard.split(cfg.expert_intermediate_size)
+        return 1, [(i0, i1), (cfg.expert_intermediate_size + i0, cfg.expert_intermediate_size + i1)]
     if name.endswith("mlp.down.weight"):
         return 1, [shard.split(cfg.intermediate_size)]
     if name.endswith("mlp.down"):  # experts [E, H, I]

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: the frequency schedules (default, linear, llama3, longrope) and the cos/sin
+"""Rotary position embeddings: the frequency schedules (default, linear, llama3, longrope, yarn) and the cos/sin
 tables every layer reads.
 
 A rope is fixed for the life of a deployment: its tables cover `context_len` (the engine's max_model_len)
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ def read_rope_parameters(hf: dict, where: str = "config.json") -> tuple[float, d
                    if scaling.get(k) is None]
         if missing:
             raise ValueError(f"{where}: longrope scaling has no {', '.join(repr(k) for k in missing)}")
+    if rope_type == "yarn" and scaling.get("original_max_position_embeddings") is None:
+        raise ValueError(f"{where}: yarn scaling has no 'original_max_position_embeddings'")
     return theta, scaling
 
 
@@ -60,6 +62,8 @@ def inverse_frequencies(spec: RopeSpec, context_len: int) -> tuple[torch.Tensor,
         return inv_freq / float(scaling["factor"]), 1.0
     if kind == "longrope":
         return _longrope(spec, exponents, context_len)
+    if kind == "yarn":
+        return _yarn(spec, inv_freq)
     return _llama3(inv_freq, scaling), 1.0
 
 
@@ -76,6 +80,34 @@ def _longrope(spec: RopeSpec, exponents: torch.Tensor, context_len: int) -> tupl
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return inv_freq, float(attention)
+
+
+def _yarn(spec: RopeSpec, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss, DeepSeek): pairs turning more than `beta_fast` times over the original context keep
+    their speed, those turning fewer than `beta_slow` times are slowed by `factor`, a linear ramp between;
+    cos and sin grow by the attention factor (0.1 ln(factor) + 1 unless the config names one)."""
+    scaling, dim = spec.scaling, spec.rotary_dim
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or spec.max_position_embeddings / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                     else _yarn_mscale(factor))
+
+    def dim_turning(times: float) -> float:  # the (fractional) dim whose pair turns `times` over the original context
+        return dim * math.log(original / (times * 2 * math.pi)) / (2 * math.log(spec.theta))
+
+    low, high = dim_turning(scaling.get("beta_fast") or 32), dim_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high > low else 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Model families through every layout: a Gemma 2 and a Gemma 3 model (alternating sliding and full
 layers; soft caps, or a rope per layer type), a Qwen2 that mixes windowed and full layers, a Qwen3-MoE
-(top-3 of 8 experts, one dense layer) and a Mistral (a window in every layer: blocks behind it are handed
-back while decoding) give the single-process engine's greedy tokens colocated and 1P+1D, the KV
+(top-3 of 8 experts, one dense layer), a Mistral (a window in every layer: blocks behind it are handed
+back while decoding) and a gpt-oss (attention sinks, a window of 8 on every other layer, YaRN, biased
+clamped-SwiGLU experts) give the single-process engine's greedy tokens colocated and 1P+1D, the KV
 (every layer's, windows included) crossing the handoff. Several workers per pool, and routing among
 them, are the same code for every family: tests/cluster/control/test_cluster_parity.py runs 2P+2D."""
 
@@ -23,7 +24,7 @@ def _config(name: str, model_dir):
     return config.model_copy(update={"model": config.model.model_copy(update={"path": str(model_dir)})})
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen2-mixed", "qwen3-moe", "mistral", "llama4"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen2-mixed", "qwen3-moe", "mistral", "llama4", "gpt-oss"])
 def test_layouts_match_the_engine(ray_session, hf_models, family):
     prompts, params = workload(16)
     prompts = [[t % 300 for t in p] for p in prompts]  # these test models have 300 to 400 tokens

@@ -9,7 +9,9 @@
  * ones): query i sits at position context_lens[s] - query_lens[s] + i and attends keys at positions
  * <= its own, within `window` of it when window > 0, and in its own chunk of `attn_chunk` positions when
  * attn_chunk > 0 (Llama 4's local layers: position p sees only p - p % attn_chunk .. p). K/V of key
- * position p live in block block_tables[s * max_blocks + p / block_size], row p % block_size.
+ * position p live in block block_tables[s * max_blocks + p / block_size], row p % block_size. With `sinks`
+ * (gpt-oss; NULL: none), query head h's softmax has one more logit, sinks[h], that attends nothing: a row
+ * starts with it as its running max and a weight of 1 in its sum, so the keys' weights sum to less than 1.
  *
  * Work is split over (sequence, tile of query tokens, group of kv heads); every query head of the group
  * (GQA included) is a row of the same work item, so each K/V row is read once for all of them, and with
@@ -93,6 +95,7 @@ typedef struct {
     float scale, softcap; /* softcap <= 0: none */
     int64_t window;       /* <= 0: none */
     int64_t attn_chunk;   /* <= 0: none (not the 16-key chunks below: Llama 4's attention chunks) */
+    const float *sinks;   /* [num_heads] or NULL */
 } shape_t;
 
 /* The first key position a query at `pos` may attend. */
@@ -235,8 +238,8 @@ static inline __attribute__((always_inline)) void attend_item_d(
             store(&x->q[r][d], load_row(src, d, sh->bf16) * sh->scale);
             store(&x->acc[r][d], splat(0.0f));
         }
-        x->max[r] = -INFINITY;
-        x->total[r] = 0.0f;
+        x->max[r] = sh->sinks ? sh->sinks[h] : -INFINITY;
+        x->total[r] = sh->sinks ? 1.0f : 0.0f;
         x->pos[r] = q_pos0 + i;
     }
     const int64_t last = q_pos0 + q_first + q_count - 1; /* the tile's last query: no key after it */
@@ -296,11 +299,11 @@ int paged_attention(void *out, const void *q, const void *k_cache, const void *v
                     const int64_t *query_starts, const int64_t *query_lens, const int64_t *context_lens,
                     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                     int64_t max_blocks, float scale, int64_t window, int64_t attn_chunk, float softcap, int bf16,
-                    int num_threads) {
+                    int num_threads, const float *sinks) {
     if (head_dim > MAX_HEAD_DIM || head_dim % LANES || block_size > MAX_BLOCK || num_heads % num_kv_heads ||
         num_heads / num_kv_heads > MAX_ROWS)
         return BAD_SHAPE;
-    const shape_t sh = {bf16, num_heads, num_kv_heads, head_dim, block_size, scale, softcap, window, attn_chunk};
+    const shape_t sh = {bf16, num_heads, num_kv_heads, head_dim, block_size, scale, softcap, window, attn_chunk, sinks};
     const int64_t G = num_heads / num_kv_heads;
     /* kv heads per item: all of them where the rows fit, unless too few items would keep threads busy. */
     int64_t group = num_kv_heads < MAX_ROWS / G ? num_kv_heads : MAX_ROWS / G;

@@ -26,7 +26,7 @@ F32_TOLERANCE, BF16_TOLERANCE = 2e-6, 0.02
 
 
 def _step(query_lens, computed_lens, *, heads=9, kv_heads=3, head_dim=64, block_size=16, window=None,
-          softcap=None, dtype=torch.float32, threads=1, seed=0, chunk=None):
+          softcap=None, sinks=None, dtype=torch.float32, threads=1, seed=0, chunk=None):
     """Both backends' output for one step on the same caches; the caches after each step, too."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -42,7 +42,7 @@ def _step(query_lens, computed_lens, *, heads=9, kv_heads=3, head_dim=64, block_
 
     q, k, v = randn(tokens, heads, head_dim), randn(tokens, kv_heads, head_dim), randn(tokens, kv_heads, head_dim)
     k_cache, v_cache = randn(num_blocks, block_size, kv_heads, head_dim), randn(num_blocks, block_size, kv_heads, head_dim)
-    layer = LayerAttention(heads, kv_heads, head_dim, head_dim**-0.5, window, softcap, chunk)
+    layer = LayerAttention(heads, kv_heads, head_dim, head_dim**-0.5, window, softcap, chunk=chunk, sinks=sinks)
     outputs, caches = [], []
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -84,6 +84,19 @@ def test_the_kernel_keeps_to_attention_chunks_as_sdpa_does(query_lens, computed_
     (reference, kernel), _ = _step(query_lens, computed_lens, window=window, chunk=chunk, dtype=dtype)
     tolerance = F32_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE
     assert (reference - kernel).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize("query_lens,computed_lens", MIXED)
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_takes_attention_sinks_as_sdpa_does(query_lens, computed_lens, window, dtype):
+    """gpt-oss's sink logits, one per query head, from below the scores to far above them."""
+    sinks = tuple(torch.linspace(-3.0, 10.0, 9).tolist())
+    (reference, kernel), _ = _step(query_lens, computed_lens, window=window, sinks=sinks, dtype=dtype)
+    tolerance = F32_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE
+    assert (reference - kernel).abs().max().item() <= tolerance
+    (without, _), _ = _step(query_lens, computed_lens, window=window, dtype=dtype)
+    assert (reference - without).abs().max() > 0.1 * without.abs().max()  # the sinks changed the output
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [

@@ -21,8 +21,8 @@ from tests.helpers.models import make_hf_model, paged_prefill_logits
 
 BLOCK_SIZE = 8
 # (family, overrides, TP size): 4 KV heads split in 2; 2 KV heads over 4 ranks (replicated); 1 KV head
-# (Qwen2, qkv bias, tied) over 2; a 401-token vocabulary over 2; Phi-3 over 4; Gemma 2, Qwen3-MoE and
-# Llama 4 over 2.
+# (Qwen2, qkv bias, tied) over 2; a 401-token vocabulary over 2; Phi-3 over 4; Gemma 2, Qwen3-MoE, Llama 4 and
+# gpt-oss (sinks split by query head, expert biases split by width, o's and down's biases added once) over 2.
 LAYOUTS = [
     ("llama", {"num_key_value_heads": 4}, 2),
     ("llama", {}, 4),
@@ -32,6 +32,7 @@ LAYOUTS = [
     ("gemma2", {}, 2),
     ("qwen3-moe", {}, 2),
     ("llama4", {}, 2),
+    ("gpt-oss", {}, 2),
 ]
 IDS = [f"{f}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'base'}-tp{n}" for f, o, n in LAYOUTS]
 
