@@ -288,6 +288,11 @@ class LlamaModel(nn.Module):
         if self.cfg.local_rope_theta is not None:
             self.local_rope = RotaryEmbedding(self.cfg.rope_spec(local=True), context_len).to(device)
 
+    @property
+    def kv_cache_layout(self) -> tuple[int, int]:
+        """(heads, head_dim) of each layer's K and of its V cache tensor, per token."""
+        return self.cfg.num_kv_heads, self.cfg.head_dim
+
     def interleave_rotary_dims(self) -> None:
         """Once, after the weights are loaded: every layer's q and k in the rope's pair layout (rope.py)."""
         for layer in self.layers:

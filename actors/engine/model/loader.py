@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from actors.engine.model.checkpoint_reader import Cat, CheckpointFiles, Stack
+from actors.engine.model.deepseek import DeepseekConfig, DeepseekModel
 from actors.engine.model.gemma import Gemma2Config, Gemma2Model, Gemma3Config
 from actors.engine.model.llama import LlamaConfig, LlamaModel
 from actors.engine.model.parallel import TPShard, rank_slice
@@ -20,10 +21,13 @@ from actors.engine.model.parallel import TPShard, rank_slice
 # Phi-3 with partial longrope, Mixtral and Qwen3-MoE with expert MLPs: LlamaConfig.from_hf reads which.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                  "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = set(_BY_MODEL_TYPE.values())
 # Families with a decoder of their own (any other is the Llama decoder).
-_DECODERS = {"Gemma2ForCausalLM": (Gemma2Config, Gemma2Model), "Gemma3ForCausalLM": (Gemma3Config, Gemma2Model)}
+_DECODERS = {"Gemma2ForCausalLM": (Gemma2Config, Gemma2Model), "Gemma3ForCausalLM": (Gemma3Config, Gemma2Model),
+             "DeepseekV2ForCausalLM": (DeepseekConfig, DeepseekModel),
+             "DeepseekV3ForCausalLM": (DeepseekConfig, DeepseekModel)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -42,6 +46,13 @@ _RENAMES = {
     "mlp.gate.weight": "mlp.router.weight",  # Qwen3-MoE
     "mlp.experts.gate_up_proj": "mlp.gate_up",  # experts as saved stacked by transformers 5
     "mlp.experts.down_proj": "mlp.down",
+    # DeepSeek's latent attention and router bias
+    "self_attn.q_a_proj.weight": "attn.q_a.weight", "self_attn.q_a_proj.bias": "attn.q_a.bias",
+    "self_attn.q_a_layernorm.weight": "attn.q_a_norm.weight", "self_attn.q_b_proj.weight": "attn.q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn.kv_a.weight", "self_attn.kv_a_proj_with_mqa.bias": "attn.kv_a.bias",
+    "self_attn.kv_a_layernorm.weight": "attn.kv_a_norm.weight", "self_attn.kv_b_proj.weight": "attn.kv_b",
+    "self_attn.o_proj.bias": "attn.o.bias",
+    "mlp.gate.e_score_correction_bias": "mlp.correction_bias",
 }
 # One expert's weights, as the hub's Mixtral (w1 gate, w3 up, w2 down) and Qwen3-MoE checkpoints name them.
 _EXPERT = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
@@ -51,6 +62,7 @@ _FUSED = {
     "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "attn.qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "mlp.gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.shared.gate_up.weight": ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
 }
 
 
@@ -122,12 +134,19 @@ def _remap(checkpoint: dict, cfg: LlamaConfig) -> dict:
         else:
             state[name] = tensor  # reported as unexpected by the caller
     for i, parts in per_layer.items():
+        if i >= cfg.num_layers:
+            continue  # past the decoder: DeepSeek-V3's multi-token-prediction layer, which serving skips
         for hf_name, ours in _RENAMES.items():
             if hf_name in parts:
                 state[f"layers.{i}.{ours}"] = parts.pop(hf_name)
         for ours, hf_names in _FUSED.items():
             if all(n in parts for n in hf_names):
                 state[f"layers.{i}.{ours}"] = Cat([parts.pop(n) for n in hf_names])
+        # After the fusing: a q_proj left over is a DeepSeek q without q_lora_rank.
+        for hf_name, ours in (("mlp.shared_experts.down_proj.weight", "mlp.shared.down.weight"),
+                              ("self_attn.q_proj.weight", "attn.q.weight")):
+            if hf_name in parts:
+                state[f"layers.{i}.{ours}"] = parts.pop(hf_name)
         state.update({f"layers.{i}.{name}": t for name, t in _stack_experts(parts).items()})
         for leftover in parts:
             state[f"model.layers.{i}.{leftover}"] = parts[leftover]

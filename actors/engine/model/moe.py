@@ -32,12 +32,17 @@ class SparseMoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * size, hidden))
         self.down = nn.Parameter(torch.empty(experts, hidden, size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight [T, k] (float32) and the index [T, k] of each token's chosen experts."""
         # Routing in float32 whatever the weights' dtype, as the reference implementations do.
         probs = torch.softmax(self.router(x).float(), dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+        weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
         flat = chosen.flatten()
         order = flat.argsort(stable=True)
         token_of = order // self.top_k  # the token behind each (token, choice) pair, grouped by expert

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: the frequency schedules (default, linear, llama3, longrope) and the cos/sin
+"""Rotary position embeddings: the frequency schedules (default, linear, llama3, longrope, yarn) and the cos/sin
 tables every layer reads.
 
 A rope is fixed for the life of a deployment: its tables cover `context_len` (the engine's max_model_len)
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,12 @@ def read_rope_parameters(hf: dict, where: str = "config.json") -> tuple[float, d
     if rope_type == "default":
         return theta, None
     scaling = {**rope, "rope_type": rope_type}
-    if rope_type == "longrope":
+    if rope_type in ("longrope", "yarn"):
         scaling.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
-        missing = [k for k in ("short_factor", "long_factor", "original_max_position_embeddings")
-                   if scaling.get(k) is None]
+        needed = ("short_factor", "long_factor") if rope_type == "longrope" else ()
+        missing = [k for k in (*needed, "original_max_position_embeddings") if scaling.get(k) is None]
         if missing:
-            raise ValueError(f"{where}: longrope scaling has no {', '.join(repr(k) for k in missing)}")
+            raise ValueError(f"{where}: {rope_type} scaling has no {', '.join(repr(k) for k in missing)}")
     return theta, scaling
 
 
@@ -60,6 +60,8 @@ def inverse_frequencies(spec: RopeSpec, context_len: int) -> tuple[torch.Tensor,
         return inv_freq / float(scaling["factor"]), 1.0
     if kind == "longrope":
         return _longrope(spec, exponents, context_len)
+    if kind == "yarn":
+        return _yarn(spec, inv_freq)
     return _llama3(inv_freq, scaling), 1.0
 
 
@@ -76,6 +78,37 @@ def _longrope(spec: RopeSpec, exponents: torch.Tensor, context_len: int) -> tupl
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return inv_freq, float(attention)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(spec: RopeSpec, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN: dims that turn many times within the original context keep their speed, those that turn
+    less than once are slowed by `factor`, a linear ramp between; cos and sin are scaled by the
+    attention factor (DeepSeek's `mscale / mscale_all_dim` ratio when both are given)."""
+    scaling, dim = spec.scaling, spec.rotary_dim
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or spec.max_position_embeddings / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                     else yarn_mscale(factor))
+    base = spec.theta
+
+    def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times over the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    kept = 1 - ramp  # the share of each dim's original speed
+    return inv_freq / factor * (1 - kept) + inv_freq * kept, float(attention)
 
 
 def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
