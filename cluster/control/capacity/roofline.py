@@ -48,6 +48,11 @@ MODEL_PRESETS = {
                             head_dim=128, intermediate_size=11008, vocab_size=32000),
     "qwen2.5-7b": ModelShape("qwen2.5-7b", num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4,
                              head_dim=128, intermediate_size=18944, vocab_size=152064),
+    # 671B parameters, 37B active a token (its model card); MLA caches kv_lora_rank 512 + qk_rope_head_dim 64
+    # values a token a layer, where K and V of 128 heads of 128 would be 32,768. head_dim: v_head_dim.
+    "deepseek-v3": ModelShape("deepseek-v3", num_layers=61, hidden_size=7168, num_heads=128, num_kv_heads=128,
+                              head_dim=128, intermediate_size=18432, vocab_size=129280, num_params=671_000_000_000,
+                              kv_latent_dim=512 + 64, active_params=37_000_000_000),
 }
 
 
