@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ from actors.engine.model.attention_backend import LayerAttention
 from actors.engine.model.llama import MLP, LlamaConfig, LlamaModel, RMSNorm
 from actors.engine.model.mla_attention import LatentWeights, attend_latent, latent_page_width
 from actors.engine.model.moe import SparseMoE
-from actors.engine.model.parallel import SINGLE, TPComm, TPShard
+from actors.engine.model.parallel import SINGLE, TPComm, TPShard, rank_slice
 from actors.engine.model.rope import interleave_rotary, read_rope_parameters, yarn_mscale
 
 _LATENT_NORM_EPS = 1e-6  # the q and kv latents' RMSNorms use their default eps, not rms_norm_eps
@@ -54,6 +55,7 @@ class DeepseekConfig(LlamaConfig):
     num_groups: int = 1
     groups_per_token: int = 1
     routed_scaling_factor: float = 1.0
+    tp_split_fields: ClassVar[tuple[str, ...]] = ("shared_expert_size",)  # widths a tensor-parallel rank splits
 
     @classmethod
     def from_hf(cls, hf: dict) -> DeepseekConfig:
@@ -199,20 +201,46 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekModel(LlamaModel):
-    """Llama's frame with MLA layers; each layer's cache holds one latent per token (mla_attention.py)."""
+    """Llama's frame with MLA layers; each layer's cache holds one latent per token (mla_attention.py).
+
+    Tensor parallel: a rank runs some of the heads (q_b or q, kv_b and o split by head) and a slice of
+    every MLP's and expert's width; q_a, kv_a and their norms are whole on every rank, so each rank
+    computes and caches the whole latent: the latent is a KV "head" every rank holds (replicated, as
+    KV heads are when ranks outnumber them), and a handoff sends it from the lowest rank to every rank."""
 
     layer_cls = DeepseekDecoderLayer
     latent_attention = True  # the runner attends with SDPA's step (mla_attention.py reads its tables)
 
     def __init__(self, cfg: DeepseekConfig, shard: TPShard = TPShard()):
-        if shard.size > 1:
-            raise ValueError("DeepSeek models run with tensor_parallel_size 1 for now (MLA is not split yet)")
+        if shard.size > 1 and cfg.attention_bias:
+            raise ValueError("tensor_parallel_size > 1 with attention_bias: o's bias would be summed over the ranks")
         super().__init__(cfg, shard)
-        self.kv_heads_by_rank, self.total_kv_heads = ((0, 1),), 1  # one latent "head", whole on every rank
+        self.kv_heads_by_rank, self.total_kv_heads = ((0, 1),) * shard.size, 1  # one latent "head", on every rank
 
     @property
     def kv_cache_layout(self) -> tuple[int, int]:
         return 1, latent_page_width(self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim)
+
+    @staticmethod
+    def rank_slice(name: str, cfg: DeepseekConfig, shard: TPShard):
+        """parallel.rank_slice for MLA's per-head weights and the shared experts; the rest as Llama's."""
+        if shard.size == 1:
+            return None
+        h0, h1 = shard.split(cfg.num_heads)
+        qk, kv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
+        shared = cfg.shared_expert_size
+        if name.endswith(("attn.q_b.weight", "attn.q.weight")):
+            return 0, [(h0 * qk, h1 * qk)]
+        if name.endswith("attn.kv_b"):
+            return 0, [(h0 * kv, h1 * kv)]
+        if name.endswith("attn.o.weight"):
+            return 1, [(h0 * cfg.v_head_dim, h1 * cfg.v_head_dim)]
+        if name.endswith("mlp.shared.gate_up.weight"):
+            i0, i1 = shard.split(shared)
+            return 0, [(i0, i1), (shared + i0, shared + i1)]
+        if name.endswith("mlp.shared.down.weight"):
+            return 1, [shard.split(shared)]
+        return rank_slice(name, cfg, shard)
 
     def attach(self, comm: TPComm) -> None:
         super().attach(comm)

@@ -15,7 +15,7 @@ from actors.engine.model.checkpoint_reader import Cat, CheckpointFiles, Stack
 from actors.engine.model.deepseek import DeepseekConfig, DeepseekModel
 from actors.engine.model.gemma import Gemma2Config, Gemma2Model, Gemma3Config
 from actors.engine.model.llama import LlamaConfig, LlamaModel
-from actors.engine.model.parallel import TPShard, rank_slice
+from actors.engine.model.parallel import TPShard
 
 # Architecture by config.json model_type. Qwen2 is the Llama layout with a qkv bias, Qwen3 with q/k norms,
 # Phi-3 with partial longrope, Mixtral and Qwen3-MoE with expert MLPs: LlamaConfig.from_hf reads which.
@@ -104,7 +104,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str | torc
                              f"unexpected {sorted(unexpected)[:5]}")
         state = {}
         for name, source in sources.items():
-            where = rank_slice(name, cfg, shard)
+            where = model_cls.rank_slice(name, cfg, shard)
             tensor = source.read(*where) if where else source.read(0, None)
             state[name] = tensor.to(device=device, dtype=target)
     model.load_state_dict(state, strict=False, assign=True)

@@ -1,7 +1,7 @@
 """Tensor parallelism inside a worker, on CPU (gloo): the sharded model's prefill logits equal the whole
 model's (rtol 1e-4), and a TP engine's greedy tokens equal a one-process engine's, for split KV heads,
 replicated KV heads (more ranks than KV heads), a vocabulary that does not split evenly, biases,
-Phi-3's fused checkpoint weights, Gemma's caps and experts."""
+Phi-3's fused checkpoint weights, Gemma's caps, experts and DeepSeek's latent attention."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ LAYOUTS = [
     ("phi3", {}, 4),
     ("gemma2", {}, 2),
     ("qwen3-moe", {}, 2),
+    ("deepseek-v3", {}, 2),  # heads, experts and the shared expert split; the latent on both ranks
+    ("deepseek-v2", {}, 2),
 ]
 IDS = [f"{f}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'base'}-tp{n}" for f, o, n in LAYOUTS]
 
@@ -74,7 +76,7 @@ def test_sharded_prefill_logits_match_the_whole_model(tmp_path, family, override
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("family, overrides, size", _params([0, 1, 6]))
+@pytest.mark.parametrize("family, overrides, size", _params([0, 1, 6, 7]))
 def test_tp_engine_greedy_equals_one_process(tmp_path, family, overrides, size):
     """Chunked prefill (24-token budget), several sequences per step, and n=2 forks (a copied block)."""
     model_dir = make_hf_model(tmp_path / "m", family, seed=3, **overrides)
