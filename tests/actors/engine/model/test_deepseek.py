@@ -91,3 +91,22 @@ def test_other_attention_backends_are_refused_by_name(hf_models):
     with pytest.raises(ValueError, match="latent attention .* runs on 'sdpa'"):
         Engine(EngineConfig(model=str(hf_models["deepseek-v3"]), block_size=8, num_kv_blocks=16,
                             attention_backend="cpu"))
+
+
+def test_bfloat16_stays_close_to_float32(hf_models):
+    """Weights, latents and the cache in bfloat16 (the router's softmax/sigmoid and the attention softmax
+    in float32): the prompt's step and two absorbed decode steps keep float32's tokens, and their top
+    logprobs stay within 0.1 of float32's."""
+    model_dir = str(hf_models["deepseek-v3"])
+    full = Engine(EngineConfig(model=model_dir, block_size=8, num_kv_blocks=32))
+    half = Engine(EngineConfig(model=model_dir, block_size=8, num_kv_blocks=32, dtype="bfloat16"))
+    assert half.runner.kv_caches[0][0].dtype == torch.bfloat16
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True)
+    prompt = _prompt(21, seed=8)
+    (a,), (b,) = full.generate([prompt], params), half.generate([prompt], params)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids  # so each step's logprobs share a context
+    for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+        top_a, top_b = dict(step_a.top), dict(step_b.top)
+        shared = set(top_a) & set(top_b)
+        assert len(shared) >= 3
+        assert max(abs(top_a[t] - top_b[t]) for t in shared) < 0.1
