@@ -62,6 +62,10 @@ class DeepseekConfig(LlamaConfig):
         missing = [k for k in _REQUIRED if k not in hf]
         if missing:
             raise ValueError(f"config.json has no {', '.join(repr(k) for k in missing)}")
+        quantization = (hf.get("quantization_config") or {}).get("quant_method")
+        if quantization:
+            raise ValueError(f"config.json: a {quantization}-quantized checkpoint (DeepSeek-V3's release is fp8 with "
+                             "block scales); tandem reads bfloat16 or float32 weights: convert it first")
         if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
             raise ValueError("config.json: DeepSeek models with hidden_act other than silu or an mlp_bias are not supported")
         v3 = hf.get("model_type") == "deepseek_v3"

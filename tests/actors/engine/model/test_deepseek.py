@@ -87,6 +87,19 @@ def test_kv_pool_stores_one_latent_row_per_token(hf_models, capsys):
     assert engine.num_used_blocks == 0
 
 
+def test_an_fp8_release_is_refused_by_name(hf_models, tmp_path):
+    import json
+    import shutil
+
+    shutil.copytree(hf_models["deepseek-v3"], tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="fp8-quantized checkpoint"):
+        load_model(tmp_path / "m")
+
+
 def test_other_attention_backends_are_refused_by_name(hf_models):
     with pytest.raises(ValueError, match="latent attention .* runs on 'sdpa'"):
         Engine(EngineConfig(model=str(hf_models["deepseek-v3"]), block_size=8, num_kv_blocks=16,
