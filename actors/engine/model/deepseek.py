@@ -74,7 +74,9 @@ class DeepseekConfig(LlamaConfig):
         qk_head_dim = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
         scale = qk_head_dim**-0.5
         if rope_scaling and rope_scaling.get("mscale_all_dim"):
-            scale *= yarn_mscale(rope_scaling["factor"], rope_scaling["mscale_all_dim"]) ** 2
+            factor = rope_scaling.get("factor") or (hf.get("max_position_embeddings", 4096)
+                                                    / rope_scaling["original_max_position_embeddings"])
+            scale *= yarn_mscale(factor, rope_scaling["mscale_all_dim"]) ** 2
         layers = hf["num_hidden_layers"]
         return cls(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
