@@ -182,6 +182,8 @@ def _weight_counts(model_dir: str) -> WeightCounts:
 
 
 def kv_bytes_per_token(cfg, itemsize: int) -> int:
+    if getattr(cfg, "kv_lora_rank", 0):  # latent attention (DeepSeek): one latent row a token a layer
+        return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 

@@ -64,6 +64,11 @@ MODEL_PRESETS = {
     # layers, so a windowed layer keeps (and a handoff ships) its blocks behind the window.
     "gpt-oss-120b": ModelShape("gpt-oss-120b", num_layers=36, hidden_size=2880, num_heads=64, num_kv_heads=8,
                                head_dim=64, intermediate_size=4 * 2880, vocab_size=201088, num_params=116_829_156_672),
+    # 671B parameters, 37B active a token (its model card); MLA caches kv_lora_rank 512 + qk_rope_head_dim 64
+    # values a token a layer, where K and V of 128 heads of 128 would be 32,768. head_dim: v_head_dim.
+    "deepseek-v3": ModelShape("deepseek-v3", num_layers=61, hidden_size=7168, num_heads=128, num_kv_heads=128,
+                              head_dim=128, intermediate_size=18432, vocab_size=129280, num_params=671_000_000_000,
+                              kv_latent_dim=512 + 64, active_params=37_000_000_000),
 }
 
 

@@ -140,7 +140,7 @@ def _plan(args: argparse.Namespace) -> int:
     workload = synthetic_workload(args.num_requests, prompt, output, args.arrival, args.burstiness, args.seed)
     options = SimOptions(routing=args.routing, local_prefill=not args.no_local_prefill)
     for p in profile.values():
-        print(f"profile: {p.source} on {p.hardware}, model {p.model.name}")
+        print(f"profile: {p.source} on {p.hardware}, model {p.model.name}, KV {p.kv_bytes_per_token} bytes a token")
     print(f"workload: {args.num_requests} requests, prompt {prompt.describe()}, output {output.describe()}, "
           f"{args.arrival} arrivals; SLO TTFT {args.slo_ttft_ms} ms, TPOT {args.slo_tpot_ms} ms, "
           f"attainment >= {args.attainment:.0%}")

@@ -34,6 +34,12 @@ def _engine(tmp_path, tied: bool) -> Engine:
     return Engine(EngineConfig(model=str(out), num_kv_blocks=32, enable_prefix_caching=False))
 
 
+def test_a_latent_attention_model_reads_its_latent_rows(hf_models):
+    """DeepSeek caches one row of kv_lora_rank + rope values a token a layer: the floor counts what the pool holds."""
+    engine = Engine(EngineConfig(model=str(hf_models["deepseek-v3"]), block_size=8, num_kv_blocks=8))
+    assert context.kv_bytes_per_token(engine.model_config, 4) == engine.bytes_per_block // 8 == 3 * (16 + 8) * 4
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_floor_bytes_and_flops_by_hand(tmp_path, tied):
     engine = _engine(tmp_path, tied)

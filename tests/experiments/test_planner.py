@@ -189,6 +189,24 @@ def test_gpt_oss_120b_preset_counts_every_weight_and_the_active_experts_flops():
     assert roofline_profile("h100", model, tensor_parallel=4).engine.num_kv_blocks > 0
 
 
+def test_roofline_deepseek_v3_caches_one_latent_a_token_and_computes_with_its_active_experts(capsys):
+    """MLA: 576 values a token a layer (kv_lora_rank 512 + rope 64) where 128 heads' K and V would be 32,768;
+    a prefill computes with the 37B active parameters, not all 671B."""
+    model = MODEL_PRESETS["deepseek-v3"]
+    assert model.kv_bytes_per_token == 61 * 576 * 2 == 70_272
+    per_head_kv = 2 * model.num_layers * model.num_heads * 128 * 2  # K and V of 128 heads of 128: 3,997,696
+    assert per_head_kv / model.kv_bytes_per_token == pytest.approx(56.9, abs=0.05)
+    p = roofline_profile("h200", model, tensor_parallel=16, mfu=0.5, mbu=0.7, overhead_s=0.0)
+    assert model.token_params == 37e9 - 2 * 129280 * 7168
+    # 8,192 prompt tokens: at least the active parameters' FLOPs, far below all 671B's (1.39 s).
+    active, every = (2 * n * 8192 / (16 * 989e12 * 0.5) for n in (37e9, 671e9))
+    assert active < p.prefill_s(8192) < every / 3
+    assert p.engine.num_kv_blocks == int((0.9 * 16 * 141e9 - 2 * 671e9) // (70_272 * 16))
+    assert main(["plan", "--gpu", "h200", "--model-preset", "deepseek-v3", "--tensor-parallel", "16",
+                 "--slo-tpot-ms", "200", "--max-workers", "2", "--num-requests", "20"]) == 0
+    assert "model deepseek-v3, KV 70272 bytes a token" in capsys.readouterr().out
+
+
 def test_roofline_refuses_a_model_that_does_not_fit():
     with pytest.raises(ValueError, match="does not fit"):
         roofline_profile("l4", MODEL_PRESETS["llama3-70b"])

@@ -100,6 +100,27 @@ _CONFIGS = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
     ),
+    # DeepSeek-V3: latent attention (q through its own low rank), a dense first layer then 2 of 8 experts
+    # in the best 1 of 2 groups plus a shared expert, YaRN with a context 4x the original (and DeepSeek's
+    # mscale on the softmax scale); the router's correction bias is random (`_randomize_router_bias`).
+    "deepseek-v3": dict(
+        architectures=["DeepseekV3ForCausalLM"], hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, vocab_size=400,
+        max_position_embeddings=512, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_group=2, topk_group=1,
+        num_experts_per_tok=2, n_shared_experts=1,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                         "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0},
+    ),
+    # DeepSeek-V2-Lite's shape: one q projection, softmax routing over 4 groups (the best 2 kept), 2 shared
+    # experts.
+    "deepseek-v2": dict(
+        architectures=["DeepseekV2ForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=96, moe_intermediate_size=32, vocab_size=400, max_position_embeddings=512,
+        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+    ),
 }
 _RANDOM_BIASES = {"gpt-oss"}  # families whose biases and sinks the tests draw at random
 
@@ -116,7 +137,9 @@ def make_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, with_tokeni
                   "Phi3ForCausalLM": transformers.Phi3Config, "MixtralForCausalLM": transformers.MixtralConfig,
                   "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
                   "Llama4ForCausalLM": transformers.Llama4TextConfig,
-                  "GptOssForCausalLM": transformers.GptOssConfig}[arch]
+                  "GptOssForCausalLM": transformers.GptOssConfig,
+                  "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
+                  "DeepseekV3ForCausalLM": transformers.DeepseekV3Config}[arch]
     # A wide init keeps logit gaps large, so float rounding never flips a greedy argmax.
     config = config_cls(initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None, **spec)
     torch.manual_seed(seed)
@@ -126,6 +149,7 @@ def make_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, with_tokeni
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):
                     param.normal_(0.0, 0.5)
+    _randomize_router_bias(model)
     model.save_pretrained(out_dir)
     if with_tokenizer:
         from actors.engine.text.tokenizer import DEFAULT_TOKENIZER_DIR
@@ -135,6 +159,13 @@ def make_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, with_tokeni
     return out_dir
 
 
+def _randomize_router_bias(model) -> None:
+    """DeepSeek-V3's router correction bias starts at zero; random, it changes which experts are chosen."""
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.normal_(0.0, 0.5)
+
+
 def paged_prefill_logits(model, ids: list[int], block_size: int = 8) -> torch.Tensor:
     """`model`'s logits for every token of `ids`, computed in two chunks (the second reads the first's K/V
     back through the paged cache) over a block table in reverse physical order (the table, not the order
@@ -142,7 +173,7 @@ def paged_prefill_logits(model, ids: list[int], block_size: int = 8) -> torch.Te
     from actors.engine.model.attention import build_attention_batch
 
     blocks = -(-len(ids) // block_size)
-    shape = (blocks + 1, block_size, model.cfg.num_kv_heads, model.cfg.head_dim)
+    shape = (blocks + 1, block_size, *model.kv_cache_layout)
     kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.cfg.num_layers)]
     table = list(range(blocks, 0, -1))
     logits = []

@@ -21,7 +21,7 @@ from torch import nn
 
 from actors.engine.model.attention_backend import LayerAttention, StepAttention
 from actors.engine.model.moe import SparseMoE
-from actors.engine.model.parallel import SINGLE, TPComm, TPShard
+from actors.engine.model.parallel import SINGLE, TPComm, TPShard, rank_slice
 from actors.engine.model.rope import RopeSpec, RotaryEmbedding, interleave_rotary, read_rope_parameters
 
 
@@ -289,6 +289,16 @@ class LlamaModel(nn.Module):
         self.local_rope = None
         if self.cfg.local_rope_theta is not None:
             self.local_rope = RotaryEmbedding(self.cfg.rope_spec(local=True), context_len).to(device)
+
+    @staticmethod
+    def rank_slice(name: str, cfg: LlamaConfig, shard: TPShard):
+        """Which slice of parameter `name` a rank of `shard` loads (parallel.rank_slice); None: all of it."""
+        return rank_slice(name, cfg, shard)
+
+    @property
+    def kv_cache_layout(self) -> tuple[int, int]:
+        """(heads, head_dim) of each layer's K and of its V cache tensor, per token."""
+        return self.cfg.num_kv_heads, self.cfg.head_dim
 
     def interleave_rotary_dims(self) -> None:
         """Once, after the weights are loaded: every layer's q and k in the rope's pair layout (rope.py)."""

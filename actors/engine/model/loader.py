@@ -12,22 +12,26 @@ from pathlib import Path
 import torch
 
 from actors.engine.model.checkpoint_reader import Cat, CheckpointFiles, Interleaved, Stack, Transposed
+from actors.engine.model.deepseek import DeepseekConfig, DeepseekModel
 from actors.engine.model.gemma import Gemma2Config, Gemma2Model, Gemma3Config
 from actors.engine.model.gpt_oss import GptOssConfig, GptOssModel
 from actors.engine.model.llama import LlamaConfig, LlamaModel
 from actors.engine.model.llama4 import Llama4Config, Llama4Model
-from actors.engine.model.parallel import TPShard, rank_slice
+from actors.engine.model.parallel import TPShard
 
 # Architecture by config.json model_type. Qwen2 is the Llama layout with a qkv bias, Qwen3 with q/k norms,
 # Phi-3 with partial longrope, Mixtral and Qwen3-MoE with expert MLPs: LlamaConfig.from_hf reads which.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                   "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "llama4_text": "Llama4ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+                  "llama4_text": "Llama4ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = set(_BY_MODEL_TYPE.values())
 # Families with a decoder of their own (any other is the Llama decoder).
 _DECODERS = {"Gemma2ForCausalLM": (Gemma2Config, Gemma2Model), "Gemma3ForCausalLM": (Gemma3Config, Gemma2Model),
-             "Llama4ForCausalLM": (Llama4Config, Llama4Model), "GptOssForCausalLM": (GptOssConfig, GptOssModel)}
+             "Llama4ForCausalLM": (Llama4Config, Llama4Model), "GptOssForCausalLM": (GptOssConfig, GptOssModel),
+             "DeepseekV2ForCausalLM": (DeepseekConfig, DeepseekModel),
+             "DeepseekV3ForCausalLM": (DeepseekConfig, DeepseekModel)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -55,6 +59,12 @@ _RENAMES = {
     "mlp.router.bias": "mlp.router.bias",
     "mlp.experts.gate_up_proj_bias": "mlp.gate_up_bias",
     "mlp.experts.down_proj_bias": "mlp.down_bias",
+    # DeepSeek's latent attention and router bias
+    "self_attn.q_a_proj.weight": "attn.q_a.weight", "self_attn.q_a_proj.bias": "attn.q_a.bias",
+    "self_attn.q_a_layernorm.weight": "attn.q_a_norm.weight", "self_attn.q_b_proj.weight": "attn.q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn.kv_a.weight", "self_attn.kv_a_proj_with_mqa.bias": "attn.kv_a.bias",
+    "self_attn.kv_a_layernorm.weight": "attn.kv_a_norm.weight", "self_attn.kv_b_proj.weight": "attn.kv_b",
+    "mlp.gate.e_score_correction_bias": "mlp.correction_bias",
 }
 # Llama 4's stacked experts, saved [E, H, 2I] and [E, I, H] (for x @ W): read transposed.
 _TRANSPOSED_EXPERTS = {"feed_forward.experts.gate_up_proj": "mlp.gate_up", "feed_forward.experts.down_proj": "mlp.down"}
@@ -66,6 +76,7 @@ _FUSED = {
     "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "attn.qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "mlp.gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.shared.gate_up.weight": ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
 }
 _FUSED_FEED_FORWARD = {  # Llama 4's dense MLP and shared expert
     "mlp.gate_up.weight": ("feed_forward.gate_proj.weight", "feed_forward.up_proj.weight"),
@@ -121,7 +132,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str | torc
                              f"unexpected {sorted(unexpected)[:5]}")
         state = {}
         for name, source in sources.items():
-            where = rank_slice(name, cfg, shard)
+            where = model_cls.rank_slice(name, cfg, shard)
             tensor = source.read(*where) if where else source.read(0, None)
             state[name] = tensor.to(device=device, dtype=target)
     model.load_state_dict(state, strict=False, assign=True)
@@ -157,6 +168,8 @@ def _remap(checkpoint: dict, cfg: LlamaConfig, text_prefix: str | None = None) -
             state[name] = tensor  # reported as unexpected by the caller
     for i, parts in per_layer.items():
         _gpt_oss_experts(parts)
+        if i >= cfg.num_layers:
+            continue  # past the decoder: DeepSeek-V3's multi-token-prediction layer, which serving skips
         for hf_name, ours in _RENAMES.items():
             if hf_name in parts:
                 state[f"layers.{i}.{ours}"] = parts.pop(hf_name)
@@ -166,6 +179,11 @@ def _remap(checkpoint: dict, cfg: LlamaConfig, text_prefix: str | None = None) -
         for hf_name, ours in _TRANSPOSED_EXPERTS.items():
             if hf_name in parts:
                 state[f"layers.{i}.{ours}"] = Transposed(parts.pop(hf_name))
+        # After the fusing: a q_proj left over is a DeepSeek q without q_lora_rank.
+        for hf_name, ours in (("mlp.shared_experts.down_proj.weight", "mlp.shared.down.weight"),
+                              ("self_attn.q_proj.weight", "attn.q.weight")):
+            if hf_name in parts:
+                state[f"layers.{i}.{ours}"] = parts.pop(hf_name)
         state.update({f"layers.{i}.{name}": t for name, t in _stack_experts(parts).items()})
         for leftover in parts:
             state[f"model.layers.{i}.{leftover}"] = parts[leftover]

@@ -54,6 +54,8 @@ class TPShard:
             problems.append(f"intermediate_size={cfg.intermediate_size}")
         if cfg.num_experts and cfg.expert_intermediate_size % n:
             problems.append(f"expert intermediate size={cfg.expert_intermediate_size}")
+        problems += [f"{name}={getattr(cfg, name)}" for name in getattr(cfg, "tp_split_fields", ())
+                     if getattr(cfg, name) % n]
         if problems:
             raise ValueError(f"tensor_parallel_size={n} does not divide {', '.join(problems)}")
 
@@ -68,6 +70,7 @@ class TPShard:
             cfg, num_heads=cfg.num_heads // self.size, num_kv_heads=kv1 - kv0,
             intermediate_size=cfg.intermediate_size // self.size,
             expert_intermediate_size=cfg.expert_intermediate_size // self.size,
+            **{name: getattr(cfg, name) // self.size for name in getattr(cfg, "tp_split_fields", ())},
         )
 
 

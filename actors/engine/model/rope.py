@@ -38,14 +38,12 @@ def read_rope_parameters(hf: dict, where: str = "config.json") -> tuple[float, d
     if rope_type == "default":
         return theta, None
     scaling = {**rope, "rope_type": rope_type}
-    if rope_type == "longrope":
+    if rope_type in ("longrope", "yarn"):
         scaling.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
-        missing = [k for k in ("short_factor", "long_factor", "original_max_position_embeddings")
-                   if scaling.get(k) is None]
+        needed = ("short_factor", "long_factor") if rope_type == "longrope" else ()
+        missing = [k for k in (*needed, "original_max_position_embeddings") if scaling.get(k) is None]
         if missing:
-            raise ValueError(f"{where}: longrope scaling has no {', '.join(repr(k) for k in missing)}")
-    if rope_type == "yarn" and scaling.get("original_max_position_embeddings") is None:
-        raise ValueError(f"{where}: yarn scaling has no 'original_max_position_embeddings'")
+            raise ValueError(f"{where}: {rope_type} scaling has no {', '.join(repr(k) for k in missing)}")
     return theta, scaling
 
 
@@ -82,32 +80,35 @@ def _longrope(spec: RopeSpec, exponents: torch.Tensor, context_len: int) -> tupl
     return inv_freq, float(attention)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _yarn(spec: RopeSpec, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """YaRN (gpt-oss, DeepSeek): pairs turning more than `beta_fast` times over the original context keep
-    their speed, those turning fewer than `beta_slow` times are slowed by `factor`, a linear ramp between;
-    cos and sin grow by the attention factor (0.1 ln(factor) + 1 unless the config names one)."""
+    """YaRN: dims that turn many times within the original context keep their speed, those that turn
+    less than once are slowed by `factor`, a linear ramp between; cos and sin are scaled by the
+    attention factor (DeepSeek's `mscale / mscale_all_dim` ratio when both are given)."""
     scaling, dim = spec.scaling, spec.rotary_dim
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or spec.max_position_embeddings / original
     attention = scaling.get("attention_factor")
     if attention is None:
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
-                     else _yarn_mscale(factor))
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                     else yarn_mscale(factor))
+    base = spec.theta
 
-    def dim_turning(times: float) -> float:  # the (fractional) dim whose pair turns `times` over the original context
-        return dim * math.log(original / (times * 2 * math.pi)) / (2 * math.log(spec.theta))
+    def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times over the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low, high = dim_turning(scaling.get("beta_fast") or 32), dim_turning(scaling.get("beta_slow") or 1)
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
     if scaling.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high > low else 0.001)).clamp(0, 1)
-    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention)
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    kept = 1 - ramp  # the share of each dim's original speed
+    return inv_freq / factor * (1 - kept) + inv_freq * kept, float(attention)
 
 
 def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -74,10 +74,15 @@ class ModelRunner:
         if num_kv_blocks is None:
             num_kv_blocks = max(1, kv_cache_memory_bytes // self.bytes_per_block)
         self.num_kv_blocks = num_kv_blocks
+        if getattr(self.model, "latent_attention", False):  # MLA attends over the sdpa step's tables
+            if attention_backend not in ("auto", "sdpa"):
+                raise ValueError(f"engine attention_backend={attention_backend!r}: latent attention (DeepSeek) runs "
+                                 "on 'sdpa' (or 'auto')")
+            attention_backend = "sdpa"
         self.attention = choose_attention_backend(attention_backend, self.model.layer_attentions(), self.model.windows,
                                                   block_size, self.dtype, self.device)
         graphs = self._graphs_wanted(cuda_graphs)
-        shape = (num_kv_blocks + graphs, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        shape = (num_kv_blocks + graphs, block_size, *self.model.kv_cache_layout)
         # The model's caches (with the graphs' padding block, if any) and everyone else's view of them.
         self._caches = [
             (self._cache_tensor(shape), self._cache_tensor(shape))
@@ -123,7 +128,8 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        per_token = 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize
+        heads, head_dim = self.model.kv_cache_layout
+        per_token = 2 * self.cfg.num_layers * heads * head_dim * self.dtype.itemsize
         return per_token * self.block_size
 
     @torch.inference_mode()

@@ -81,6 +81,10 @@ class ModelShape:
     vocab_size: int
     dtype_bytes: int = 2
     num_params: int = 0  # 0: derived from the shape (Llama layout, untied embeddings)
+    # Multi-head latent attention (DeepSeek): the values a token caches a layer, one latent shared by every
+    # head (kv_lora_rank + qk_rope_head_dim); 0: each KV head caches its K and V.
+    kv_latent_dim: int = 0
+    active_params: int = 0  # a mixture of experts: the parameters one token computes with; 0: num_params
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -97,7 +101,16 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
+        if self.kv_latent_dim:
+            return self.num_layers * self.kv_latent_dim * self.dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def token_params(self) -> int:
+        """The weights one token multiplies through, the embedding and the LM head aside."""
+        if self.active_params:
+            return self.active_params - 2 * self.vocab_size * self.hidden_size
+        return self.layer_params * self.num_layers
 
     @classmethod
     def from_hf_config(cls, name: str, hf: dict, dtype_bytes: int = 2) -> "ModelShape":
@@ -105,10 +118,12 @@ class ModelShape:
             if hf.get("model_type") == "llama4_text":
                 return cls._llama4(name, hf, dtype_bytes)
             heads = hf["num_attention_heads"]
+            latent = hf["kv_lora_rank"] + hf["qk_rope_head_dim"] if hf.get("kv_lora_rank") else 0
             return cls(name=name, num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_heads=heads,
                        num_kv_heads=hf.get("num_key_value_heads") or heads,
                        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-                       intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"], dtype_bytes=dtype_bytes)
+                       intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"], dtype_bytes=dtype_bytes,
+                       kv_latent_dim=latent)
         except KeyError as exc:
             raise ValueError(f"config.json of {name!r} lacks {exc.args[0]!r}") from None
 
@@ -212,7 +227,7 @@ class RooflineCost:
 
     def step_s(self, s: BatchShape, model: ModelShape) -> float:
         tokens = s.prefill_tokens + s.decode_seqs
-        linear = 2 * model.layer_params * model.num_layers * tokens
+        linear = 2 * model.token_params * tokens
         lm_head = 2 * model.hidden_size * model.vocab_size * (s.prefill_samples + s.decode_seqs)
         # QK^T and PV: 2 FLOPs each per query-key pair per query head dimension, in every layer.
         attention = 4 * model.num_layers * model.num_heads * model.head_dim * (s.prefill_pairs + s.decode_context)

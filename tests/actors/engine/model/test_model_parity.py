@@ -13,7 +13,7 @@ from actors.protocol.sampling_params import SamplingParams
 from tests.helpers.models import make_hf_model, paged_prefill_logits
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen2-mixed", "gemma2", "gemma3", "phi3", "mixtral", "qwen3-moe",
-            "llama4", "gpt-oss"]
+            "llama4", "gpt-oss", "deepseek-v3", "deepseek-v2"]
 BLOCK_SIZE = 8  # does not divide the prompt lengths below
 
 

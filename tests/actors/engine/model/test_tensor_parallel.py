@@ -1,8 +1,8 @@
 """Tensor parallelism inside a worker, on CPU (gloo): the sharded model's prefill logits equal the whole
 model's (rtol 1e-4), and a TP engine's greedy tokens equal a one-process engine's, for split KV heads,
 replicated KV heads (more ranks than KV heads), a vocabulary that does not split evenly, biases,
-Phi-3's fused checkpoint weights, Gemma's caps and experts (Llama 4's with a shared expert and
-checkpoint-transposed weights)."""
+Phi-3's fused checkpoint weights, Gemma's caps, experts (Llama 4's with a shared expert and
+checkpoint-transposed weights) and DeepSeek's latent attention."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ LAYOUTS = [
     ("qwen3-moe", {}, 2),
     ("llama4", {}, 2),
     ("gpt-oss", {}, 2),
+    ("deepseek-v3", {}, 2),  # heads, experts and the shared expert split; the latent on both ranks
+    ("deepseek-v2", {}, 2),
 ]
 IDS = [f"{f}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'base'}-tp{n}" for f, o, n in LAYOUTS]
 
