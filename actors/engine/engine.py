@@ -3,7 +3,7 @@
 Callers: `add_request` (raises ValueError on bad input, touching nothing else), `step` (returns the
 new tokens and finish state of every sequence a step completed), `abort` (a running request; idempotent,
 frees blocks at once), and the offline `generate`. For disaggregated serving: a prefill engine's request
-added with `hand_off` waits HANDED_OFF after its first token, its blocks held; a decode engine `reserve`s
+added with `hand_off` waits HELD after its first token, its blocks held; a decode engine `reserve`s
 blocks for a prompt's incoming KV and `adopt`s the request once the pages are written; `release` ends
 either. The engine is single-threaded and knows nothing of Ray.
 
@@ -28,7 +28,8 @@ from actors.engine.kv.cache_manager import KVCacheManager
 from actors.engine.model.parallel import SINGLE, TPComm
 from actors.engine.model.runner import ModelRunner
 from actors.engine.outputs import CompletionOutput, EngineLoad, GenerationResult, RequestOutput
-from actors.engine.requests import EngineRequest, Phase, RequestMap
+from actors.engine.requests import EngineRequest, RequestMap
+from actors.protocol.handoff_phase import HandoffPhase
 from actors.engine.step import Stepper
 from actors.engine.sampling import Sampler
 from actors.engine.sequence_maker import SequenceMaker
@@ -85,7 +86,7 @@ class Engine:
         tag: Any = None,
     ) -> None:
         """Queue a request. With `hand_off`, the prompt is computed, the first token sampled, and the
-        request then waits HANDED_OFF, its blocks held, until `release`. `tag`: the caller's context of
+        request then waits HELD, its blocks held, until `release`. `tag`: the caller's context of
         the request, kept in its record and on each of its outputs.
 
         `output_prefix`: tokens this request already generated elsewhere (a migration). They are
@@ -104,7 +105,7 @@ class Engine:
             self._make.resume(first, output_prefix)
         first.pending_forks = params.n - 1
         first.hand_off = hand_off
-        self._requests.add(EngineRequest(request_id, Phase.RUNNING, [first], tag=tag))
+        self._requests.add(EngineRequest(request_id, HandoffPhase.RUNNING, [first], tag=tag))
         self.batcher.add(first)
 
     def reserve(self, request_id: Hashable, num_tokens: int, tag: Any = None) -> list[int] | None:
@@ -114,7 +115,7 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         if not 0 < num_tokens < self.max_model_len:
             raise ValueError(f"cannot reserve {num_tokens} tokens with max_model_len={self.max_model_len}")
-        record = EngineRequest(request_id, Phase.RESERVED, reserved_tokens=num_tokens, tag=tag)
+        record = EngineRequest(request_id, HandoffPhase.RESERVED, reserved_tokens=num_tokens, tag=tag)
         if self.kv.allocate_slots(record.blocks_id, num_tokens) is None:
             self.kv.free(record.blocks_id)
             return None
@@ -126,7 +127,7 @@ class Engine:
         """Continue a RESERVED request whose prompt KV was written into its blocks elsewhere, after the
         first token the other worker drew. Raises ValueError, the reservation kept, if it does not fit."""
         record = self._requests.get(request_id)
-        reserved = record.reserved_tokens if record is not None and record.phase is Phase.RESERVED else None
+        reserved = record.reserved_tokens if record is not None and record.phase is HandoffPhase.RESERVED else None
         if reserved != len(prompt_ids):
             raise ValueError(f"request {request_id!r}: {reserved} tokens reserved, {len(prompt_ids)} adopted")
         params.validate_token_ids(self.vocab_size)
@@ -149,8 +150,8 @@ class Engine:
 
     def abort(self, request_id: Hashable) -> bool:
         """Cancel every sample of a running request and free its blocks now; False if none is here. The
-        blocks of a request RESERVED or HANDED_OFF are a lease: its owner ends it with `release`."""
-        record = self._requests.pop(request_id, (Phase.RUNNING,))
+        blocks of a request RESERVED or HELD are a lease: its owner ends it with `release`."""
+        record = self._requests.pop(request_id, (HandoffPhase.RUNNING,))
         if record is None:
             return False
         for seq in record.seqs:
@@ -158,9 +159,9 @@ class Engine:
         return True
 
     def release(self, request_id: Hashable) -> EngineRequest | None:
-        """End a RESERVED or HANDED_OFF request and free its blocks (a handed-off prompt's stay cached);
+        """End a RESERVED or HELD request and free its blocks (a handed-off prompt's stay cached);
         the record ended, or None (idempotent)."""
-        record = self._requests.pop(request_id, (Phase.RESERVED, Phase.HANDED_OFF))
+        record = self._requests.pop(request_id, (HandoffPhase.RESERVED, HandoffPhase.HELD))
         if record is None:
             return None
         self.kv.free(record.blocks_id)
@@ -181,7 +182,7 @@ class Engine:
     def is_live(self, request_id: Hashable) -> bool:
         return request_id in self._requests
 
-    def phase(self, request_id: Hashable) -> Phase | None:
+    def phase(self, request_id: Hashable) -> HandoffPhase | None:
         record = self._requests.get(request_id)
         return None if record is None else record.phase
 
@@ -189,7 +190,7 @@ class Engine:
         record = self._requests.get(request_id)
         return None if record is None else record.tag
 
-    def tags(self) -> list[tuple[Phase, Any]]:
+    def tags(self) -> list[tuple[HandoffPhase, Any]]:
         """(phase, tag) of every request here."""
         return [(record.phase, record.tag) for record in self._requests.records()]
 
@@ -214,13 +215,13 @@ class Engine:
         return True
 
     def holding(self) -> list[Hashable]:
-        """The requests RESERVED or HANDED_OFF: their blocks are a lease (`release` ends it)."""
-        return [record.request_id for record in self._requests.records() if record.phase is not Phase.RUNNING]
+        """The requests RESERVED or HELD: their blocks are a lease (`release` ends it)."""
+        return [record.request_id for record in self._requests.records() if record.phase is not HandoffPhase.RUNNING]
 
     def lease_blocks(self, request_id: Hashable) -> list[int]:
-        """The blocks of a RESERVED or HANDED_OFF request, in prompt order; [] for any other."""
+        """The blocks of a RESERVED or HELD request, in prompt order; [] for any other."""
         record = self._requests.get(request_id)
-        if record is None or record.phase is Phase.RUNNING:
+        if record is None or record.phase is HandoffPhase.RUNNING:
             return []
         return list(self.kv.block_table(record.blocks_id))
 
@@ -288,15 +289,15 @@ class Engine:
         if wrong:
             raise RuntimeError(f"{len(wrong)} sequences count other pending tokens than the step in flight will "
                                f"bring (e.g. {wrong[0]})")
-        running = [r for r in self._requests.records() if r.phase is Phase.RUNNING]
+        running = [r for r in self._requests.records() if r.phase is HandoffPhase.RUNNING]
         live = {s.seq_id for r in running for s in r.seqs if not s.status.is_finished()}
         queued = self.batcher.queued_ids()
         if live != queued:
             raise RuntimeError(f"engine tracks {len(live)} live sequences but the batcher queues {len(queued)}")
         for record in self._requests.records():
-            if record.phase is not Phase.RUNNING and not self.kv.has(record.blocks_id):
+            if record.phase is not HandoffPhase.RUNNING and not self.kv.has(record.blocks_id):
                 raise RuntimeError(f"request {record.request_id!r} is {record.phase.value} and holds no blocks")
-            if record.phase is Phase.HANDED_OFF and record.seqs[0].status is not RequestStatus.TRANSFERRING:
+            if record.phase is HandoffPhase.HELD and record.seqs[0].status is not RequestStatus.TRANSFERRING:
                 raise RuntimeError(f"handed-off request {record.request_id!r} is {record.seqs[0].status}")
 
     def take_kv_events(self) -> list:

@@ -9,24 +9,18 @@ Only the engine (engine.py) creates, changes and drops these records.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 from actors.engine.sequence import Sequence
-
-
-class Phase(enum.Enum):
-    RUNNING = "running"  # in the batcher: waiting, prefilling or decoding
-    HANDED_OFF = "handed_off"  # prefill role: first token out, blocks kept until the decode side has its copy
-    RESERVED = "reserved"  # decode role: blocks set aside for the prompt's KV, which another worker writes
+from actors.protocol.handoff_phase import HandoffPhase, check_move
 
 
 @dataclass
 class EngineRequest:
     request_id: Hashable
-    phase: Phase
-    seqs: list[Sequence] = field(default_factory=list)  # RUNNING: every sample; HANDED_OFF: the one; RESERVED: none
+    phase: HandoffPhase
+    seqs: list[Sequence] = field(default_factory=list)  # RUNNING: every sample; HELD: the one; RESERVED: none
     reserved_tokens: int = 0  # RESERVED: the prompt tokens whose KV is coming
     tag: Any = None  # the caller's own context of the request (a worker's: the attempt it serves)
 
@@ -37,7 +31,7 @@ class EngineRequest:
 
     def done(self) -> bool:
         """A running request whose every sample has ended (and none is still to be forked)."""
-        return (self.phase is Phase.RUNNING and not self.seqs[0].pending_forks
+        return (self.phase is HandoffPhase.RUNNING and not self.seqs[0].pending_forks
                 and all(s.status.is_finished() for s in self.seqs))
 
 
@@ -59,15 +53,17 @@ class RequestMap:
     def adopted(self, request_id: Hashable, seq: Sequence) -> None:
         """RESERVED -> RUNNING: its KV landed, and `seq` continues after the first token."""
         record = self._records[request_id]
-        record.phase, record.seqs, record.reserved_tokens = Phase.RUNNING, [seq], 0
+        check_move(record.phase, HandoffPhase.RUNNING)
+        record.phase, record.seqs, record.reserved_tokens = HandoffPhase.RUNNING, [seq], 0
 
     def forked(self, child: Sequence) -> None:
         self._records[child.request_id].seqs.append(child)
 
     def handed_off(self, seq: Sequence) -> EngineRequest:
-        """RUNNING -> HANDED_OFF: its prompt is computed and its first token drawn."""
+        """RUNNING -> HELD: its prompt is computed and its first token drawn."""
         record = self._records[seq.request_id]
-        record.phase = Phase.HANDED_OFF
+        check_move(record.phase, HandoffPhase.HELD)
+        record.phase = HandoffPhase.HELD
         return record
 
     def sample_ended(self, seq: Sequence) -> EngineRequest:
@@ -77,7 +73,7 @@ class RequestMap:
             del self._records[seq.request_id]
         return record
 
-    def pop(self, request_id: Hashable, phases: tuple[Phase, ...]) -> EngineRequest | None:
+    def pop(self, request_id: Hashable, phases: tuple[HandoffPhase, ...]) -> EngineRequest | None:
         """Drop the request if it is in one of `phases` (the caller ends its blocks and queues)."""
         record = self._records.get(request_id)
         if record is None or record.phase not in phases:

@@ -19,9 +19,9 @@ Ray pickles the messages of its calls; the zmq messages go through the one codec
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field, fields, replace
 
+from actors.protocol.handoff_phase import HandoffPhase
 from actors.protocol.ids import AttemptId
 from actors.protocol.kv_events import KVEvent
 from actors.protocol.request_status import RequestStatus
@@ -243,17 +243,11 @@ class WorkerPulse:
     incarnation: str
 
 
-class LivePhase(enum.Enum):
-    RUNNING = "running"  # in the engine
-    RESERVED = "reserved"  # decode: blocks reserved, pages not adopted yet
-    HELD = "held"  # prefill: pages sent, blocks held until released
-
-
 @dataclass(frozen=True)
 class LiveRequest:
     """A request a worker still holds state for, announced when it registers (again)."""
 
-    phase: LivePhase
+    phase: HandoffPhase
     request: WorkerRequest
 
 

@@ -39,18 +39,18 @@ from actors.engine.model.parallel import SINGLE
 from actors.engine.model.default_model import ensure_on_this_node
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import (
-    FinishedAttempt, HandedOff, KvReservation, LivePhase, LiveRequest, StageTimes, TokenDelta, WorkerInfo,
+    FinishedAttempt, HandedOff, KvReservation, LiveRequest, StageTimes, TokenDelta, WorkerInfo,
     WorkerReport, WorkerRequest, WorkerStats,
 )
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.token_stream import TokenPublisher
 from actors.protocol.tp_messages import PieceEvent
 from actors.protocol.worker_commands import AbortAttempt, ReleaseAttempt, ReserveBlocks, SubmitAttempt, WorkerCommand
-from actors.engine.requests import Phase
+from actors.protocol.handoff_phase import HandoffPhase
 from actors.worker.faults import Faults, HeldWrites, check_fault
 from actors.worker.grammar_desk import GrammarDesk
 from actors.worker.handoff_steps import HandoffSteps
-from actors.worker.handoff_table import HandoffTable, LeaseKind
+from actors.worker.handoff_table import HandoffTable
 from actors.worker.inbox import Inbox
 from actors.worker.kv_handoff import HandoffEnds
 from actors.worker.command_port import CommandPort
@@ -215,7 +215,7 @@ class Worker:
 
     def _check_empty(self, _) -> None:
         held = len(self._engine.tags()) + len(self._finished) + len(self._handed_off) + self._grammars.waiting + sum(
-            self._handoffs.count(kind) for kind in LeaseKind)
+            self._handoffs.count(kind) for kind in (HandoffPhase.RESERVED, HandoffPhase.HELD))
         if held or self._inbox.prompt_tokens:
             raise ValueError(f"worker {self.spec.worker_id} still serves {held} requests: drain it first")
 
@@ -351,10 +351,10 @@ class Worker:
 
     def _fail_everything(self, message: str, retryable: bool = False) -> None:
         for lease in self._handoffs.release_all():
-            if lease.kind is LeaseKind.RESERVED:
+            if lease.kind is HandoffPhase.RESERVED:
                 self._fail(lease.context.request, message, retryable)
         for phase, run in self._engine.tags():
-            if phase is Phase.RUNNING:
+            if phase is HandoffPhase.RUNNING:
                 self._engine.abort(run.attempt)
                 self._fail(run.request, message, retryable)
 
@@ -368,7 +368,7 @@ class Worker:
     # ---- reporting ----
 
     def _stats(self) -> WorkerStats:
-        running = sum(phase is Phase.RUNNING for phase, _ in self._engine.tags())
+        running = sum(phase is HandoffPhase.RUNNING for phase, _ in self._engine.tags())
         return self._meter.stats(self.spec, self._engine.load(), self._handoffs, running,
                                  self._inbox.prompt_tokens_by_tenant(), self._publisher.dropped, self._receiver,
                                  self._commands.drops.snapshot())
@@ -388,7 +388,6 @@ class Worker:
 
     def _live(self) -> list[LiveRequest]:
         """Every request this worker holds state for, so a restarted scheduler can rebuild its view."""
-        phases = {Phase.RUNNING: LivePhase.RUNNING, Phase.RESERVED: LivePhase.RESERVED, Phase.HANDED_OFF: LivePhase.HELD}
         # (a reservation aborted during a page write keeps its blocks until the write ends: not live)
-        return [LiveRequest(phases[phase], run.request) for phase, run in self._engine.tags()
-                if phase is Phase.RUNNING or self._handoffs.get(run.attempt) is not None]
+        return [LiveRequest(phase, run.request) for phase, run in self._engine.tags()
+                if phase is HandoffPhase.RUNNING or self._handoffs.get(run.attempt) is not None]

@@ -15,7 +15,8 @@ from actors.protocol.codec import ProtocolError, decode_note, encode
 from actors.protocol.messages import HandedOff, HandoffNote, StageTimes
 from actors.protocol.tp_messages import KvSendPlan, PieceEvent
 from actors.worker.faults import Faults
-from actors.worker.handoff_table import HandoffTable, LeaseKind
+from actors.protocol.handoff_phase import HandoffPhase
+from actors.worker.handoff_table import HandoffTable
 from actors.worker.kv_handoff import HandoffEnds
 from actors.worker.meter import WorkerMeter
 from actors.worker.running import Running
@@ -90,7 +91,7 @@ class HandoffSteps:
     def expire(self) -> None:
         """End the leases past their deadline: a hold's blocks are freed, a reservation's request fails."""
         for lease in self._table.expire(time.monotonic()):
-            if lease.kind is LeaseKind.HELD:
+            if lease.kind is HandoffPhase.HELD:
                 log.warning("worker %s: no release for %s within the lease; freed its blocks",
                             self._spec.worker_id, lease.attempt)
             else:

@@ -2,7 +2,7 @@
 
 A decode worker *reserves* blocks for an attempt's incoming pages under a lease; a prefill worker
 *holds* the blocks of pages it sent until the scheduler releases them. The attempt itself, its blocks
-and its phase (RESERVED, HANDED_OFF) are the engine's one record of it (actors/engine/requests.py), under
+and its phase (RESERVED, HELD: actors/protocol/handoff_phase.py) are the engine's one record of it (actors/engine/requests.py), under
 the attempt's one key; the table keeps only what is its own: when each lease ends, the transfer name
 senders use, and which pieces are being written. Every way a lease ends goes through this table (adopt,
 release, abort, expiry, transfer failure, worker failure), and it is the only caller of the engine's
@@ -23,7 +23,6 @@ before a byte is written, and counted.
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 import uuid
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.engine.engine import Engine
-from actors.engine.requests import Phase
+from actors.protocol.handoff_phase import HandoffPhase
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import KvReservation
 from actors.protocol.tp_messages import KvPiece
@@ -45,19 +44,9 @@ class LeaseRefused(PageFormatError):
     """A piece for a lease that has ended, or one already written: dropped and counted, it fails nothing."""
 
 
-class LeaseKind(enum.Enum):
-    RESERVED = "reserved"  # decode: blocks set aside, pages not adopted yet
-    HELD = "held"  # prefill: pages sent, blocks kept until released
-
-    @property
-    def phase(self) -> Phase:
-        """The engine's phase of a request under such a lease."""
-        return Phase.RESERVED if self is LeaseKind.RESERVED else Phase.HANDED_OFF
-
-
 @dataclass
 class Lease:
-    kind: LeaseKind
+    kind: HandoffPhase  # RESERVED (decode: pages not adopted yet) or HELD (prefill: until released)
     attempt: AttemptId  # the engine's key of the attempt too
     deadline: float  # time.monotonic()
     lease_id: str | None = None  # reservations: the transfer name senders use
@@ -91,7 +80,7 @@ class HandoffTable:
         blocks = self._engine.reserve(attempt, num_tokens, context)
         if blocks is None:
             return None
-        lease = Lease(LeaseKind.RESERVED, attempt, time.monotonic() + self._lease_s, uuid.uuid4().hex)
+        lease = Lease(HandoffPhase.RESERVED, attempt, time.monotonic() + self._lease_s, uuid.uuid4().hex)
         with self._lock:
             self._leases[attempt] = lease
             self._by_lease_id[lease.lease_id] = lease
@@ -180,7 +169,7 @@ class HandoffTable:
         """The attempt was handed off (its pages are being sent): keep its blocks until `release` or the
         lease ends."""
         with self._lock:
-            self._leases[attempt] = Lease(LeaseKind.HELD, attempt, time.monotonic() + self._lease_s)
+            self._leases[attempt] = Lease(HandoffPhase.HELD, attempt, time.monotonic() + self._lease_s)
 
     # ---- every end of a lease ----
 
@@ -221,13 +210,13 @@ class HandoffTable:
         """How long the oldest reservation still waiting for its pages has waited (0 if none)."""
         with self._lock:
             starts = [lease.deadline - self._lease_s for lease in self._leases.values()
-                      if lease.kind is LeaseKind.RESERVED and not lease.landed]
+                      if lease.kind is HandoffPhase.RESERVED and not lease.landed]
         return max((now - start for start in starts), default=0.0)
 
     def get(self, attempt: AttemptId) -> Lease | None:
         return self._leases.get(attempt)
 
-    def count(self, kind: LeaseKind) -> int:
+    def count(self, kind: HandoffPhase) -> int:
         return sum(lease.kind is kind for lease in list(self._leases.values()))
 
     def writing(self) -> int:
@@ -235,7 +224,7 @@ class HandoffTable:
 
     def check_integrity(self) -> None:
         with self._lock:
-            reserved = {lease.lease_id: lease for lease in self._leases.values() if lease.kind is LeaseKind.RESERVED}
+            reserved = {lease.lease_id: lease for lease in self._leases.values() if lease.kind is HandoffPhase.RESERVED}
             cancelled = {lid: lease for lid, lease in self._by_lease_id.items() if lease.cancelled}
             if set(self._by_lease_id) != set(reserved) | set(cancelled):
                 raise RuntimeError(f"handoff table: {len(self._by_lease_id)} lease ids for {len(reserved)} "
@@ -249,7 +238,7 @@ class HandoffTable:
             leases = list(self._by_lease_id.values())
             leased = {lease.attempt for lease in self._leases.values()} | {lease.attempt for lease in leases}
             for lease in self._leases.values():
-                if self._engine.phase(lease.attempt) is not lease.kind.phase:
+                if self._engine.phase(lease.attempt) is not lease.kind:
                     raise RuntimeError(f"handoff table: a {lease.kind.value} lease of {lease.attempt}, which the "
                                        f"engine has {self._engine.phase(lease.attempt)}")
         unleased = set(self._engine.holding()) - leased

@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass, field
 
 from actors.protocol.messages import FirstTokenWait, TransferSample, WorkerStats
-from actors.worker.handoff_table import HandoffTable, LeaseKind
+from actors.protocol.handoff_phase import HandoffPhase
+from actors.worker.handoff_table import HandoffTable
 from actors.worker.spec import WorkerSpec
 
 
@@ -59,7 +60,7 @@ class WorkerMeter:
         return WorkerStats(
             spec.worker_id, spec.role, load.free_blocks, load.num_blocks, load.used_blocks,
             load.running, load.waiting, sum(queued.values()), load.preemptions,
-            reserved=table.count(LeaseKind.RESERVED), held=table.count(LeaseKind.HELD), writing=table.writing(),
+            reserved=table.count(HandoffPhase.RESERVED), held=table.count(HandoffPhase.HELD), writing=table.writing(),
             live_requests=live_requests, tokens_dropped=tokens_dropped,
             leases_expired=table.expired, lease_overrun_s=table.overrun_s,
             transfers_sent=self.transfers_sent, transfers_failed=self.transfers_failed,

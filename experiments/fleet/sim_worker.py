@@ -14,10 +14,11 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from actors.protocol.handoff_phase import HandoffPhase
 from actors.protocol.ids import AttemptId
 from actors.protocol.kv_events import BlockRemoved, BlockStored
 from actors.protocol.messages import (
-    FinishedAttempt, FirstTokenWait, HandedOff, HandoffNote, KvRankEndpoint, KvReservation, LivePhase,
+    FinishedAttempt, FirstTokenWait, HandedOff, HandoffNote, KvRankEndpoint, KvReservation,
     LiveRequest, StageTimes, TokenDelta, TransferSample, WorkerInfo, WorkerReport, WorkerRequest, WorkerStats,
 )
 from actors.protocol.request_status import RequestStatus
@@ -259,10 +260,10 @@ class SimWorker:
         return report
 
     def live(self) -> list[LiveRequest]:
-        running = [LiveRequest(LivePhase.RUNNING, p.request) for p in self._prompts]
-        running += [LiveRequest(LivePhase.RUNNING, d.request) for d in self._decoding.values()]
-        reserved = [LiveRequest(LivePhase.RESERVED, r) for r, _, _ in self._reserved.values()]
-        return running + reserved + [LiveRequest(LivePhase.HELD, r) for r, _ in self._held.values()]
+        running = [LiveRequest(HandoffPhase.RUNNING, p.request) for p in self._prompts]
+        running += [LiveRequest(HandoffPhase.RUNNING, d.request) for d in self._decoding.values()]
+        reserved = [LiveRequest(HandoffPhase.RESERVED, r) for r, _, _ in self._reserved.values()]
+        return running + reserved + [LiveRequest(HandoffPhase.HELD, r) for r, _ in self._held.values()]
 
     def check_integrity(self) -> None:
         held = (sum(b for _, b in self._held.values()) + sum(b for _, b, _ in self._reserved.values())

@@ -16,7 +16,8 @@ import time
 from typing import Callable
 
 from actors.protocol.ids import AttemptId
-from actors.protocol.messages import LivePhase, LiveRequest
+from actors.protocol.handoff_phase import HandoffPhase
+from actors.protocol.messages import LiveRequest
 from cluster.control.scheduler.recent import Recent
 from cluster.control.scheduler.routing import PrefillPlan
 from cluster.control.scheduler.scheduler_state import Phase, Tracked
@@ -102,7 +103,7 @@ class RequestTable:
         """A worker that registers (again) holds `item`: track it from what the worker knows. Idempotent:
         a worker may announce the same request more than once."""
         attempt = item.request.attempt
-        if item.phase is LivePhase.HELD:
+        if item.phase is HandoffPhase.HELD:
             # Tracking the hold would outlive a request that finished while no scheduler could hear of it.
             return Adoption.RELEASE
         tracked = self._requests.get(attempt.request_id)
@@ -116,7 +117,7 @@ class RequestTable:
         tracked.workers.add(worker_id)
         if role == "prefill":
             tracked.prefill = PrefillPlan(worker_id, False, 0, 0.0)
-        if role == "decode" and item.phase is LivePhase.RESERVED:
+        if role == "decode" and item.phase is HandoffPhase.RESERVED:
             self._enter(tracked, Phase.AWAITING_PAGES)
         elif role != "prefill" and tracked.prefill is not None and tracked.prefill.worker_id != worker_id:
             self._enter(tracked, Phase.HANDED_OFF)  # running on its decode worker: the pages were adopted

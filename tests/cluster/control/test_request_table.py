@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from actors.protocol.ids import AttemptId
-from actors.protocol.messages import GenerateRequest, LivePhase, LiveRequest, WorkerRequest
+from actors.protocol.handoff_phase import HandoffPhase
+from actors.protocol.messages import GenerateRequest, LiveRequest, WorkerRequest
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.scheduler.request_table import Adoption, RequestTable
 
 ATTEMPT = AttemptId("r1", "a1")
 
 
-def _live(phase: LivePhase = LivePhase.RUNNING) -> LiveRequest:
+def _live(phase: HandoffPhase = HandoffPhase.RUNNING) -> LiveRequest:
     request = GenerateRequest("r1", (1, 2, 3), SamplingParams(max_tokens=4), "tcp://127.0.0.1:9")
     return LiveRequest(phase, WorkerRequest(ATTEMPT, request))
 
