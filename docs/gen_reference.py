@@ -3,9 +3,12 @@
 - reference/configuration.md: every key of the config models (cluster/control/config.py,
   ingress_config.py) with its type, default and description;
 - reference/cli.md: every `tandem` command's options, from its argparse parser (tandem/cli.py);
-- reference/metrics.md: every Prometheus metric the server exports, read from the source that registers it.
+- reference/metrics.md: every Prometheus metric the server exports, read from the source that registers it;
+- reference/fields.md: every request field of the completions, chat and Responses routes, honoured or
+  refused (with the neutral value it accepts), from the request models and the field lists
+  (cluster/frontend/http/protocol.py, fields.py, responses_request.py).
 
-`python docs/gen_reference.py` rewrites them; tests/test_docs_reference.py fails when a committed page and
+`python docs/gen_reference.py` rewrites them; tests/test_docs_site.py fails when a committed page and
 the code disagree. Nothing of the product imports this file.
 """
 
@@ -210,7 +213,80 @@ def metrics_page() -> str:
     return "".join(out)
 
 
-PAGES = {"configuration.md": configuration_page, "cli.md": cli_page, "metrics.md": metrics_page}
+# ---- request fields -----------------------------------------------------------------------------
+
+HONOURED = "honoured"
+
+
+def _refused(neutral: tuple) -> str:
+    if not neutral:
+        return "refused (400 naming it)"
+    return "refused unless " + " or ".join(f"`{json.dumps(v)}`" for v in neutral)
+
+
+def _parameter_object(annotation):
+    """The model of a parameter object (checked key by key as the request is: CLOSED_SCHEMA), else None."""
+    from cluster.frontend.http.protocol import CLOSED_SCHEMA
+
+    section = _section(annotation)
+    return section if section is not None and section.model_config.get("json_schema_extra") is CLOSED_SCHEMA else None
+
+
+def declared_rows(model, prefix: str = "", not_here: tuple = ()) -> list[tuple[str, str, str]]:
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{field.alias or name}"
+        rows.append((key, _type_name(field.annotation), _refused((False,)) if name in not_here else HONOURED))
+        inner = _parameter_object(field.annotation)
+        if inner is not None:
+            rows += declared_rows(inner, f"{key}.")
+    return rows
+
+
+def refused_rows(refused: dict[str, tuple], declared: set[str], prefix: str = "") -> list[tuple[str, str, str]]:
+    return [(f"{prefix}{name}", "", _refused(neutral)) for name, neutral in refused.items() if name not in declared]
+
+
+def field_sections() -> list[tuple[str, list[tuple[str, str, str]]]]:
+    from cluster.frontend.http import fields, responses_request as rr
+    from cluster.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
+
+    sections = []
+    for route, model in (("POST /v1/completions", CompletionRequest), ("POST /v1/chat/completions", ChatCompletionRequest)):
+        rows = declared_rows(model)
+        sections.append((route, rows + refused_rows(fields.REFUSED, {key for key, _, _ in rows})))
+    rows = declared_rows(rr.ResponsesRequest, not_here=rr._NOT_HERE)
+    rows += refused_rows(rr.REFUSED, {key for key, _, _ in rows})
+    inner = [("input[] (message item)", rr.ITEM_KEYS), ("input[] (function_call item)", rr.CALL_KEYS),
+             ("input[] (function_call_output item)", rr.CALL_OUTPUT_KEYS), ("input[].content[]", rr.PART_KEYS),
+             ("tools[]", rr.TOOL_KEYS), ("text", rr.TEXT_KEYS), ("reasoning", rr.REASONING_KEYS)]
+    inner += [(f"text.format (type {kind})", keys) for kind, keys in rr.FORMAT_KEYS.items()]
+    for where, keys in inner:
+        rows += [(f"{where}.{key}", "", HONOURED if neutral is None else _refused(neutral)) for key, neutral in keys.items()]
+    sections.append(("POST /v1/responses", rows))
+    return sections
+
+
+def fields_page() -> str:
+    out = ["# Request fields\n\n", HEADER.format(source="the request models and field lists of cluster/frontend/http"),
+           "Every field a request sends is honoured or refused; none is dropped silently. A refused field is a 400 "
+           "naming it unless it holds its neutral value, the one that asks for nothing; it is refused whatever "
+           "`ingress.unknown_fields` says. A field on none of these lists is unknown: a 400 naming it, or, with "
+           "`ingress.unknown_fields: accept`, ignored and logged (WARNING, once per request). A field sent as "
+           "`null` asks for nothing and is ignored. Messages and tool definitions of chat completions reach the "
+           "chat template whole, every key; an earlier response's output item given back as Responses `input` "
+           "describes itself with `id` and `status` (its text parts with `annotations` and `logprobs`), which pass "
+           "and ask nothing of this request. Where a field's value is further bounded (`best_of`, `n`, stop "
+           "strings, ...) the 400 names it too: see the [HTTP API](http-api.md).\n\n"]
+    for route, rows in field_sections():
+        out += [f"## `{route}`\n\n", "| field | type | status |\n|---|---|---|\n"]
+        out += [f"| `{key}` | {kind} | {status} |\n" for key, kind, status in rows]
+        out.append("\n")
+    return "".join(out).rstrip("\n") + "\n"
+
+
+PAGES = {"configuration.md": configuration_page, "cli.md": cli_page, "metrics.md": metrics_page,
+         "fields.md": fields_page}
 
 
 def write(out_dir: Path) -> list[Path]:
