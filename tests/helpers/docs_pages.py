@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
-GENERATED = {REPO / "docs" / "reference" / name for name in ("configuration.md", "cli.md", "metrics.md")}
+GENERATED = {REPO / "docs" / "reference" / name for name in ("configuration.md", "cli.md", "metrics.md", "fields.md")}
 
 
 def written_pages() -> list[Path]:
