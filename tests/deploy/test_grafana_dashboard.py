@@ -27,13 +27,18 @@ def exported_series() -> set[str]:
     return series
 
 
-def queries(dashboard: dict) -> list[tuple[str, str]]:
-    """(panel title, PromQL expression) of every target, rows' nested panels included."""
+def targets(dashboard: dict) -> list[tuple[str, dict]]:
+    """(panel title, target) of every query, rows' nested panels included."""
     out = []
     for panel in dashboard["panels"]:
         for inner in [panel, *panel.get("panels", ())]:
-            out += [(inner["title"], target["expr"]) for target in inner.get("targets", ())]
+            out += [(inner["title"], target) for target in inner.get("targets", ())]
     return out
+
+
+def queries(dashboard: dict) -> list[tuple[str, str]]:
+    """(panel title, PromQL expression) of every target."""
+    return [(title, target["expr"]) for title, target in targets(dashboard)]
 
 
 def unexported(dashboard: dict, series: set[str]) -> list[tuple[str, str]]:
@@ -47,6 +52,22 @@ def test_every_query_names_only_exported_metrics():
     assert len(found) >= 20
     assert all(METRIC.search(expr) for _, expr in found), [q for q in found if not METRIC.search(q[1])]
     assert unexported(dashboard, exported_series()) == []
+
+
+def test_every_label_a_query_groups_or_names_its_legend_by_is_one_its_metrics_carry():
+    """A `by (label)` or a `{{label}}` legend the metric lacks would merge the series or print the braces."""
+    labels: dict[str, set[str]] = {}
+    for name, kind, listed, *_ in gen_reference.metric_rows():
+        carried = {label.strip("` ") for label in listed.split(",") if label.strip()}
+        for series in ({name + suffix for suffix in HISTOGRAM_SERIES} if kind == "histogram" else {name}):
+            labels[series] = carried | ({"le"} if series.endswith("_bucket") else set())
+    wrong = []
+    for title, target in targets(json.loads(DASHBOARD.read_text())):
+        carried = set().union(*(labels.get(name, set()) for name in METRIC.findall(target["expr"])))
+        used = {label.strip() for group in re.findall(r"\bby \(([^)]*)\)", target["expr"]) for label in group.split(",")}
+        used |= set(re.findall(r"{{\s*(\w+)\s*}}", target.get("legendFormat", "")))
+        wrong += [(title, label) for label in sorted(used - carried)]
+    assert wrong == []
 
 
 def test_a_query_naming_a_metric_that_is_not_exported_is_caught():
