@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import ray
 import torch
 
 from actors.protocol.sampling_params import SamplingParams
@@ -61,6 +62,24 @@ IDLE_WORKER_FIELDS = ("reserved", "held", "live_requests", "used_blocks")
 # Long enough for the last reports (a heartbeat), a lease and a migration's reclaim on a busy 2-core box; a
 # longer wait only waits for the state, it never lets a leak through: the wait fails if the state never comes.
 IDLE_TIMEOUT_S = 60.0
+
+
+def wait_restarted(cluster: Cluster, worker_id: str, timeout_s: float = 120.0) -> str:
+    """The incarnation of `worker_id`'s process once it answers again and the scheduler has registered that
+    process (a worker Ray is restarting refuses calls; the scheduler may still list the dead one)."""
+    deadline = time.monotonic() + timeout_s
+    handle = cluster.workers[worker_id]
+    while True:
+        assert time.monotonic() < deadline, f"{worker_id} was not back and registered within {timeout_s}s"
+        try:
+            incarnation = ray.get(handle.incarnation.remote(), timeout=10)
+            known = ray.get(cluster.scheduler_of(worker_id).state.remote(), timeout=10).incarnations.get(worker_id)
+        except ray.exceptions.RayError:  # restarting, or a call that timed out on a busy box
+            time.sleep(0.2)
+            continue
+        if known == incarnation:
+            return incarnation
+        time.sleep(0.05)
 
 
 def still_held(state: dict) -> list[str]:

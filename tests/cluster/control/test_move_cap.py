@@ -21,7 +21,7 @@ from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
 from cluster.frontend.request_stream import MAX_MOVES, RequestStream
-from tests.helpers.cluster import load, wait_until_idle
+from tests.helpers.cluster import load, wait_restarted, wait_until_idle
 
 # More tokens than the attempts can send before each is killed: only the deaths end it.
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
@@ -67,7 +67,7 @@ def test_the_death_after_the_last_allowed_move_ends_the_stream_with_an_error(ray
         assert kills == MAX_MOVES + 1 and stream.moves == MAX_MOVES, (kills, stream.moves, stream.stalls)
         assert stream.stalls == 0 and not stream.timed_out
         assert 0 < len(tokens) < GREEDY.max_tokens and tokens == expected.outputs[0].token_ids[:len(tokens)]
-        cluster.wait_registered({"prefill-0", "decode-0"}, timeout_s=120)
+        wait_restarted(cluster, "decode-0")  # the last death's restart, registered (not the dead process)
         wait_until_idle(cluster)
     finally:
         cluster.shutdown()
