@@ -21,6 +21,7 @@ from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TandemConfig
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from experiments.bench_report import add_out_argument, report_main
 
 _CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
@@ -49,7 +50,7 @@ def engine_tpot(engine: Engine, prompts: list[list[int]], params: SamplingParams
 
 def cluster_tpot(cluster: Cluster, prompts: list[list[int]], params: SamplingParams) -> float:
     """Token arrival times at the client, read by one thread so the harness is not the bottleneck."""
-    client = cluster.client()
+    client = open_client(cluster)
     deltas: queue.Queue = queue.Queue()
     submitted = [client.submit(p, params, deltas=deltas) for p in prompts]
     times: dict[str, list[float]] = {s.request_id: [] for s in submitted}
@@ -64,7 +65,7 @@ def cluster_tpot(cluster: Cluster, prompts: list[list[int]], params: SamplingPar
 
 def idle_ttft_overhead(cluster: Cluster, engine: Engine, prompt: list[int], repeats: int = 5) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    client = cluster.client()
+    client = open_client(cluster)
     ttfts, prefills = [], []
     for i in range(repeats):
         p = [prompt[0] + i + 1, *prompt[1:]]  # a fresh first block: no prefix-cache hit
@@ -91,7 +92,7 @@ def bench(args: argparse.Namespace) -> dict:
     cluster = Cluster.start(config)
     report: dict = {"config": str(args.config), "model": config.model.path, "output_len": args.output_len, "tpot": {}}
     try:
-        cluster.client().generate([[11] * 8], SamplingParams(max_tokens=2))  # warm-up
+        open_client(cluster).generate([[11] * 8], SamplingParams(max_tokens=2))  # warm-up
         for concurrency in args.concurrency:
             prompts = _prompts(concurrency, args.prompt_len, engine.vocab_size, seed=concurrency)
             ours = engine_tpot(engine, prompts, params)

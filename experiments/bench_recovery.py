@@ -21,6 +21,7 @@ from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TandemConfig
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.scheduler.scheduler_state import SchedulerState
+from cluster.frontend.client import open_client
 from experiments.bench_report import add_out_argument, report_main
 
 _CONFIG = Path(__file__).resolve().parent.parent / "configs" / "disagg-2p2d.yaml"
@@ -54,7 +55,7 @@ class _Load:
     """Closed-loop load: each thread submits one greedy request after another and records it."""
 
     def __init__(self, cluster: Cluster, concurrency: int, prompt_len: int, max_tokens: int, vocab: int):
-        self.client = cluster.client()
+        self.client = open_client(cluster)
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         self.prompt_len, self.vocab = prompt_len, vocab
         self.records: list[dict] = []

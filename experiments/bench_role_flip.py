@@ -23,6 +23,7 @@ from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TandemConfig
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.lifecycle.scaling import scale
+from cluster.frontend.client import open_client
 from experiments.bench_report import add_out_argument, report_main
 
 _CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -55,7 +56,7 @@ class _Traffic:
 
     def __init__(self, cluster: Cluster, prompts: list[list[int]], params: SamplingParams,
                  reference: list[list[int]], concurrency: int):
-        self.client, self.prompts, self.params, self.reference = cluster.client(), prompts, params, reference
+        self.client, self.prompts, self.params, self.reference = open_client(cluster), prompts, params, reference
         self.requests = self.failed = self.wrong = 0
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -98,7 +99,7 @@ def bench(args: argparse.Namespace) -> dict:
         rng = random.Random(7)
         prompts = [[rng.randrange(10, 1000) for _ in range(args.prompt_len)] for _ in range(32)]
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-        reference = [r[0].token_ids for r in cluster.client().generate(prompts, params)]
+        reference = [r[0].token_ids for r in open_client(cluster).generate(prompts, params)]
         traffic = _Traffic(cluster, prompts, params, reference, args.concurrency)
         flips, backs, colds, removals = [], [], [], []
         try:

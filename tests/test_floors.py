@@ -77,3 +77,16 @@ def test_control_folders_import_only_downward():
     up into either (the loads it reports are its own types), and config sits below all three."""
     assert control_upward_imports() == []
     assert _control_floor("cluster.control.config") == "" and _control_floor("cluster.control.scheduler.actor") == "scheduler"
+
+
+def control_imports_of_frontend() -> list[str]:
+    return [f"{path.relative_to(REPO)}:{node.lineno} imports {node.module}"
+            for path in sorted((REPO / "cluster" / "control").rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cluster.frontend")]
+
+
+def test_control_never_imports_the_frontend():
+    """The frontend (client, ingress, admin routes) stands on the control plane; a client is opened on a
+    cluster by the frontend (`open_client`), so no folder-level circle joins them."""
+    assert control_imports_of_frontend() == []

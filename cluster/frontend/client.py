@@ -28,6 +28,7 @@ from typing import AsyncIterator, Iterator
 
 import ray
 
+from actors.engine.text.tokenizer import has_tokenizer, load_tokenizer
 from actors.protocol.messages import Admitted, AdmittedBy, Forgotten, GenerateRequest, Rejected
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import SchedulerSection
@@ -81,7 +82,7 @@ class TandemClient:
     def __init__(self, scheduler, tokenizer=None, host: str = "127.0.0.1", keys: CurveKeys | None = None,
                  audit_s: float = 2.0, progress_timeout_s: float = _DEFAULTS.progress_timeout_s):
         """`scheduler`: the scheduler actor, or a list of scheduler shards (each with its own workers; a
-        request goes to `shard_for` its prompt). `keys`: the cluster's data-plane keys (`Cluster.client`
+        request goes to `shard_for` its prompt). `keys`: the cluster's data-plane keys (`open_client`
         passes them; `connect` fetches them). `audit_s`: how often to ask the schedulers whether a
         restart lost any request in flight. `progress_timeout_s`: the most a request may go without any
         news before it is moved, then failed (request_stream.py)."""
@@ -394,3 +395,13 @@ class TandemClient:
 
 async def _close_all(links: list[SchedulerLink]) -> None:
     await asyncio.gather(*(link.close() for link in links))
+
+
+def open_client(cluster) -> TandemClient:
+    """A client of a cluster launched in this process (cluster.control.lifecycle.launch.Cluster), closed by its
+    shutdown. Made here, not by the cluster, because the frontend stands above the control plane."""
+    tokenizer = load_tokenizer(cluster.model_dir) if has_tokenizer(cluster.model_dir) else None
+    client = TandemClient(cluster.schedulers, tokenizer, host=cluster.config.transfer.host, keys=cluster.keys,
+                          progress_timeout_s=cluster.config.scheduler.progress_timeout_s)
+    cluster.closers.append(client.close)
+    return client

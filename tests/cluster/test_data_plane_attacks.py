@@ -23,6 +23,7 @@ from actors.protocol.messages import GenerateRequest, TokenDelta
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.token_stream import TokenPublisher
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from kv_transfer.curve import CurveKeys, rejected_handshakes
 from kv_transfer.page_format import PageSpec, TransferError, TransferHeader, encode_header
 from kv_transfer.zmq_transport import ZmqKVSender
@@ -52,7 +53,7 @@ def _spray(endpoint: str) -> None:
 def test_strangers_cannot_inject_tokens_or_pages(cluster, expected):
     assert cluster.keys is not None  # tcp sockets get CURVE by default
     prompts, params = workload()
-    client = cluster.client()
+    client = open_client(cluster)
     kv_endpoint = ray.get(cluster.workers["decode-0"].info.remote(), timeout=30).kv_endpoints[0].endpoint
     refused_before = rejected_handshakes()
     submitted = [client.submit(p, sp) for p, sp in zip(prompts, params)]
@@ -95,7 +96,7 @@ def test_strangers_cannot_inject_tokens_or_pages(cluster, expected):
 
 def test_strangers_cannot_submit_or_abort_at_the_scheduler(cluster, expected):
     prompts, params = workload()
-    client = cluster.client()
+    client = open_client(cluster)
     port = ray.get(cluster.scheduler.client_port.remote(), timeout=30).endpoint
     before = ray.get(cluster.scheduler.state.remote(), timeout=30).counters.submitted
     submitted = [client.submit(p, sp) for p, sp in zip(prompts, params)]
@@ -128,6 +129,6 @@ def test_a_dead_kv_receiver_restarts_its_worker(cluster, expected):
     else:
         pytest.fail("decode-0 did not come back as a new process after its KV receiver died")
     prompts, params = workload()
-    results = cluster.client().generate(prompts, params)
+    results = open_client(cluster).generate(prompts, params)
     assert [r[0].token_ids for r in results] == expected
     wait_until_idle(cluster)

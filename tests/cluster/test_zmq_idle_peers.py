@@ -20,6 +20,7 @@ import ray
 import zmq
 
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from kv_transfer.curve import HANDSHAKE_TIMEOUT_S
 from tests.helpers.cluster import collect_tokens, load, wait_until_idle, workload
 from tests.helpers.sockets import stranger
@@ -78,7 +79,7 @@ def _closed_by_server(sock: socket.socket) -> bool:
 
 def test_idle_and_refused_peers_are_dropped_within_the_handshake_bound(cluster, expected):
     assert cluster.keys is not None
-    client = cluster.client()
+    client = open_client(cluster)
     prompts, params = workload()
     assert [collect_tokens(client, client.submit(p, sp)) for p, sp in zip(prompts, params)] == expected  # warm
     scheduler_port = ray.get(cluster.scheduler.client_port.remote(), timeout=30).endpoint

@@ -14,6 +14,7 @@ import torch
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TandemConfig
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -132,7 +133,7 @@ def wait_until_reported(cluster: Cluster, timeout_s: float = IDLE_TIMEOUT_S) -> 
 def generate_in_background(cluster: Cluster, prompts, params, timeout_s: float = 240.0) -> tuple[threading.Thread, dict]:
     """Run the requests from a thread (a test meanwhile breaks something); `out["got"]` holds the results
     once the thread has ended."""
-    client, out = cluster.client(), {}
+    client, out = open_client(cluster), {}
     runner = threading.Thread(target=lambda: out.update(got=client.generate(prompts, params, timeout_s=timeout_s)))
     runner.start()
     return runner, out
@@ -143,7 +144,7 @@ class ClosedLoop:
     checked against `expected`, the engine's tokens for the same prompt. `bad` lists what went wrong."""
 
     def __init__(self, cluster: Cluster, prompts, params, expected: list[list[int]], threads: int = 4):
-        self.client, self.prompts, self.params, self.expected = cluster.client(), prompts, params, expected
+        self.client, self.prompts, self.params, self.expected = open_client(cluster), prompts, params, expected
         self.done, self.bad = 0, []
         self._stop, self._lock = threading.Event(), threading.Lock()
         self._threads = [threading.Thread(target=self._run, args=(i, threads), daemon=True) for i in range(threads)]

@@ -16,6 +16,7 @@ import ray
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from kv_transfer.shm_segment import PREFIX
 from tests.helpers.cluster import load
 
@@ -60,7 +61,7 @@ def incarnation(cluster: Cluster, worker_id: str) -> str | None:
 def hand_off(cluster: Cluster, tag: int) -> None:
     """A request whose pages go from the prefill worker to the decode worker (retried while a restarted
     decode worker is still joining)."""
-    client = cluster.client()
+    client = open_client(cluster)
     deadline = time.monotonic() + WAIT_S
     while True:
         [[result]] = client.generate([[11 + tag, 12, 13, 14] * 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))

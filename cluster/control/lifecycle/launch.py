@@ -11,19 +11,18 @@ import stat
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from actors.engine.text.tokenizer import has_tokenizer, load_tokenizer
 from actors.worker.remote import worker_actor
 from actors.worker.spec import WorkerSpec
 from cluster.control.config import TandemConfig
 from cluster.control.lifecycle.resize_state import ResizeState
 from cluster.control.scheduler.actor import Scheduler, SchedulerSettings
 from cluster.control.scheduler.scheduler_state import SchedulerState
-from cluster.frontend.client import TandemClient
 from kv_transfer.collective_transport import host_rendezvous
 from kv_transfer.curve import CurveKeys
 
@@ -66,7 +65,7 @@ class Cluster:
         self.resizes = ResizeState()  # workers a resize still waits for (scaling.py)
         self._owns_ray = owns_ray
         self.model_dir = model_dir
-        self.clients: list[TandemClient] = []  # made by `client()`, closed by `shutdown()`
+        self.closers: list[Callable[[], None]] = []  # what shutdown() closes first (the clients opened on it)
         self._engine = config.engine_config(detokenize=False)  # workers stream ids; text is the client's
         self._indices = {role: itertools.count() for role in ("prefill", "decode", "colocated")}
 
@@ -231,13 +230,6 @@ class Cluster:
                 raise TimeoutError(f"workers {sorted(worker_ids - known)} never registered with the scheduler")
             time.sleep(0.05)
 
-    def client(self) -> TandemClient:
-        tokenizer = load_tokenizer(self.model_dir) if has_tokenizer(self.model_dir) else None
-        client = TandemClient(self.schedulers, tokenizer, host=self.config.transfer.host, keys=self.keys,
-                              progress_timeout_s=self.config.scheduler.progress_timeout_s)
-        self.clients.append(client)
-        return client
-
     def check_integrity(self, timeout_s: float = 30.0) -> dict:
         """Every worker's and the scheduler's invariants (raises on a violation); returns their stats as
         a plain report for people and tests: {"workers": {id: stats}, "scheduler": state}."""
@@ -248,8 +240,8 @@ class Cluster:
                 "scheduler": SchedulerState.merged(shards).as_dict()}
 
     def shutdown(self) -> None:
-        for client in self.clients:
-            client.close()
+        for close in self.closers:
+            close()
         try:
             ray.get([w.shutdown.remote() for w in self.workers.values()], timeout=30)
         except Exception as exc:  # a worker that is already gone must not stop the teardown

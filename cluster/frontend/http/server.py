@@ -10,6 +10,7 @@ import uvicorn
 from actors.engine.model.loader import read_hf_config
 from cluster.control.config import IngressSection, TenantSection
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from cluster.frontend.http.admin import LOOPBACK, AdminAccess, add_admin_routes
 from cluster.frontend.http.autoscaler_metrics import AutoscalerCollector
 from cluster.frontend.http.app import create_app
@@ -73,7 +74,7 @@ def build_ingress(cluster: Cluster, host: str = "127.0.0.1", ingress: IngressSec
                        i.default_max_tokens, i.unknown_fields == "accept", i.max_allowed_token_ids,
                        i.max_response_logprobs)
     template = None if i.chat_template is None else read_template(i.chat_template)
-    client = cluster.client()
+    client = open_client(cluster)
     model = ServedModel(served_model_name(cluster), client.tokenizer, max_len, hf["vocab_size"], caps, template,
                         i.tool_call_parser)
     return Ingress(client, model, gate, max_body_bytes=i.max_body_bytes, queue_size=i.stream_queue_tokens,
@@ -101,6 +102,7 @@ def make_server(cluster: Cluster, host: str, port: int, ingress: IngressSection 
                                            proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
                                            http=protocol, timeout_keep_alive=ingress.keep_alive_timeout_s))
     server.connection_table = table  # for check_integrity() in tests; its counts are on /metrics
+    server.ingress = front  # its client's token sink, for the tests that break it
     return server
 
 

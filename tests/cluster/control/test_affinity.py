@@ -13,6 +13,7 @@ from actors.protocol.sampling_params import SamplingParams
 from cluster.control.scheduler.affinity import AffinityMap, Served
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.scheduler.routing import AFFINITY_SLACK_FLOOR_S, AFFINITY_SLACK_PROMPTS, PrefillPlan, WorkerView, pick_decode, prefer_affine
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle, wait_until_reported
 
 COST = 0.001  # s per prompt token, every worker
@@ -103,7 +104,7 @@ def _turns(keyed: bool, cluster: Cluster, seed: int) -> dict[int, list[str]]:
     rng = random.Random(seed)
     heads = [[rng.randrange(10, 2000) for _ in range(10)] for _ in range(CONVERSATIONS)]
     went: dict[int, list[str]] = {c: [] for c in range(CONVERSATIONS)}
-    client = cluster.client()
+    client = open_client(cluster)
 
     async def one(c: int, turn: int) -> str:
         request = client.request(heads[c] + [turn + 3] * 4, PARAMS, cache_salt="tenant",

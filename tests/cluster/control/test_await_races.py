@@ -18,6 +18,7 @@ import ray
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 
 pytestmark = pytest.mark.slow  # workers lost during slowed calls
@@ -45,7 +46,7 @@ def test_prefill_worker_lost_during_a_slow_reserve(ray_session):
     (expected,) = Engine(config.engine_config()).generate([prompt], params)
     cluster = Cluster.start(config)
     try:
-        client = cluster.client()
+        client = open_client(cluster)
         ray.get(cluster.workers["decode-0"].inject_fault.remote("slow_reserve", RESERVE_DELAY_S), timeout=30)
         outcome: dict = {}
 

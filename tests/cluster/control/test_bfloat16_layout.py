@@ -11,6 +11,7 @@ import torch
 
 from actors.engine.engine import Engine
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle, workload
 
 
@@ -27,7 +28,7 @@ def test_disaggregated_bfloat16_matches_the_single_bfloat16_engine(ray_session):
     expected = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
     cluster = Cluster.start(config)
     try:
-        got = cluster.client().generate(prompts, params)
+        got = open_client(cluster).generate(prompts, params)
         assert [r[0].token_ids for r in got] == expected
         state = wait_until_idle(cluster)
         sent = sum(s["transfers_sent"] for s in state["workers"].values())

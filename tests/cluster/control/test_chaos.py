@@ -27,7 +27,7 @@ from actors.engine.engine import Engine
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import AdmissionRejected
+from cluster.frontend.client import AdmissionRejected, open_client
 from cluster.frontend.request_stream import SampleResult
 from tests.helpers.cluster import load, wait_until_idle
 
@@ -69,7 +69,7 @@ def test_chaos_kills_lose_no_request(ray_session):
     results: list[tuple[int, object]] = []  # (prompt index, result or exception), every pass
     enough_kills = threading.Event()
     try:
-        client = cluster.client()
+        client = open_client(cluster)
         todo = list(range(N_REQUESTS))
         lock = threading.Lock()
 

@@ -9,6 +9,7 @@ import pytest
 import ray
 
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle, workload
 
 
@@ -23,7 +24,7 @@ def test_layouts_match_the_single_engine(ray_session, expected, config_name):
     prompts, params = workload()
     cluster = Cluster.start(load(config_name))
     try:
-        client = cluster.client()
+        client = open_client(cluster)
         first = client.generate(prompts, params)
         second = client.generate(prompts, params)  # now with prefix-cache hits everywhere
         assert [r[0].token_ids for r in first] == expected
@@ -57,7 +58,7 @@ def test_scheduler_shards_each_serve_their_share_and_a_restarted_worker_rejoins_
     prompts, params = workload()
     cluster = Cluster.start(load("disagg-2p2d.yaml+2shards"))
     try:
-        client = cluster.client()
+        client = open_client(cluster)
         assert [r[0].token_ids for r in client.generate(prompts, params)] == expected
         states = [ray.get(s.state.remote(), timeout=30) for s in cluster.schedulers]
         assert [sorted(s.workers) for s in states] == [["decode-0", "prefill-0"], ["decode-1", "prefill-1"]]

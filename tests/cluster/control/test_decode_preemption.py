@@ -7,6 +7,7 @@ import pytest
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 
 PROMPTS = [list(range(20 + 13 * i, 50 + 13 * i)) for i in range(8)]
@@ -27,7 +28,7 @@ def cluster(ray_session):
 
 def test_decode_side_preemption_keeps_outputs(cluster):
     expected = [r.outputs[0].token_ids for r in Engine(load("local.yaml").engine_config()).generate(PROMPTS, PARAMS)]
-    results = cluster.client().generate(PROMPTS, PARAMS, timeout_s=300)
+    results = open_client(cluster).generate(PROMPTS, PARAMS, timeout_s=300)
     assert [r[0].token_ids for r in results] == expected
     assert all(r[0].finish_reason == "length" for r in results)
     state = wait_until_idle(cluster)

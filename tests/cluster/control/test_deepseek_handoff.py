@@ -15,6 +15,7 @@ import ray
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle, workload
 
 pytestmark = pytest.mark.slow  # five clusters
@@ -53,7 +54,7 @@ def test_deepseek_v3_matches_the_engine_and_hands_off_latent_pages(ray_session, 
     assert engine.kv_heads == (1, ((0, 1),))  # one latent "head"
     cluster = Cluster.start(_config(layout, hf_models["deepseek-v3"], prefill_tp, decode_tp))
     try:
-        got = cluster.client().generate(prompts, params, timeout_s=240)
+        got = open_client(cluster).generate(prompts, params, timeout_s=240)
         assert [r[0].token_ids for r in got] == expected
         state = wait_until_idle(cluster)
         assert all(w["used_blocks"] == 0 and w["reserved"] == 0 and w["held"] == 0
@@ -91,7 +92,7 @@ def test_a_stream_migrates_off_a_lost_decode_worker_with_the_engines_tokens(ray_
     (expected,) = Engine(config.engine_config()).generate([prompt], long)
     cluster = Cluster.start(config)
     try:
-        client = cluster.client()
+        client = open_client(cluster)
         submitted = client.submit(prompt, long)
         stream = client.events(submitted, timeout_s=120)
         events = [next(stream) for _ in range(3)]

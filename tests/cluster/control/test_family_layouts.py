@@ -12,6 +12,7 @@ import pytest
 
 from actors.engine.engine import Engine
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle, workload
 
 pytestmark = pytest.mark.slow  # two clusters per model family
@@ -33,7 +34,7 @@ def test_layouts_match_the_engine(ray_session, hf_models, family):
     for name in LAYOUTS:
         cluster = Cluster.start(_config(name, hf_models[family]))
         try:
-            got = cluster.client().generate(prompts, params)
+            got = open_client(cluster).generate(prompts, params)
             assert [r[0].token_ids for r in got] == expected, name
             state = wait_until_idle(cluster)
             assert state["scheduler"]["in_flight"] == 0

@@ -26,7 +26,7 @@ from actors.protocol.messages import TokenDelta
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import TandemClient
+from cluster.frontend.client import TandemClient, open_client
 from cluster.frontend.inbox import Inbox
 from experiments.chaos_killer import alive_worker_pids
 from tests.helpers.cluster import load, wait_until_idle
@@ -220,7 +220,7 @@ def test_a_decode_worker_frozen_while_decoding_and_during_a_handoff(cluster, exp
     """decode-0 stops while one stream decodes on it and another's pages are on their way to it (its
     prefill worker, stopped for a moment as a gate, goes on once decode-0 has stopped): both move, and go on
     on decode-0 once it wakes (the only decode worker) as new attempts; the old ones are fenced."""
-    client = cluster.client()
+    client = open_client(cluster)
     before = state(cluster)
     freezer.freeze("prefill-0")  # holds the long prompt's prefill until decode-0 has stopped
     handing_off = Reader(client, LONG_PROMPT)  # admitted: decode-0 has reserved its blocks
@@ -253,7 +253,7 @@ def test_a_prefill_worker_frozen_with_a_prompt_to_prefill(cluster, expected, fre
     the client: it sees only latency, no move). prefill-0 wakes while the stream still runs and finishes the
     old attempt's step: its first token reaches the stream, which must not take it, and its pages reach
     decode-0, which must refuse them (their reservation was released)."""
-    client = cluster.client()
+    client = open_client(cluster)
     before = state(cluster)
     ray.get(cluster.workers["prefill-0"].inject_fault.remote("slow_step", PREFILL_HOLD_S), timeout=30)
     prefilling = Reader(client, LONG_PROMPT)

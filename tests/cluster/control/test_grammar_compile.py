@@ -17,6 +17,7 @@ from actors.engine.text.tokenizer import load_tokenizer
 from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.structured_output import MAX_ALTERNATIVES, MAX_DEPTH, MAX_SPEC_BYTES, StructuredOutput
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 
 PLAIN = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -61,7 +62,7 @@ def _steps(cluster: Cluster, worker_id: str) -> int:
 def _submit_with_its_compile_held(cluster: Cluster, prompt: list[int], params: SamplingParams):
     """The client, and its request waiting on prefill-0 for a grammar compile held until the fault clears."""
     ray.get(cluster.workers["prefill-0"].inject_fault.remote("slow_grammar", HOLD_MAX_S), timeout=10)
-    client = cluster.client()
+    client = open_client(cluster)
     submitted = client.submit(prompt, params)
     assert submitted.route.prefill == "prefill-0" and not submitted.route.local, submitted.route
     _wait_until_compiling(cluster, prompt)

@@ -11,6 +11,7 @@ import ray
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 
 LEASE_S = 1.5
@@ -39,7 +40,7 @@ def test_an_unfinished_handoff_is_released_within_the_lease(cluster, faulty, fau
     before = worker_stats(cluster)
     ray.get(cluster.workers[faulty].inject_fault.remote(fault), timeout=10)
     try:
-        (result,) = cluster.client().generate([prompt], GREEDY, timeout_s=60)[0]
+        (result,) = open_client(cluster).generate([prompt], GREEDY, timeout_s=60)[0]
     finally:
         ray.get(cluster.workers[faulty].inject_fault.remote(None), timeout=10)
     # The client was told the handoff failed (retryable) and migrated the request: same output.

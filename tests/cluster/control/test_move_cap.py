@@ -20,6 +20,7 @@ from actors.protocol.messages import GenerateRequest, TokenDelta, WorkerRequest
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from cluster.frontend.request_stream import MAX_MOVES, RequestStream
 from tests.helpers.cluster import load, wait_restarted, wait_until_idle
 
@@ -50,7 +51,7 @@ def test_the_death_after_the_last_allowed_move_ends_the_stream_with_an_error(ray
     (expected,) = Engine(config.engine_config()).generate([prompt], GREEDY)
     cluster = Cluster.start(config)
     try:
-        client = cluster.client()
+        client = open_client(cluster)
         handle = client.submit(prompt, GREEDY)
         stream, events, kills = handle.stream, [], 0
         for event in client.events(handle, timeout_s=600):

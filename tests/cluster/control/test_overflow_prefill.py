@@ -11,6 +11,7 @@ import ray
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 
 SLOW_STEP_S = 3.0  # one prefill step this long: the worker measures ~2 ms a prompt token
@@ -34,7 +35,7 @@ def test_a_long_prompt_overflows_onto_the_decode_worker_in_capped_steps(ray_sess
     expected = [r.outputs[0].token_ids for r in engine.generate([first, second, third, short], params)]
     cluster = Cluster.start(config)
     try:
-        client = cluster.client()
+        client = open_client(cluster)
         ray.get(cluster.workers["prefill-0"].inject_fault.remote("slow_step", SLOW_STEP_S), timeout=30)
         assert client.generate([first], params, timeout_s=120)[0][0].token_ids == expected[0]
         state = wait_until_idle(cluster)

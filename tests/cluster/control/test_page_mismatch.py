@@ -12,6 +12,7 @@ from actors.worker.remote import worker_actor
 from actors.worker.spec import WorkerSpec
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.scheduler.actor import Scheduler, SchedulerSettings
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 
 
@@ -40,7 +41,7 @@ def start_mismatched(decode_dtype: str) -> Cluster:
 def test_dtype_mismatch_fails_the_request_and_the_cluster_keeps_serving(ray_session):
     cluster = start_mismatched("bfloat16")
     try:
-        client = cluster.client()
+        client = open_client(cluster)
         params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
         for attempt in range(2):  # the second request shows the workers are still serving
             (result,) = client.generate([[10 + attempt, 11, 12, 13, 14, 15]], params)[0]

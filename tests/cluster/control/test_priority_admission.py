@@ -18,6 +18,7 @@ import ray
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.scheduler.room_waiters import RoomWaiters
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 from tests.helpers.models import make_hf_model
 
@@ -57,7 +58,7 @@ class Admissions:
     each is cancelled as soon as it is admitted (its room goes to the next)."""
 
     def __init__(self, cluster: Cluster, cancel_at_once: bool):
-        self.client, self.order, self.cancel_at_once, self.tasks = cluster.client(), [], cancel_at_once, {}
+        self.client, self.order, self.cancel_at_once, self.tasks = open_client(cluster), [], cancel_at_once, {}
         self.admitted = {}
 
     def send(self, name: str, params: SamplingParams, priority: int) -> None:

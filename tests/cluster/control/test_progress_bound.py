@@ -19,6 +19,7 @@ import ray
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import SchedulerSection
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 from tests.helpers.http_server import MODEL, serving
 
@@ -42,7 +43,7 @@ def test_a_request_no_worker_answers_is_moved_at_half_the_bound_and_ends_at_it(r
         for worker in cluster.workers.values():
             ray.get(worker.inject_fault.remote("slow_step", FROZEN_S), timeout=30)
             ray.get(worker.check_integrity.remote(), timeout=30)  # the fault is in place (same inbox, in order)
-        client = cluster.client()
+        client = open_client(cluster)
         assert client.progress_timeout_s == BOUND_S
         handle = client.submit(list(range(700, 740)), GREEDY)
         stream, out = handle.stream, {}

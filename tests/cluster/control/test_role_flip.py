@@ -16,6 +16,7 @@ from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.lifecycle.role_flip import flip, flip_refusal
 from cluster.control.lifecycle.scaling import scale
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import ClosedLoop, load, wait_until_idle
 
 PROMPTS = [list(range(20 + 9 * i, 60 + 13 * i)) for i in range(6)]
@@ -64,7 +65,7 @@ def test_a_worker_flips_to_decode_and_back_under_load(cluster, expected):
         assert pid(cluster, "decode-1") == before  # the same process: its weights stayed loaded
         assert roles(cluster) == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
         # The flipped worker takes decode work: enough fresh prompts spill onto it.
-        client, deadline = cluster.client(), time.monotonic() + 60
+        client, deadline = open_client(cluster), time.monotonic() + 60
         while ray.get(cluster.scheduler.state.remote(), timeout=10).as_dict()["worker_stats"].get(
                 "decode-1", {}).get("adopted", 0) == 0:
             assert time.monotonic() < deadline, "the flipped worker never adopted a handoff"
@@ -99,7 +100,7 @@ def test_a_flipped_worker_that_dies_comes_back_in_its_new_role(cluster, expected
         assert time.monotonic() < deadline, f"{first.new_id} did not come back as a decode worker"
         time.sleep(0.2)
     assert "prefill-2" not in roles(cluster)
-    results = cluster.client().generate(PROMPTS, PARAMS)
+    results = open_client(cluster).generate(PROMPTS, PARAMS)
     assert [r[0].token_ids for r in results] == expected
     again = flip(cluster, first.new_id, "prefill")
     assert not again.cold

@@ -8,6 +8,7 @@ import torch
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.scheduler.routing import ANY_TENANT, RecentTenants, WorkerView, pick_decode, plan_prefill, predicted_ttft
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle, wait_until_reported
 
 COST = 1e-3
@@ -151,7 +152,7 @@ def test_live_cluster_routes_to_the_cached_worker_then_around_its_queue(ray_sess
     })
     cluster = Cluster.start(config)
     try:
-        client = cluster.client()
+        client = open_client(cluster)
         g = torch.Generator().manual_seed(5)
         prefix = torch.randint(10, 2048, (256,), generator=g).tolist()
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)

@@ -11,6 +11,7 @@ import yaml
 
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
+from cluster.frontend.client import open_client
 from tandem.cli import main as tandem
 from cluster.control.lifecycle.launch import NAMESPACE, Cluster
 from cluster.control.lifecycle.scaling import ConfigWatcher, ResizeInProgress, scale
@@ -54,7 +55,7 @@ def test_scale_up_and_down_under_load_fails_nothing(server, expected):  # noqa: 
         assert sorted(cluster.workers) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
         # The load's prompts are cached on prefill-0 and cache-aware routing keeps them there; fresh
         # prompts arriving together queue on prefill-0 and spill onto the new worker.
-        client, fresh = cluster.client(), iter(range(1000, 100000, 37))
+        client, fresh = open_client(cluster), iter(range(1000, 100000, 37))
         deadline = time.monotonic() + 60
         while not (worker_stats(cluster).get("decode-1", {}).get("adopted", 0) > 0
                    and worker_stats(cluster).get("prefill-1", {}).get("transfers_sent", 0) > 0):
@@ -182,6 +183,6 @@ def test_an_edit_of_the_config_file_resizes_the_pools(server, tmp_path, caplog):
     finally:
         watcher.stop()
     assert raw["mode"] == cluster.config.mode
-    (r,) = cluster.client().generate([PROMPTS[0]], PARAMS)[0]
+    (r,) = open_client(cluster).generate([PROMPTS[0]], PARAMS)[0]
     assert r.finish_reason == "length"
     assert_clean(cluster)

@@ -17,6 +17,7 @@ from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.config import TandemConfig
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 from tests.helpers.models import make_hf_model
 
@@ -78,7 +79,7 @@ def kill_scheduler_and_wait(cluster: Cluster, kill: bool = True) -> float:
 def test_running_streams_finish_across_a_scheduler_restart(cluster, config):
     prompts = [list(range(40 + i, 70 + i)) for i in range(3)]
     expected = [r.outputs[0].token_ids for r in Engine(config.engine_config()).generate(prompts, LONG)]
-    client = cluster.client()
+    client = open_client(cluster)
     streams = [client.stream(p, LONG, timeout_s=120) for p in prompts]
     events = [[next(s)] for s in streams]  # each has its first token: all are past admission
     kill_scheduler_and_wait(cluster)
@@ -104,7 +105,7 @@ def lose_the_scheduler_and_a_decode_worker(cluster: Cluster, config: TandemConfi
     params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
     prompts = [list(range(500 + i, 530 + i)) for i in range(2)]
     expected = [r.outputs[0].token_ids for r in Engine(config.engine_config()).generate(prompts, params)]
-    client = cluster.client()
+    client = open_client(cluster)
     streams = [client.stream(p, params, timeout_s=timeout_s) for p in prompts]
     events = [[next(s)] for s in streams]
     ray.kill(cluster.scheduler, no_restart=False)  # first: the old scheduler must not see the worker die
@@ -125,7 +126,7 @@ def test_a_submit_the_scheduler_died_under_is_sent_again_and_runs_once(cluster, 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompt = list(range(700, 740))
     (expected,) = [r.outputs[0].token_ids for r in Engine(config.engine_config()).generate([prompt], params)]
-    client = cluster.client()
+    client = open_client(cluster)
     ray.get(cluster.scheduler.drain.remote("decode-0"), timeout=30)  # admission now waits (queue_timeout_s)
     outcome: dict = {}
 
@@ -151,7 +152,7 @@ def test_a_submit_the_scheduler_died_under_is_sent_again_and_runs_once(cluster, 
 
 
 def test_a_cancel_after_the_restart_reaches_the_worker(cluster):
-    client = cluster.client()
+    client = open_client(cluster)
     stream = client.stream(list(range(100, 140)), ENDLESS, timeout_s=120)
     next(stream)
     kill_scheduler_and_wait(cluster)
@@ -170,7 +171,7 @@ def test_a_cancel_sent_while_the_scheduler_is_down_reaches_the_worker(cluster):
     (Ray holds a call to a restarting actor, so here the abort usually lands after the worker has
     announced the request; the client's resend and the scheduler's memory of early aborts cover the
     abort that fails or comes first.)"""
-    client = cluster.client()
+    client = open_client(cluster)
     stream = client.stream(list(range(300, 340)), ENDLESS, timeout_s=120)
     next(stream)
     ray.kill(cluster.scheduler, no_restart=False)
@@ -198,7 +199,7 @@ def test_a_cancel_sent_while_the_scheduler_is_down_reaches_the_worker(cluster):
 def test_requests_submitted_during_the_restart_finish_or_fail_clearly(cluster):
     """Submitted while the scheduler is down: Ray holds the call until the actor is back (or it fails
     with a clear actor error); nothing hangs past its timeout."""
-    client = cluster.client()
+    client = open_client(cluster)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ray.kill(cluster.scheduler, no_restart=False)
     outcomes = []

@@ -12,6 +12,7 @@ import ray
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -30,7 +31,7 @@ def test_an_engine_stuck_past_the_progress_bound_is_routed_around_and_fenced(ray
     try:
         worker = cluster.workers["prefill-0"]
         ray.get(worker.inject_fault.remote("slow_step", 10.0), timeout=30)
-        (result,) = cluster.client().generate([prompt], GREEDY, timeout_s=60)[0]
+        (result,) = open_client(cluster).generate([prompt], GREEDY, timeout_s=60)[0]
         assert result.token_ids == expected.outputs[0].token_ids and result.finish_reason == "length", (result.status, result.error)
         # (the client moved it at half the bound already; the worker is judged at the full bound)
         deadline = time.monotonic() + 30

@@ -20,6 +20,7 @@ from ray._private import state
 from actors.engine.engine import Engine
 from cluster.control.config import TandemConfig
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import generate_in_background, load, wait_until_idle, workload
 
 pytestmark = pytest.mark.slow  # tensor-parallel clusters, ranks killed
@@ -44,7 +45,7 @@ def test_colocated_tp_matches_the_engine(ray_session, size):
     expected = _expected(config, prompts, params)
     cluster = Cluster.start(config)
     try:
-        got = cluster.client().generate(prompts, params)
+        got = open_client(cluster).generate(prompts, params)
         assert [r[0].token_ids for r in got] == expected
         state = wait_until_idle(cluster)
         assert all(w["used_blocks"] == 0 for w in state["workers"].values()), state["workers"]
@@ -118,7 +119,7 @@ def test_scaling_adds_and_removes_whole_groups(ray_session):
         assert len(added) == 1 and set(cluster.groups) == set(cluster.workers)  # a placement group per worker
         (new,) = added
         assert len(ray.get(cluster.workers[new].tensor_parallel_ranks.remote(), timeout=30)) == 1
-        got = cluster.client().generate(prompts, params)
+        got = open_client(cluster).generate(prompts, params)
         assert [r[0].token_ids for r in got] == expected
         state = wait_until_idle(cluster)
         assert all(w["used_blocks"] == 0 for w in state["workers"].values())

@@ -16,6 +16,7 @@ from actors.engine.engine import Engine
 from actors.engine.model.parallel import TPShard
 from cluster.control.config import TandemConfig
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import generate_in_background, load, wait_until_idle, workload
 from tests.helpers.models import make_hf_model
 
@@ -69,7 +70,7 @@ def test_handoff_between_tp_sizes_sends_each_rank_its_heads(ray_session, kv4_mod
     assert total == kv_heads
     cluster = Cluster.start(config)
     try:
-        got = cluster.client().generate(prompts, params, timeout_s=240)
+        got = open_client(cluster).generate(prompts, params, timeout_s=240)
         assert [r[0].token_ids for r in got] == expected
         state = wait_until_idle(cluster)
         assert all(w["used_blocks"] == 0 for w in state["workers"].values()), state["workers"]
@@ -113,7 +114,7 @@ def test_losing_a_decode_rank_migrates_the_streams(ray_session, kv4_model):
         assert state["scheduler"]["in_flight"] == 0
         assert state["scheduler"]["counters"]["workers_lost"] == 1, state["scheduler"]["counters"]
         # The restarted group serves handoffs again.
-        again = cluster.client().generate(prompts[:3], params[:3], timeout_s=120)
+        again = open_client(cluster).generate(prompts[:3], params[:3], timeout_s=120)
         assert [g[0].token_ids for g in again] == expected[:3]
         wait_until_idle(cluster)
     finally:
@@ -141,7 +142,7 @@ def test_a_rank_whose_kv_receiver_dies_restarts_the_group(ray_session, kv4_model
                 pass  # restarting
             assert time.monotonic() < deadline, "the group did not restart"
             time.sleep(0.2)
-        got = cluster.client().generate(prompts, params, timeout_s=240)
+        got = open_client(cluster).generate(prompts, params, timeout_s=240)
         assert [r[0].token_ids for r in got] == expected
         wait_until_idle(cluster)
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ray
 
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle, workload
 
 
@@ -23,7 +24,7 @@ def test_wildcard_bind_advertises_the_node_ip(ray_session, expected):
         infos = ray.get([w.info.remote() for w in cluster.workers.values()], timeout=30)
         endpoints = {i.worker_id: i.kv_endpoints[0].endpoint for i in infos if i.kv_endpoints}
         assert set(endpoints) == {"decode-0"}
-        client = cluster.client()
+        client = open_client(cluster)
         for endpoint in [*endpoints.values(), client.sink]:
             assert endpoint.startswith(f"tcp://{node_ip}:"), endpoint
             assert "0.0.0.0" not in endpoint

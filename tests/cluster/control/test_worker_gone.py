@@ -8,6 +8,7 @@ import ray
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load
 
 
@@ -18,7 +19,7 @@ def test_migration_gives_up_with_a_clear_error_when_no_worker_returns(ray_sessio
         update={"heartbeat_timeout_s": 1.0, "local_prefill": False, "queue_timeout_s": 1.0})})
     cluster = Cluster.start(config)
     try:
-        client = cluster.client()
+        client = open_client(cluster)
         stream = client.stream(list(range(30, 50)), SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True),
                                timeout_s=60)
         next(stream)

@@ -12,6 +12,7 @@ import ray
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -32,7 +33,7 @@ def test_lost_prefill_worker_is_rerouted(cluster):
     the scheduler places the request again, once, and the client gets the engine's output."""
     prompt = list(range(20, 60))
     (expected,) = Engine(load("local.yaml").engine_config()).generate([prompt], GREEDY)
-    client, worker = cluster.client(), cluster.workers["prefill-0"]
+    client, worker = open_client(cluster), cluster.workers["prefill-0"]
     ray.get(worker.inject_fault.remote("slow_step", 5.0), timeout=30)
     ray.get(worker.check_integrity.remote(), timeout=30)  # the fault is in place (same inbox, in order)
     before = ray.get(cluster.scheduler.state.remote(), timeout=10)
@@ -65,7 +66,7 @@ def test_lost_decode_worker_mid_stream_is_migrated(cluster):
     prompt = list(range(30, 50))
     long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
     (expected,) = Engine(load("local.yaml").engine_config()).generate([prompt], long)
-    client = cluster.client()
+    client = open_client(cluster)
     before = ray.get(cluster.scheduler.state.remote(), timeout=10)
     submitted = client.submit(prompt, long)
     stream = client.events(submitted, timeout_s=120)
@@ -97,7 +98,7 @@ def test_an_attempt_that_never_reaches_its_worker_is_placed_again(cluster):
     ray.get(worker.inject_fault.remote("drop_next_submit"), timeout=30)
     ray.get(worker.check_integrity.remote(), timeout=30)  # the fault is in place (same inbox, in order)
     before = ray.get(cluster.scheduler.state.remote(), timeout=10).counters
-    (result,) = cluster.client().generate([prompt], GREEDY, timeout_s=60)[0]
+    (result,) = open_client(cluster).generate([prompt], GREEDY, timeout_s=60)[0]
     assert result.token_ids == expected.outputs[0].token_ids and result.finish_reason == "length"
     after = ray.get(cluster.scheduler.state.remote(), timeout=10).counters
     assert after.lost_submits == before.lost_submits + 1, after
@@ -117,7 +118,7 @@ def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_death(cluster, worker
     worker = cluster.workers[worker_id]
     ray.get(worker.inject_fault.remote("slow_step", 5.0), timeout=30)
     before = ray.get(cluster.scheduler.state.remote(), timeout=10).counters
-    (result,) = cluster.client().generate([prompt], GREEDY, timeout_s=60)[0]
+    (result,) = open_client(cluster).generate([prompt], GREEDY, timeout_s=60)[0]
     assert result.token_ids == expected.outputs[0].token_ids and result.finish_reason == "length"
     after = ray.get(cluster.scheduler.state.remote(), timeout=10).counters
     assert (after.workers_lost, after.rerouted, after.lost_submits) == (

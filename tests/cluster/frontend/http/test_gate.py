@@ -10,6 +10,7 @@ import pytest
 import ray
 import uvicorn
 
+from cluster.frontend.client import open_client
 from cluster.frontend.http.app import create_app
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.served_model import ServedModel
@@ -53,7 +54,7 @@ def test_gate_unit_limits():
 def gated(server):  # noqa: F811
     cluster = server[0]
     gate = Gate({"key-a": TenantLimits("tenant-a"), "key-b": TenantLimits("tenant-b", requests_per_minute=3)})
-    ingress = _ingress(cluster.client(), gate)
+    ingress = _ingress(open_client(cluster), gate)
     http = uvicorn.Server(uvicorn.Config(create_app(ingress, cluster.scheduler), host="127.0.0.1", port=0,
                                          log_level="warning"))
     with running(http) as url:
@@ -113,7 +114,7 @@ def test_a_tenant_cannot_hold_more_than_its_share_of_the_kv(server):
     most of its half; its next request is refused (429), the other tenant still gets a request as big."""
     cluster = server[0]
     gate = Gate({"key-a": TenantLimits("tenant-a", kv_share=0.5), "key-b": TenantLimits("tenant-b", kv_share=0.5)})
-    with running(uvicorn.Server(uvicorn.Config(create_app(_ingress(cluster.client(), gate, tenant_metrics=True),
+    with running(uvicorn.Server(uvicorn.Config(create_app(_ingress(open_client(cluster), gate, tenant_metrics=True),
                                                           cluster.scheduler),
                                                host="127.0.0.1", port=0, log_level="warning"))) as url:
         a = openai.OpenAI(base_url=url + "/v1", api_key="key-a", max_retries=0)

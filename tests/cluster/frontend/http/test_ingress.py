@@ -11,6 +11,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.protocol.sampling_params import SamplingParams
+from cluster.frontend.client import open_client
 from tests.helpers.cluster import wait_until_idle
 from tests.helpers.http_server import MODEL
 
@@ -170,7 +171,7 @@ def test_slow_client_is_bounded_then_aborted(server):
     from cluster.frontend.http.served_model import ServedModel
 
     cluster = server[0]
-    client = cluster.client()
+    client = open_client(cluster)
     ingress = Ingress(client, ServedModel(MODEL, client.tokenizer, 2048, 2048), Gate(None), queue_size=4)
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     before = wait_until_idle(cluster)["scheduler"]["counters"]

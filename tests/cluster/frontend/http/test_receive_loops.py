@@ -16,8 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
+from cluster.control.lifecycle.launch import Cluster
+from cluster.frontend.http.server import make_server
 from tests.helpers.cluster import load, wait_until_idle
-from tests.helpers.http_server import MODEL, serving
+from tests.helpers.http_server import MODEL, running
 from tests.helpers.sockets import raw_push
 
 GARBAGE = [[b"\xc1 not msgpack"], [b"\x00" * 100], [b"\x93\x01\x02"], [b"x", b"y", b"z"]]
@@ -34,14 +36,19 @@ def _dropped(base_url: str) -> dict[tuple[str, str], float]:
 def plain_server(ray_session):
     config = load("local.yaml")
     config = config.model_copy(update={"transfer": config.transfer.model_copy(update={"encryption": "none"})})
-    with serving(config) as live:
-        yield live
+    cluster = Cluster.start(config)
+    try:
+        server = make_server(cluster, "127.0.0.1", 0)
+        with running(server) as url:
+            yield cluster, url, server.ingress.client
+    finally:
+        cluster.shutdown()
 
 
 def test_garbage_is_counted_and_streams_go_on(plain_server):
-    cluster, base_url = plain_server
+    cluster, base_url, ingress_client = plain_server
     assert cluster.keys is None
-    sink = cluster.clients[-1].sink  # the ingress's client
+    sink = ingress_client.sink
     kv_endpoint = ray.get(cluster.workers["decode-0"].info.remote(), timeout=30).kv_endpoints[0].endpoint
     raw_push(sink, GARBAGE)
     raw_push(kv_endpoint, GARBAGE)
@@ -69,8 +76,8 @@ def test_garbage_is_counted_and_streams_go_on(plain_server):
 
 
 def test_health_fails_once_the_token_receiver_is_dead(plain_server):
-    cluster, base_url = plain_server
-    cluster.clients[-1].kill_sink()
+    cluster, base_url, ingress_client = plain_server
+    ingress_client.kill_sink()
     health = httpx.get(base_url + "/health", timeout=30)
     assert health.status_code == 503
     assert "token sink" in health.json()["reason"]
