@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Mapping
 
@@ -31,6 +32,9 @@ class ObservabilitySection(_Strict):
             endpoint = env["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
         if not endpoint:
             return None
+        if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is None:
+            raise ValueError(f"tracing to {endpoint} needs OpenTelemetry's OTLP/HTTP exporter: "
+                             "pip install 'tandem[tracing]' (or unset the endpoint)")
         ratio = self.trace_sample_ratio
         if ratio is None:
             try:
