@@ -33,7 +33,9 @@ class RequestSpans:
         """It was never admitted (rejected, no answer, a lost scheduler)."""
         span = self._open.pop(request_id, None)
         if span is not None:
-            _error(span, f"not admitted: {getattr(error, 'message', None) or type(error).__name__}")
+            why = getattr(error, "reason", None) or str(error) or type(error).__name__  # AdmissionRejected's reason
+            span.set_attribute("tandem.rejected", why)
+            _error(span, f"not admitted: {why}")
             span.end()
 
     def finished(self, stream: RequestStream) -> None:
