@@ -35,10 +35,10 @@ class AttemptSpans:
         if self._tracer is None:
             return None, None
         times = run.times
-        prefill = self._tracer.start_span(
-            "tandem.prefill", context=context_of(run.request.request.trace), start_time=ns(times.received or time.time()),
-            attributes={**self._attributes(run), "tandem.cached_tokens": cached_tokens})
-        for event, stamp in (("scheduled", times.scheduled), ("first_token", times.first_token)):
+        prefill = self._tracer.start_span("tandem.prefill", context=context_of(run.request.request.trace),
+                                          start_time=ns(times.received or time.time()),
+                                          attributes={**self._attributes(run), "tandem.cached_tokens": cached_tokens})
+        for event, stamp in (("scheduled", times.scheduled), ("first_token", times.first_token or run.first_output)):
             if stamp is not None:
                 prefill.add_event(event, timestamp=ns(stamp))
         from opentelemetry import trace
@@ -84,12 +84,13 @@ class AttemptSpans:
         attributes = {**self._attributes(run), "tandem.status": status.name}
         error = error if error is not None or status != RequestStatus.FAILED else "failed"
         computed_here = times.adopted is None and times.received is not None
+        first = times.first_token or run.first_output  # a moved attempt's first token: its first output
         if computed_here:
-            end = times.first_token or now
+            end = first or now
             record(self._tracer, "tandem.prefill", run.request.request.trace, times.received, end,
                    {**attributes, "tandem.cached_tokens": cached_tokens}, [("scheduled", times.scheduled)],
-                   error if times.first_token is None else None)
-        began = times.adopted if not computed_here else times.first_token
+                   error if first is None else None)
+        began = times.adopted if not computed_here else first
         if began is not None:
             record(self._tracer, "tandem.decode", run.request.request.trace, began, times.finished or now,
                    {**attributes, "tandem.output_tokens": output_tokens}, error=error)

@@ -3,7 +3,8 @@ is one trace across the ingress, the scheduler and the workers, exported over OT
 in this process. Colocated and 1P+1D (every prompt on the prefill worker): the spans' parents join the
 processes (ingress -> scheduler -> prefill -> KV send -> adopt, scheduler -> decode) and carry the request
 id, tenant, workers, token counts and the handoff's bytes; a streamed request and one whose client goes away
-mid-stream end their spans. With tracing off no process makes an exporter."""
+mid-stream end their spans; a migrated request's second placement joins the same trace. With tracing off no
+process makes an exporter."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.helpers.cluster import load, wait_until_idle
 from tests.helpers.http_server import MODEL, serving
 from tests.helpers.otlp_receiver import OtlpReceiver
 
-pytestmark = pytest.mark.slow  # three clusters
+pytestmark = pytest.mark.slow  # five clusters
 
 MAX_TOKENS = 8
 CHUNKS_READ = 12  # of the aborted stream: past the first token (the prefill worker's), into the decode
@@ -29,7 +30,8 @@ CHUNKS_READ = 12  # of the aborted stream: past the first token (the prefill wor
 def _traced(layout: str, endpoint: str | None):
     config = load(layout)
     return config.model_copy(update={
-        "scheduler": config.scheduler.model_copy(update={"local_prefill": False}),  # 1P+1D: prefill on the prefill worker
+        # 1P+1D: every prompt on the prefill worker
+        "scheduler": config.scheduler.model_copy(update={"local_prefill": False}),
         "observability": config.observability.model_copy(update={"otlp_traces_endpoint": endpoint})})
 
 
@@ -159,3 +161,33 @@ def test_tracing_off_makes_no_exporter(ray_session, receiver, monkeypatch):
     assert counts == [0] * len(counts)  # fresh processes: none ever made one
     assert tracer.exporting() == before  # the ingress (this process) made none
     assert receiver.exports == exports and receiver.trace(trace_id) == []
+
+
+def test_a_migrated_request_is_one_trace(ray_session, receiver):
+    """Its decode worker dies mid-stream (Ray restarts it) and the client moves the request: the new attempt's
+    placement is a second `tandem.schedule` under the same `tandem.request`, marked moved with the tokens the
+    client already had, and the attempt that finishes it records its decode span under that placement."""
+    with serving(_traced("local.yaml", receiver.endpoint)) as (cluster, base):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        trace_id, caller, header = _caller()
+        stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=120, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True},
+                                           extra_headers={"traceparent": header})
+        chunks = 0
+        for _ in stream:
+            chunks += 1
+            if chunks == 5:
+                ray.kill(cluster.workers["decode-0"], no_restart=False)  # Ray restarts it; the request moves
+        wait_until_idle(cluster)
+        spans = receiver.wait_for(trace_id, {"tandem.request": 1, "tandem.schedule": 2})
+        request = _one(spans, "tandem.request")
+        assert request.attributes["tandem.moves"] >= 1 and request.attributes["tandem.output_tokens"] >= 120
+        schedules = sorted((s for s in spans if s.name == "tandem.schedule"), key=lambda s: s.start_ns)
+        assert {s.parent_id for s in schedules} == {request.span_id}
+        first, moved = schedules[0], schedules[-1]
+        assert (first.attributes["tandem.moved"], moved.attributes["tandem.moved"]) == (False, True)
+        assert moved.attributes["tandem.output_prefix_tokens"] >= 5 and moved.attributes["tandem.admitted"]
+        spans = receiver.wait_for(trace_id, {"tandem.decode": 1})
+        finished = [s for s in spans
+                    if s.name == "tandem.decode" and s.attributes["tandem.status"] == "FINISHED_LENGTH"]
+        assert [s.parent_id for s in finished] == [moved.span_id]
