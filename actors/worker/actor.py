@@ -364,6 +364,7 @@ class Worker:
         for phase, run in self._engine.tags():
             if phase is HandoffPhase.RUNNING:
                 self._engine.abort(run.attempt)
+                self._spans.ended(run, RequestStatus.FAILED, error=message)
                 self._fail(run.request, message, retryable)
 
     def _fail(self, request: WorkerRequest, message: str, retryable: bool = False) -> None:
