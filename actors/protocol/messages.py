@@ -10,6 +10,7 @@ worker -> scheduler   through Ray: `WorkerInfo` + `LiveRequest`s (register), `Wo
 scheduler -> worker   `WorkerRequest`s to submit or to reserve for (-> `KvReservation`), release/abort
                       (`AttemptId`), batched per tick and worker process: worker_commands.py
 prefill -> decode     `HandoffNote` inside the KV transfer header (kv_transfer carries it as bytes)
+any hop of a request  its `TraceContext` (W3C), when tracing is on (actors/tracing/spans.py)
 inside a tensor-parallel worker: see tp_messages.py
 worker -> client      `TokenDelta` batches over zmq (`actors.protocol.codec`)
 
@@ -31,6 +32,15 @@ from actors.protocol.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class TraceContext:
+    """The W3C trace context of the span a message's receiver continues (its `traceparent` and `tracestate`
+    headers, as text); messages carry None while tracing is off."""
+
+    traceparent: str
+    tracestate: str = ""
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """A client's request as the scheduler admits it."""
 
@@ -46,6 +56,7 @@ class GenerateRequest:
     moved: bool = False  # its client moved it (a lost worker, a stall): it supersedes the attempt in flight
     priority: int = 0  # admission order among waiting requests, lower first (service_tier priority -1, flex 1)
     affinity: str | None = None  # prompt_cache_key: requests of the tenant with the same one prefer one worker
+    trace: TraceContext | None = None  # the span its next hop continues: the ingress's, then the scheduler's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
@@ -281,6 +292,7 @@ class HandoffNote:
     num_cached_tokens: int
     prefill_worker: str
     times: StageTimes = field(default_factory=StageTimes)
+    trace: TraceContext | None = None  # the prefill worker's KV send span: the adopt span continues it
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ from actors.protocol.token_stream import TokenPublisher
 from actors.protocol.tp_messages import PieceEvent
 from actors.protocol.worker_commands import AbortAttempt, ReleaseAttempt, ReserveBlocks, SubmitAttempt, WorkerCommand
 from actors.protocol.handoff_phase import HandoffPhase
+from actors.tracing.tracer import start as start_tracing
+from actors.worker.attempt_spans import AttemptSpans
 from actors.worker.faults import Faults, HeldWrites, check_fault
 from actors.worker.grammar_desk import GrammarDesk
 from actors.worker.handoff_steps import HandoffSteps
@@ -103,9 +105,12 @@ class Worker:
         self._ends.join()  # with the group's other ranks, which do the same (tp_group.py)
         self._receiver = self._ends.receiver
         self._faults = Faults(self._receiver, self._held_writes)
+        transport = "collective" if spec.transfer_backend == "collective" else (
+            f"zmq-{spec.zmq_transport}" + ("+shm" if spec.kv_shm and spec.zmq_transport == "ipc" else ""))
+        self._spans = AttemptSpans(start_tracing(spec.tracing, "tandem-worker"), spec.worker_id, spec.role, transport)
         self._steps = HandoffSteps(spec, self._engine, self._handoffs, self._ends, self._meter, self._faults,
                                    self._engine.runner.lead_task if self._tp else None, self._fail,
-                                   lambda handed: self._handed_off.append(handed))
+                                   lambda handed: self._handed_off.append(handed), self._spans)
         # A fresh id per process: the scheduler tells a restarted worker (new incarnation, its requests
         # lost) from one that re-announces itself (same incarnation, its requests still live).
         self._incarnation = uuid.uuid4().hex
@@ -315,7 +320,9 @@ class Worker:
         # A leased attempt ends through the handoff table only: a reservation whose pages are being
         # written keeps its blocks until the write is over.
         if self._handoffs.release(attempt) is None:
-            self._engine.abort(attempt)
+            run = self._engine.tag(attempt)
+            if self._engine.abort(attempt):
+                self._spans.ended(run, RequestStatus.CANCELLED)
 
     def _do_fault(self, fault: str | None, delay_s: float) -> None:
         self._faults.inject(fault, delay_s)
@@ -343,6 +350,7 @@ class Worker:
                 self._steps.send(run, out)
             elif out.finished:
                 done[run.attempt] = out.status
+                self._spans.ended(run, out.status, out.num_output_tokens, out.num_cached_tokens)
         for sink, deltas in by_sink.items():
             self._publisher.publish(sink, deltas)
         for attempt, status in done.items():
@@ -356,6 +364,7 @@ class Worker:
         for phase, run in self._engine.tags():
             if phase is HandoffPhase.RUNNING:
                 self._engine.abort(run.attempt)
+                self._spans.ended(run, RequestStatus.FAILED, error=message)
                 self._fail(run.request, message, retryable)
 
     def _fail(self, request: WorkerRequest, message: str, retryable: bool = False) -> None:

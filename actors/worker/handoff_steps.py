@@ -14,6 +14,7 @@ from actors.engine.engine import Engine
 from actors.protocol.codec import ProtocolError, decode_note, encode
 from actors.protocol.messages import HandedOff, HandoffNote, StageTimes
 from actors.protocol.tp_messages import KvSendPlan, PieceEvent
+from actors.worker.attempt_spans import AttemptSpans
 from actors.worker.faults import Faults
 from actors.protocol.handoff_phase import HandoffPhase
 from actors.worker.handoff_table import HandoffTable
@@ -29,11 +30,11 @@ Fail = Callable[..., None]  # (request, message, retryable=False): the request e
 class HandoffSteps:
     def __init__(self, spec: WorkerSpec, engine: Engine, table: HandoffTable, ends: HandoffEnds, meter: WorkerMeter,
                  faults: Faults, lead: Callable[[bytes], None] | None, fail: Fail,
-                 adopted: Callable[[HandedOff], None]):
+                 adopted: Callable[[HandedOff], None], spans: AttemptSpans):
         """`lead`: a tensor-parallel rank 0's way to have its other ranks send their heads too; `adopted`: a
-        handoff this decode worker now runs, for the next report."""
+        handoff this decode worker now runs, for the next report; `spans`: the worker's trace spans."""
         self._spec, self._engine, self._table, self._ends, self._meter = spec, engine, table, ends, meter
-        self._faults, self._lead, self._fail, self._adopted = faults, lead, fail, adopted
+        self._faults, self._lead, self._fail, self._adopted, self._spans = faults, lead, fail, adopted, spans
 
     def landed(self, event: PieceEvent, landed_at: float) -> None:
         """A piece of an attempt's pages was written, failed, or was refused (by any rank of this worker)."""
@@ -66,14 +67,17 @@ class HandoffSteps:
         self._meter.adopted += 1
         self._meter.landed(note.prefill_worker, blocks * self._engine.model_bytes_per_block,
                            note.times.sent, landed_at)
+        self._spans.adopted(run, note.trace, note.prefill_worker, blocks * self._engine.model_bytes_per_block)
         self._adopted(HandedOff(request.attempt, note.prefill_worker))  # reported at once
 
     def send(self, run: Running, out) -> None:
         """A prefill finished with its first token: its pages go to the decode worker's reserved blocks."""
         request, dest = run.request, run.request.dest
         self._table.hold(request.attempt)  # before the send: the lease owns the blocks being read
+        nbytes = len(dest.reservation.block_ids) * self._engine.model_bytes_per_block
+        prefill_span, send_span = self._spans.sending(run, out.num_cached_tokens, dest, nbytes)
         note = HandoffNote(out.new_token_ids[0], out.num_cached_tokens, self._spec.worker_id,
-                           run.times.merged(StageTimes(sent=time.time())))
+                           run.times.merged(StageTimes(sent=time.time())), self._spans.trace(send_span))
         plan = KvSendPlan(dest.reservation.lease_id, tuple(self._engine.lease_blocks(request.attempt)),
                           dest.reservation.block_ids, dest.endpoints, encode(note), min(self._spec.lease_s, 10.0))
         try:
@@ -81,12 +85,14 @@ class HandoffSteps:
                 self._ends.hand_off(plan, self._lead)
         except Exception as exc:
             self._meter.transfers_failed += 1
+            self._spans.sent(prefill_span, send_span, f"{type(exc).__name__}: {exc}")
             self._table.release(request.attempt)
             # The decode side is gone or unreachable: the client may continue the request elsewhere.
             self._fail(request, f"KV transfer to the decode worker failed: {exc}", retryable=True)
             return
+        self._spans.sent(prefill_span, send_span)
         self._meter.transfers_sent += 1
-        self._meter.kv_bytes_sent += len(dest.reservation.block_ids) * self._engine.model_bytes_per_block
+        self._meter.kv_bytes_sent += nbytes
 
     def expire(self) -> None:
         """End the leases past their deadline: a hold's blocks are freed, a reservation's request fails."""

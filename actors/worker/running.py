@@ -17,6 +17,9 @@ from actors.worker.meter import WorkerMeter
 class Running:
     request: WorkerRequest
     times: StageTimes
+    # When this attempt's first output left here: also for a moved attempt, whose first token is not the
+    # request's (`times.first_token` stays the request's, offset 0); its trace spans need it.
+    first_output: float | None = None
 
     @property
     def attempt(self) -> AttemptId:
@@ -27,6 +30,8 @@ class Running:
         """The token delta of one engine output; stamps travel on the first and the last delta only."""
         logprobs = _wire(out.new_logprobs)
         offset = out.num_output_tokens - len(out.new_token_ids)
+        if self.first_output is None:
+            self.first_output = time.time()
         times = None
         if offset == 0 or out.finished:
             if offset == 0:

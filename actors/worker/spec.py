@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.engine.config import EngineConfig
+from actors.tracing.tracer import TracingSettings
 from kv_transfer.curve import CurveKeys
 
 
@@ -36,6 +37,7 @@ class WorkerSpec:
     curve_keys: CurveKeys | None = None  # the cluster's data-plane keys (token streams; KV pages if kv_encrypted)
     kv_encrypted: bool = False
     kv_shm: bool = True  # KV pages through shared memory when both ends share a host (ipc)
+    tracing: TracingSettings | None = None  # where its request spans go (`observability`); None: off
     # Tensor parallelism: this worker is rank 0 of a group of this many rank actors, placed in the bundles
     # of `placement_group` (rank r in bundle r), each of ranks 1.. asking for these resources.
     tensor_parallel_size: int = 1

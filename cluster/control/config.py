@@ -15,9 +15,11 @@ from actors.engine.config import EngineConfig
 from actors.engine.model.builtin_names import DEFAULT_MODEL, SMOLLM2_MODEL
 from cluster.control.config_base import Strict as _Strict, where as _where
 from cluster.control.ingress_config import IngressSection, TenantSection  # the ingress's sections: their own file
+from cluster.control.observability_config import ObservabilitySection
 
 __all__ = ["ModelSection", "EngineSection", "PoolSection", "LoadThresholds", "SloSection", "AutoscalerSection",
-           "SchedulerSection", "TransferSection", "TenantSection", "IngressSection", "TandemConfig"]
+           "SchedulerSection", "TransferSection", "TenantSection", "IngressSection", "ObservabilitySection",
+           "TandemConfig"]
 
 # The most uncached prompt tokens a decode worker prefills itself, by default (scheduler.local_prefill_max_tokens).
 LOCAL_PREFILL_MAX_TOKENS = 512
@@ -232,6 +234,8 @@ class TandemConfig(_Strict):
     transfer: TransferSection = Field(default_factory=TransferSection, description="KV transfer between workers")
     ingress: IngressSection = Field(default_factory=IngressSection, description="the OpenAI HTTP server")
     autoscaler: AutoscalerSection = Field(default_factory=AutoscalerSection, description="pools that size themselves")
+    observability: ObservabilitySection = Field(default_factory=ObservabilitySection,
+                                                description="request tracing (OpenTelemetry); off by default")
 
     @model_validator(mode="after")
     def _pools_fit_the_mode(self) -> "TandemConfig":

@@ -113,6 +113,7 @@ class Cluster:
             transfer_bytes_per_s=config.scheduler.transfer_bytes_per_s,
             heartbeat_timeout_s=config.scheduler.heartbeat_timeout_s,
             progress_timeout_s=config.scheduler.progress_timeout_s, curve_keys=keys, host=config.transfer.host,
+            tracing=config.observability.tracing(),
         )
         _clear_orphaned_schedulers()
         schedulers = [ray.remote(Scheduler).options(
@@ -166,6 +167,7 @@ class Cluster:
             collective_init=collective_init, rank=rank, world_size=world_size,
             curve_keys=self.keys, kv_encrypted=self.config.transfer.kv_encrypted(), kv_shm=self.config.transfer.shm,
             decode_prefill_tokens=self.config.scheduler.local_prefill_max_tokens or None,
+            tracing=self.config.observability.tracing(),
         )
         placement = {}
         if pool.tensor_parallel_size > 1:

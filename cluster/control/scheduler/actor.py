@@ -58,6 +58,7 @@ from actors.protocol.messages import (
 )
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.worker_commands import AbortAttempt, SubmitAttempt
+from actors.tracing.tracer import start as start_tracing
 from cluster.control.scheduler.admission_door import AdmissionDoor
 from cluster.control.scheduler.pool_load import PoolLoad, pool_loads
 from cluster.control.scheduler.demand import DemandSample, DemandWindow
@@ -67,6 +68,7 @@ from cluster.control.scheduler.incarnation import Incarnation
 from cluster.control.scheduler.link_costs import LinkCosts
 from cluster.control.scheduler.outbox import Outbox
 from cluster.control.scheduler.placement import Placement, Placer
+from cluster.control.scheduler.placement_spans import PlacementSpans
 from cluster.control.scheduler.prefix_index import PrefixIndex
 from cluster.control.scheduler.rebuild import Rebuild
 from cluster.control.scheduler.registry import WorkerRegistry
@@ -100,6 +102,7 @@ class Scheduler:
         self._demand = DemandWindow()
         self._out = Outbox(self._registry, WorkerMail(_CALL_TIMEOUT_S, settings.curve_keys), settings.curve_keys)
         self._clock = DecisionClock()
+        self._spans = PlacementSpans(start_tracing(settings.tracing, "tandem-scheduler"))
         self._waiters = RoomWaiters()
         self._until_placed = UntilPlaced(settings, self._guard, self._registry, self._placer, self._shares,
                                          self._waiters, self._hasher, self._carry_out)
@@ -256,10 +259,13 @@ class Scheduler:
             self._demand.arrived(len(request.prompt_token_ids), request.params.max_tokens)
         self._table.admission_started(request.request_id)
         arrived = time.perf_counter()
+        span, request = self._spans.begin(request)  # its workers continue the scheduler's span
+        answer = None
         try:
             answer = await self._submit_once(request, patient)
         finally:
             self._table.admission_ended(request.request_id)
+            self._spans.end(span, answer)
         if isinstance(answer, Admitted):
             self._clock.decided(time.perf_counter() - arrived)
         else:

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from actors.protocol.ids import AttemptId
 from actors.protocol.messages import GenerateRequest, WorkerInfo, WorkerStats
+from actors.tracing.tracer import TracingSettings
 from cluster.control.config import SchedulerSection
 from cluster.control.scheduler.link_costs import LinkEstimate
 from kv_transfer.curve import CurveKeys
@@ -39,6 +40,7 @@ class SchedulerSettings:
     max_predicted_ttft_s: float | None = None  # shed requests predicted to miss this (None: no shedding)
     curve_keys: CurveKeys | None = None  # the data plane's keys: clients that join later fetch them here
     host: str = "127.0.0.1"  # the address the clients' socket binds (`transfer.host`)
+    tracing: TracingSettings | None = None  # where its placement spans go (`observability`); None: off
 
 
 @dataclass

@@ -29,6 +29,7 @@ from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest, Comp
 from cluster.frontend.http.request_hints import hints_of
 from cluster.frontend.http.responses_api import add_responses_route
 from cluster.frontend.http.streaming import chat_chunks, completion_chunks, sse
+from cluster.frontend.http.trace_middleware import TraceMiddleware
 from cluster.frontend.http.token_routes import add_token_routes
 from kv_transfer.curve import rejected_handshakes
 
@@ -84,6 +85,8 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
     # API key first, then the body's bytes as they arrive, on every route: nobody gets a body read for free.
     app.add_middleware(BodyGuard, gate=ingress.gate, max_body_bytes=ingress.max_body_bytes, admin=admin,
                        body_timeout_s=body_timeout_s)
+    if ingress.spans.tracer is not None:  # outside the guard: a refused request has its span too
+        app.add_middleware(TraceMiddleware, tracer=ingress.spans.tracer)
 
     @app.get("/health")
     async def health():

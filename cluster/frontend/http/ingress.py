@@ -25,6 +25,7 @@ from cluster.frontend.http.gate import Gate
 from cluster.frontend.http.metrics import IngressMetrics
 from cluster.frontend.http.protocol import ApiError
 from cluster.frontend.http.request_hints import AdmissionHints
+from cluster.frontend.http.request_spans import RequestSpans
 from cluster.frontend.http.response_store import ResponseStore
 from cluster.frontend.http.served_model import ServedModel
 from cluster.frontend.inbox import Inbox
@@ -36,8 +37,10 @@ log = logging.getLogger("tandem.ingress")
 class Ingress:
     def __init__(self, client: TandemClient, model: ServedModel, gate: Gate, max_body_bytes: int = 1 << 20,
                  queue_size: int = 4096, request_timeout_s: float = 600.0, hide_cache_hits: bool = False,
-                 tenant_metrics: bool = False, stored: ResponseStore | None = None):
+                 tenant_metrics: bool = False, stored: ResponseStore | None = None, tracer=None):
+        """`tracer`: the ingress's OpenTelemetry tracer (actors/tracing/tracer.py); None: tracing is off."""
         self.client = client
+        self.spans = RequestSpans(tracer)  # one span per cluster request, continued by the scheduler and workers
         self.stored = stored or ResponseStore(1024, 64 << 20)  # `store`: previous_response_id, GET by id
         self.model = model  # what is served, and how a request's prompt and fields are checked (served_model.py)
         # Anonymous users of a public ingress share one prefix cache: a reported hit would tell one
@@ -66,13 +69,13 @@ class Ingress:
         request = self.client.request(prompt_ids, params, tenant, kv_share=self.gate.kv_share(tenant),
                                       deadline=time.time() + (until - started), priority=hints.priority,
                                       affinity=hints.affinity)
+        request = self.spans.opened(request)
         # Its admission is part of the progress bound, counted from its arrival here: no answer within it is a
         # clean 503, decided a moment before the bound (as a stream's end is) so that it reaches the client in it.
         spent_s = time.perf_counter() - arrival if arrival is not None else 0.0
         admission_s = max(self.client.progress_timeout_s - DELIVERY_S - spent_s, 0.0)
         try:
-            submitted = await self.client.asubmit(request, Inbox(asyncio.get_running_loop(), self.queue_size),
-                                                  admission_s, until, own_deadline)
+            submitted = await self._submit(request, admission_s, until, own_deadline)
         except asyncio.TimeoutError:
             self.metrics.rejected.labels("unavailable").inc()
             raise ApiError(503, f"no admission answer within the progress bound ({self.client.progress_timeout_s:.0f}s, "
@@ -97,6 +100,14 @@ class Ingress:
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         return submitted.stream
 
+    async def _submit(self, request, admission_s: float, until: float, own_deadline: bool):
+        try:
+            return await self.client.asubmit(request, Inbox(asyncio.get_running_loop(), self.queue_size),
+                                             admission_s, until, own_deadline)
+        except BaseException as exc:  # never admitted: its span ends here
+            self.spans.refused(request.request_id, exc)
+            raise
+
     async def events(self, stream: RequestStream, arrival: float) -> AsyncIterator[StreamEvent]:
         """The request's events from the client's pump, until it ends (then `finish`)."""
         try:
@@ -112,6 +123,7 @@ class Ingress:
         if stream.closed:
             return
         self.client.finish(stream)
+        self.spans.finished(stream)
         tenant = stream.request.cache_salt  # the tenant is the cache salt (`open`)
         params = stream.request.params
         self.gate.release(tenant, unused_tokens=max(0, params.max_tokens * params.n - stream.received_tokens))

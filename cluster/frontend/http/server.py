@@ -8,6 +8,7 @@ from pathlib import Path
 import uvicorn
 
 from actors.engine.model.loader import read_hf_config
+from actors.tracing.tracer import start as start_tracing
 from cluster.control.config import IngressSection, TenantSection
 from cluster.control.lifecycle.launch import Cluster
 from cluster.frontend.client import open_client
@@ -80,7 +81,8 @@ def build_ingress(cluster: Cluster, host: str = "127.0.0.1", ingress: IngressSec
     return Ingress(client, model, gate, max_body_bytes=i.max_body_bytes, queue_size=i.stream_queue_tokens,
                    request_timeout_s=i.request_timeout_s, hide_cache_hits=not tenants and host not in LOOPBACK,
                    tenant_metrics=i.metrics_tenant_labels,
-                   stored=ResponseStore(i.stored_responses, i.stored_response_bytes))
+                   stored=ResponseStore(i.stored_responses, i.stored_response_bytes),
+                   tracer=start_tracing(config.observability.tracing(), "tandem-ingress"))
 
 
 def make_server(cluster: Cluster, host: str, port: int, ingress: IngressSection | None = None,
