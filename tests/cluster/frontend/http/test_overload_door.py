@@ -10,7 +10,8 @@ than the test (16k tokens, ~1 min of decoding on this box; the default tiny mode
 the refusal was seen. Requests arrive one every
 half second (open loop) until the first refusal. It must come from the door (the admission rate the
 scheduler measured while they waited, times the requests waiting, past the limit), while every request
-sent before it is still waiting, and be answered in a small part of the queue timeout."""
+sent before it is still waiting, and be answered in a small part of the queue timeout. A single newcomer,
+below the door's floor, waits the whole shipped queue timeout instead (slow tier)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import time
 
 import httpx
 import pytest
+import ray
 
 from cluster.control.scheduler.admission_door import _FLOOR
 from cluster.control.config import SchedulerSection
@@ -108,4 +110,34 @@ def test_a_newcomer_behind_requests_not_being_admitted_is_refused_at_once(full_s
     for n in newcomers:
         n.join(SHIPPED.queue_timeout_s + 60)
         assert n.status in (200, 429), (n.status, n.body)
+    wait_until_idle(cluster)
+
+
+@pytest.mark.slow  # the shipped queue timeout (30 s) waited out
+def test_a_request_waiting_for_room_is_turned_away_at_the_shipped_queue_timeout(full_server):
+    """One newcomer behind the stream holding the KV (fewer waiting than the door's floor: the door lets it
+    wait) waits for room about the whole shipped wait budget (`queue_timeout_s`, 30 s, and the unset TTFT
+    target, half the progress bound, also 30 s: the guard turns it away once the wait plus its predicted
+    first token would pass that), not a fraction of it, and is then a 429 for want of KV room.
+    (test_ingress.py's overload test sees the 429 at 1 s and cannot tell a wait cut short.) The decode
+    worker's next step is held for longer than the wait, so the KV stays taken however fast the box."""
+    cluster, url = full_server
+    budget_s = min(SHIPPED.queue_timeout_s, SHIPPED.progress_timeout_s / 2)
+    hold_s = budget_s + 15  # under the progress bound: the held stream is not moved
+    assert hold_s < SHIPPED.progress_timeout_s and SHIPPED.max_predicted_ttft_s is None
+    holder = Sent(url, HOLDER, stream=True)
+    try:
+        assert holder.first_token.wait(60), "the long stream never started"
+        ray.get(cluster.workers["decode-0"].inject_fault.remote("slow_step", hold_s), timeout=30)
+        newcomer = Sent(url, NEWCOMER)
+        newcomer.join(budget_s + 60)
+        waited_s = newcomer.answered - newcomer.sent
+        print(f"turned away after {waited_s:.1f} s (wait budget {budget_s:g} s): {newcomer.body}")
+        assert newcomer.status == 429 and ("for KV room" in newcomer.body or "no worker has room" in newcomer.body), (
+            newcomer.status, newcomer.body)
+        assert holder.answered is None  # the KV was still taken
+        assert 0.9 * budget_s <= waited_s < budget_s + 10, waited_s
+    finally:
+        holder.cancel()
+        holder.join(hold_s + 60)
     wait_until_idle(cluster)
