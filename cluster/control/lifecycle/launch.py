@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from actors.worker.remote import worker_actor
 from actors.worker.spec import WorkerSpec
 from cluster.control.config import TandemConfig
+from cluster.control.lifecycle import ray_metric_ports
 from cluster.control.lifecycle.resize_state import ResizeState
 from cluster.control.scheduler.actor import Scheduler, SchedulerSettings
 from cluster.control.scheduler.scheduler_state import SchedulerState
@@ -95,6 +96,7 @@ class Cluster:
                 # Its sessions under a directory of this user's alone (`private_ray_root`); Ray, its workers and a
                 # later `--address auto` find them there through RAY_TMPDIR.
                 os.environ["RAY_TMPDIR"] = private_ray_root()
+                ray_metric_ports.hold()
                 ray.init(num_cpus=max(4 * int(needed), os.cpu_count() or 1), **kwargs)
             _private_ray_token()  # Ray writes ~/.ray/auth_token 0644
         engine = config.engine_config(detokenize=False)  # workers stream ids; text is the client's
@@ -254,6 +256,7 @@ class Cluster:
             ray.kill(scheduler, no_restart=True)
         if self._owns_ray:
             ray.shutdown()
+            ray_metric_ports.release()
 
 
 def private_ray_root() -> str:

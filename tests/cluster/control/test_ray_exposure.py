@@ -3,7 +3,13 @@ exporter on 0.0.0.0 without authentication (327 KB of actor names, node memory a
 name), and `~/.ray/auth_token` was 0644 in a 0755 directory. Now Cluster.start turns Ray's metrics
 collection off unless asked (RAY_enable_metrics_collection=1) and makes the token 0600 in a 0700
 directory. Ray's gRPC ports (token-authenticated) still listen on every interface: Ray has no option
-to bind them to loopback."""
+to bind them to loopback.
+
+Later, with the OTLP exporter installed (the tracing extra), the dashboard head's own Prometheus server
+(44227, started though the dashboard is off) served ray_* metrics on 0.0.0.0, and the autoscaler monitor's
+(44217) served autoscaler_* metrics there all along, unseen by a check that looked for "ray_" alone: any
+Prometheus text on a non-loopback address now fails, and Cluster.start keeps both servers from starting
+(cluster/control/lifecycle/ray_metric_ports.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ try:
             continue
         try:
             r = httpx.get(f"http://{node_ip}:{port}/metrics", timeout=3)
-            if r.status_code == 200 and "ray_" in r.text:
+            if r.status_code == 200 and ("ray_" in r.text or "# TYPE" in r.text):  # any Prometheus text
                 metrics.append([address, names, len(r.text)])
         except httpx.HTTPError:
             pass  # not HTTP (gRPC), or refused
