@@ -98,7 +98,7 @@ class Scheduler:
         # The one observer of worker standing and committed KV: the placer keeps its orders from them.
         self._registry.on_change = self._table.on_change = self._placer.refresh
         self._shares = TenantShares(self._table, self._registry, settings.max_queued)
-        self._door = AdmissionDoor()
+        self._door = AdmissionDoor(short_handed=lambda: self._registry.pool_size(self._placer.pool) == 0)
         self._demand = DemandWindow()
         self._out = Outbox(self._registry, WorkerMail(_CALL_TIMEOUT_S, settings.curve_keys), settings.curve_keys)
         self._clock = DecisionClock()

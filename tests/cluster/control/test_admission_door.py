@@ -120,3 +120,46 @@ def test_a_slow_cluster_refuses_at_once_what_would_wait_past_the_budget():
     refused = door.refuse(budget_s=30.0)  # 20 waiting at ~0.4/s: ~50 s
     assert refused is not None and refused.retry_after_s > 30.0
 
+
+
+def _busy_at_100_per_s(door: AdmissionDoor, clock: FakeClock) -> None:
+    for _ in range(50):
+        door.entered()
+    for _ in range(200):
+        clock.now += 0.01
+        door.left(admitted=True)
+        door.entered()
+
+
+def test_a_stall_is_not_a_rate():
+    """Admissions stop for a minute (a killed worker not yet declared lost, a pool restarting) while 50
+    wait: the rate stays the one measured before, so the door does not refuse what the cluster will admit
+    at that rate once it is back (it fell towards 0 and predicted a wait of 10^10 s)."""
+    clock = FakeClock()
+    door = AdmissionDoor(clock)
+    _busy_at_100_per_s(door, clock)
+    for _ in range(600):
+        clock.now += 0.1
+        assert door.refuse(budget_s=1.0) is None  # 50 waiting at ~100/s: half a second
+    assert 80 < door.rate() < 110, door.rate()  # the stall's first few intervals counted, then nothing
+    # Admitting again, slower: the rate follows the new pace.
+    for _ in range(100):
+        clock.now += 0.1
+        door.left(admitted=True)
+        door.entered()
+    assert door.rate() < 30, door.rate()
+    door.check_integrity()
+
+
+def test_a_pool_with_no_worker_refuses_nothing_on_the_estimate():
+    clock, down = FakeClock(), [False]
+    door = AdmissionDoor(clock, short_handed=lambda: down[0])
+    _busy_at_100_per_s(door, clock)
+    for _ in range(1000):
+        door.entered()
+    assert door.refuse(budget_s=1.0) is not None  # 1,050 waiting at ~100/s: over ten seconds
+    down[0] = True  # every worker of the admitting pool is gone: nothing can be admitted, nor measured
+    assert door.refuse(budget_s=1.0) is None
+    clock.now += 30
+    down[0] = False
+    assert door.refuse(budget_s=1.0) is not None and 80 < door.rate() < 110, door.rate()
