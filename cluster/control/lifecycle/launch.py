@@ -20,6 +20,7 @@ from actors.engine.text.tokenizer import has_tokenizer, load_tokenizer
 from actors.worker.remote import worker_actor
 from actors.worker.spec import WorkerSpec
 from cluster.control.config import TandemConfig
+from cluster.control.lifecycle.kv_tiers import start_tiers, stop_tiers
 from cluster.control.lifecycle.resize_state import ResizeState
 from cluster.control.scheduler.actor import Scheduler, SchedulerSettings
 from cluster.control.scheduler.scheduler_state import SchedulerState
@@ -69,6 +70,7 @@ class Cluster:
         self.clients: list[TandemClient] = []  # made by `client()`, closed by `shutdown()`
         self._engine = config.engine_config(detokenize=False)  # workers stream ids; text is the client's
         self._indices = {role: itertools.count() for role in ("prefill", "decode", "colocated")}
+        self.tiers: dict[str, object] = {}  # node id -> its host KV tier actor (kv_tier.host_bytes > 0)
 
     @classmethod
     def start(cls, config: TandemConfig, address: str | None = None, ready_timeout_s: float = 300.0) -> "Cluster":
@@ -134,6 +136,8 @@ class Cluster:
             rendezvous, collective_init = host_rendezvous(config.transfer.host)
         rank = itertools.count()
         cluster = cls(config, schedulers, workers, owns_ray, engine.model, keys)
+        if config.kv_tier.host_bytes > 0:
+            cluster.tiers = start_tiers(config.kv_tier.host_bytes, NAMESPACE)
         spawned = time.monotonic()
         for role, pool in config.pools().items():
             for _ in range(pool.replicas):
@@ -167,6 +171,7 @@ class Cluster:
             collective_init=collective_init, rank=rank, world_size=world_size,
             curve_keys=self.keys, kv_encrypted=self.config.transfer.kv_encrypted(), kv_shm=self.config.transfer.shm,
             decode_prefill_tokens=self.config.scheduler.local_prefill_max_tokens or None,
+            kv_tier_namespace=NAMESPACE if self.tiers else None,
         )
         placement = {}
         if pool.tensor_parallel_size > 1:
@@ -239,13 +244,15 @@ class Cluster:
         return client
 
     def check_integrity(self, timeout_s: float = 30.0) -> dict:
-        """Every worker's and the scheduler's invariants (raises on a violation); returns their stats as
-        a plain report for people and tests: {"workers": {id: stats}, "scheduler": state}."""
+        """Every worker's, the scheduler's and the host KV tiers' invariants (raises on a violation); returns
+        their stats as a plain report: {"workers": {id: stats}, "scheduler": state, "tiers": {node: stats}}."""
         self.resizes.check_integrity(self)
         stats = ray.get([w.check_integrity.remote() for w in list(self.workers.values())], timeout=timeout_s)
         shards = ray.get([s.check_integrity.remote() for s in self.schedulers], timeout=timeout_s)
+        tiers = ray.get([t.check_integrity.remote() for t in self.tiers.values()], timeout=timeout_s)
         return {"workers": {s.worker_id: s.as_dict() for s in stats},
-                "scheduler": SchedulerState.merged(shards).as_dict()}
+                "scheduler": SchedulerState.merged(shards).as_dict(),
+                "tiers": {node: dataclasses.asdict(t) for node, t in zip(self.tiers, tiers)}}
 
     def shutdown(self) -> None:
         for client in self.clients:
@@ -258,6 +265,7 @@ class Cluster:
             self.stop_worker(worker_id)
         for scheduler in self.schedulers:
             ray.kill(scheduler, no_restart=True)
+        stop_tiers(self.tiers)
         if self._owns_ray:
             ray.shutdown()
 
