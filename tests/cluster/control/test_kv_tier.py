@@ -129,6 +129,11 @@ def test_disaggregated_turn_reuses_its_evicted_prefix(ray_session, model_dir):
         assert answer == _transformers_greedy(model_dir, first, 8)
         assert second == _transformers_greedy(model_dir, first + answer + turn, 8)
         wait_until_idle(cluster)
+        # The tier actor dies: the workers serve on without it, the same tokens.
+        for tier in cluster.tiers.values():
+            ray.kill(tier, no_restart=True)
+        (again,), = cluster.client().generate([first + answer + turn], GREEDY)
+        assert again.token_ids == second
     finally:
         cluster.shutdown()
 
