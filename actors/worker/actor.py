@@ -111,7 +111,8 @@ class Worker:
         # lost) from one that re-announces itself (same incarnation, its requests still live).
         self._incarnation = uuid.uuid4().hex
         self._tier = attach_node_tier(spec.kv_tier_namespace, f"{spec.worker_id}-{self._incarnation}",
-                                      self._engine.kv_caches, self._tp is not None)
+                                      self._engine.kv_caches, self._tp is not None,
+                                      -(-spec.engine.max_num_batched_tokens // spec.engine.block_size))
         self._engine.attach_tier(self._tier)
         self._stop = threading.Event()
         # The scheduler's commands and reservations arrive here (zmq), not as Ray calls.

@@ -29,18 +29,20 @@ from kv_transfer.shm_segment import Segment
 
 log = logging.getLogger("tandem.worker")
 _CALL_TIMEOUT_S = 10.0  # a tier call that takes this long counts the tier as gone (a loaded box takes seconds)
-_MAX_STOCK = 32  # slots a worker holds to write evictions into; more are dropped until its thread refills it
+_STOCK_SHARE = 4  # a worker's stock is at most this fraction of the tier (1/4): several workers share a node
 _FLUSH_S = 0.05  # how often the link's thread publishes written slots and refills the stock
 
 
 class TierLink:
-    def __init__(self, actor, kv_caches, client: str):
+    def __init__(self, actor, kv_caches, client: str, stock: int):
+        """`stock`: slots to hold for evictions, at most what one step can evict (its token budget in blocks);
+        evictions beyond it before the link's thread refills it are dropped."""
         self._actor, self._caches, self.client = actor, kv_caches, client
         spec = PageSpec.from_caches(kv_caches)
         layout = ray.get(actor.attach.remote(spec), timeout=_CALL_TIMEOUT_S)
         self._segment = Segment.open(layout.segment, keep_name=True)
         self._slot_bytes, self._pages = layout.slot_bytes, 2 * spec.num_layers
-        self._max_stock = max(1, min(_MAX_STOCK, layout.num_slots // 8))
+        self._max_stock = max(1, min(stock, layout.num_slots // _STOCK_SHARE))
         self._lock = threading.Lock()  # the stock and the queues: the engine thread and the link's thread
         self._stock: list[int] = []
         self._written: list[TierBlock] = []
@@ -136,7 +138,8 @@ class TierLink:
         self._segment.close()
 
 
-def attach_node_tier(namespace: str | None, client: str, kv_caches, tensor_parallel: bool) -> TierLink | None:
+def attach_node_tier(namespace: str | None, client: str, kv_caches, tensor_parallel: bool,
+                     stock: int) -> TierLink | None:
     """The link to this node's tier, or None: no tier configured (`namespace` None), a tensor-parallel worker
     (a rank's caches hold only some heads), or a tier that is missing or refuses this worker's page layout
     (logged, naming what differs: the worker serves without a tier)."""
@@ -147,7 +150,7 @@ def attach_node_tier(namespace: str | None, client: str, kv_caches, tensor_paral
         return None
     try:
         actor = ray.get_actor(tier_name(ray.get_runtime_context().get_node_id()), namespace=namespace)
-        return TierLink(actor, kv_caches, client)
+        return TierLink(actor, kv_caches, client, stock)
     except Exception as exc:
         log.warning("worker %s: no host KV tier (%s: %s)", client, type(exc).__name__, exc)
         return None

@@ -76,6 +76,20 @@ def _conversation(cluster: Cluster, tier: bool) -> tuple[list[int], list[int], i
     return answer.token_ids, second.token_ids, second.num_cached_tokens
 
 
+def _tiered_conversation(cluster: Cluster, model_dir) -> tuple[list[int], list[int]]:
+    """`_conversation` with the tier on: turn two's prefix came (at least in part) from the tier, every token
+    is transformers' greedy one, and the cluster ends idle with every owner's integrity checked."""
+    first, _, turn = _prompts()
+    answer, second, cached = _conversation(cluster, tier=True)
+    stats = _tier_stats(cluster)
+    assert cached >= 10 * 16, cached  # turn one's blocks: what the pool still had, the rest from the tier
+    assert stats["hits"] >= 1 and stats["loads"] == stats["hits"], stats
+    assert answer == _transformers_greedy(model_dir, first, 8)
+    assert second == _transformers_greedy(model_dir, first + answer + turn, 8)
+    wait_until_idle(cluster)
+    return answer, second
+
+
 @pytest.fixture(scope="module")
 def model_dir(hf_models):
     return hf_models["llama"]
@@ -85,13 +99,7 @@ def test_colocated_turn_reuses_its_evicted_prefix_and_a_second_worker_reuses_it_
     first, fillers, turn = _prompts()
     cluster = Cluster.start(_config("colocated.yaml", model_dir, HOST_BYTES))
     try:
-        answer, second, cached = _conversation(cluster, tier=True)
-        stats = _tier_stats(cluster)
-        assert cached >= 10 * 16, cached  # turn one's blocks, from the tier (the pool had evicted them)
-        assert stats["hits"] >= 1 and stats["loads"] == stats["hits"], stats
-        assert answer == _transformers_greedy(model_dir, first, 8)
-        assert second == _transformers_greedy(model_dir, first + answer + turn, 8)
-        wait_until_idle(cluster)
+        answer, second = _tiered_conversation(cluster, model_dir)
         # A second worker of this node, the first one gone: its pool never held the prefix, the tier does.
         scale(cluster, {"colocated": 2})
         ray.get(cluster.workers["colocated-0"].shutdown.remote(), timeout=60)
@@ -118,17 +126,11 @@ def test_colocated_turn_reuses_its_evicted_prefix_and_a_second_worker_reuses_it_
         off.shutdown()
 
 
-def test_disaggregated_turn_reuses_its_evicted_prefix(ray_session, model_dir):
+def test_disaggregated_turn_reuses_its_evicted_prefix_and_serves_on_when_the_tier_dies(ray_session, model_dir):
     first, _, turn = _prompts()
     cluster = Cluster.start(_config("local.yaml", model_dir, HOST_BYTES))
     try:
-        answer, second, cached = _conversation(cluster, tier=True)
-        stats = _tier_stats(cluster)
-        assert cached >= 10 * 16, cached
-        assert stats["hits"] >= 10 and stats["loads"] == stats["hits"], stats
-        assert answer == _transformers_greedy(model_dir, first, 8)
-        assert second == _transformers_greedy(model_dir, first + answer + turn, 8)
-        wait_until_idle(cluster)
+        answer, second = _tiered_conversation(cluster, model_dir)
         # The tier actor dies: the workers serve on without it, the same tokens.
         for tier in cluster.tiers.values():
             ray.kill(tier, no_restart=True)
