@@ -11,21 +11,23 @@ A slot holds one block of every layer in wire order (each layer's K page, then i
 have another layout is refused, every differing field named (`PageFormatError`).
 
 Who calls what (the tier actor forwards each call as is):
-- `attach(spec)`: a worker joins; returns where the segment is and its slot size.
+- `attach(spec, worker, client)`: a worker joins as `client` (one per process); returns where the segment
+  is and its slot size. A worker that attaches again as another client (Ray restarted it) gets back what
+  its earlier process held: that one's leases and pins go (`forget`).
 - `lease(client, n)`: up to n slots for a worker to write evicted blocks into (LRU blocks are evicted to
   make room; pinned ones never). A leased slot belongs to its client until `commit` or `give_back`.
 - `commit(client, blocks)`: leased slots now hold those blocks; a hash already stored keeps its copy and
   the slot goes back to the free list.
-- `pin(hashes, token_ids)`: the leading run of blocks stored under those hashes AND those exact tokens
+- `pin(client, hashes, token_ids)`: the leading run of blocks stored under those hashes AND those exact tokens
   (a hash collision is a miss); they are held until `unpin`, so no eviction reuses a slot being read.
-- `unpin(slots, loaded)`: the reader is done; `loaded` counts them as loads into a worker.
-- `forget(client)`: a worker left; its leased slots are free again.
+- `unpin(client, slots, loaded)`: the reader is done; `loaded` counts them as loads into a worker.
+- `forget(client)`: a worker left; its leased slots are free again, its pins dropped.
 """
 
 from __future__ import annotations
 
 import mmap
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,6 +66,7 @@ class TierStats:
     loads: int  # blocks a worker copied into its pool
     stores: int  # blocks committed (duplicates not counted)
     evictions: int
+    clients: tuple[str, ...] = ()  # the clients holding leased or pinned slots, sorted
 
 
 @dataclass
@@ -84,10 +87,20 @@ class HostTierPool:
         self._leased: dict[str, set[int]] = {}
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # hash -> entry; head = least recently used
         self._slot_hash: dict[int, int] = {}
+        self._pins: dict[str, Counter[int]] = {}  # client -> slots it pinned (a slot twice: two lookups)
+        self._clients: dict[str, str] = {}  # worker -> the client (process) it attached as last
         self._committed_end = 0
         self.hits = self.misses = self.loads = self.stores = self.evictions = 0
 
-    def attach(self, spec: PageSpec) -> TierLayout:
+    def attach(self, spec: PageSpec, worker: str, client: str) -> TierLayout:
+        layout = self._attach(spec)
+        earlier = self._clients.get(worker)
+        if earlier is not None and earlier != client:
+            self.forget(earlier)
+        self._clients[worker] = client
+        return layout
+
+    def _attach(self, spec: PageSpec) -> TierLayout:
         if self.layout is not None:
             try:
                 spec.check_compatible(self.layout.spec)
@@ -158,10 +171,12 @@ class HostTierPool:
 
     def forget(self, client: str) -> None:
         self._free.extend(self._leased.pop(client, ()))
+        for slot, n in self._pins.pop(client, Counter()).items():
+            self._entries[self._slot_hash[slot]].pins -= n
 
     # ---- readers ----
 
-    def pin(self, hashes: Sequence[int], token_ids: Sequence[Sequence[int]]) -> list[int]:
+    def pin(self, client: str, hashes: Sequence[int], token_ids: Sequence[Sequence[int]]) -> list[int]:
         slots = []
         for block_hash, tokens in zip(hashes, token_ids):
             entry = self._entries.get(block_hash)
@@ -170,16 +185,19 @@ class HostTierPool:
             entry.pins += 1
             self._entries.move_to_end(block_hash)
             slots.append(entry.slot)
+        self._pins.setdefault(client, Counter()).update(slots)
         self.hits += len(slots)
         self.misses += len(hashes) - len(slots)
         return slots
 
-    def unpin(self, slots: Sequence[int], loaded: bool) -> None:
+    def unpin(self, client: str, slots: Sequence[int], loaded: bool) -> None:
+        mine = self._pins.get(client, Counter())
         for slot in slots:
-            entry = self._entries.get(self._slot_hash.get(slot))
-            if entry is None or entry.pins <= 0:
-                raise ValueError(f"unpin of slot {slot}, which is not pinned")
-            entry.pins -= 1
+            if mine[slot] <= 0:
+                raise ValueError(f"client {client} unpinned slot {slot}, which it has not pinned")
+            mine[slot] -= 1
+            self._entries[self._slot_hash[slot]].pins -= 1
+        self._pins[client] = +mine  # (drops the zero counts)
         if loaded:
             self.loads += len(slots)
 
@@ -187,9 +205,10 @@ class HostTierPool:
 
     def stats(self) -> TierStats:
         slot_bytes = self.layout.slot_bytes if self.layout else 0
+        holders = {c for c, slots in self._leased.items() if slots} | {c for c, pins in self._pins.items() if pins}
         return TierStats(self.host_bytes, len(self._entries) * slot_bytes, len(self._entries),
                          sum(map(len, self._leased.values())), sum(e.pins > 0 for e in self._entries.values()),
-                         self.hits, self.misses, self.loads, self.stores, self.evictions)
+                         self.hits, self.misses, self.loads, self.stores, self.evictions, tuple(sorted(holders)))
 
     def check_integrity(self) -> TierStats:
         """Raises RuntimeError, with the counts, if the bookkeeping is inconsistent; returns the stats."""
@@ -207,8 +226,11 @@ class HostTierPool:
             problems.append(f"free {len(free)} + leased {len(leased)} + stored {len(stored)} != {n} distinct slots")
         if self._slot_hash != {e.slot: h for h, e in self._entries.items()}:
             problems.append("the slot -> hash map disagrees with the stored entries")
-        if any(e.pins < 0 for e in self._entries.values()):
-            problems.append("an entry has a negative pin count")
+        held = Counter()
+        for pins in self._pins.values():
+            held.update(pins)
+        if any(e.pins != held[e.slot] for e in self._entries.values()):
+            problems.append("an entry's pin count differs from its clients' pins")
         if stats.bytes > self.host_bytes:
             problems.append(f"{stats.bytes} bytes stored, over host_bytes {self.host_bytes}")
         if problems:

@@ -26,8 +26,8 @@ class KVTierActor:
     def __init__(self, host_bytes: int):
         self._pool = HostTierPool(host_bytes)
 
-    def attach(self, spec: PageSpec) -> TierLayout:
-        return self._pool.attach(spec)
+    def attach(self, spec: PageSpec, worker: str, client: str) -> TierLayout:
+        return self._pool.attach(spec, worker, client)
 
     def lease(self, client: str, n: int) -> list[int]:
         return self._pool.lease(client, n)
@@ -41,11 +41,11 @@ class KVTierActor:
     def forget(self, client: str) -> None:
         self._pool.forget(client)
 
-    def pin(self, hashes: Sequence[int], token_ids: Sequence[Sequence[int]]) -> list[int]:
-        return self._pool.pin(hashes, token_ids)
+    def pin(self, client: str, hashes: Sequence[int], token_ids: Sequence[Sequence[int]]) -> list[int]:
+        return self._pool.pin(client, hashes, token_ids)
 
-    def unpin(self, slots: Sequence[int], loaded: bool) -> None:
-        self._pool.unpin(slots, loaded)
+    def unpin(self, client: str, slots: Sequence[int], loaded: bool) -> None:
+        self._pool.unpin(client, slots, loaded)
 
     def stats(self) -> TierStats:
         return self._pool.stats()

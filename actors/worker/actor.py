@@ -110,9 +110,9 @@ class Worker:
         # A fresh id per process: the scheduler tells a restarted worker (new incarnation, its requests
         # lost) from one that re-announces itself (same incarnation, its requests still live).
         self._incarnation = uuid.uuid4().hex
-        self._tier = attach_node_tier(spec.kv_tier_namespace, f"{spec.worker_id}-{self._incarnation}",
-                                      self._engine.kv_caches, self._tp is not None,
-                                      -(-spec.engine.max_num_batched_tokens // spec.engine.block_size))
+        step_blocks = -(-spec.engine.max_num_batched_tokens // spec.engine.block_size)  # the most a step evicts
+        self._tier = attach_node_tier(spec.kv_tier_namespace, spec.worker_id, f"{spec.worker_id}-{self._incarnation}",
+                                      self._engine.kv_caches, self._tp is not None, step_blocks)
         self._engine.attach_tier(self._tier)
         self._stop = threading.Event()
         # The scheduler's commands and reservations arrive here (zmq), not as Ray calls.

@@ -34,12 +34,12 @@ _FLUSH_S = 0.05  # how often the link's thread publishes written slots and refil
 
 
 class TierLink:
-    def __init__(self, actor, kv_caches, client: str, stock: int):
+    def __init__(self, actor, kv_caches, worker: str, client: str, stock: int):
         """`stock`: slots to hold for evictions, at most what one step can evict (its token budget in blocks);
         evictions beyond it before the link's thread refills it are dropped."""
         self._actor, self._caches, self.client = actor, kv_caches, client
         spec = PageSpec.from_caches(kv_caches)
-        layout = ray.get(actor.attach.remote(spec), timeout=_CALL_TIMEOUT_S)
+        layout = ray.get(actor.attach.remote(spec, worker, client), timeout=_CALL_TIMEOUT_S)
         self._segment = Segment.open(layout.segment, keep_name=True)
         self._slot_bytes, self._pages = layout.slot_bytes, 2 * spec.num_layers
         self._max_stock = max(1, min(stock, layout.num_slots // _STOCK_SHARE))
@@ -74,7 +74,7 @@ class TierLink:
         if not self.alive or not hashes:
             return []
         try:
-            return ray.get(self._actor.pin.remote(list(hashes), [tuple(t) for t in token_ids]),
+            return ray.get(self._actor.pin.remote(self.client, list(hashes), [tuple(t) for t in token_ids]),
                            timeout=_CALL_TIMEOUT_S)
         except Exception as exc:  # (a pin that lands after a timeout stays pinned: the tier counts it)
             self._lost(exc)
@@ -109,7 +109,7 @@ class TierLink:
             written, self._written = self._written, []
             unpins, self._unpins = self._unpins, []
             need = self._max_stock - len(self._stock)
-        calls = [self._actor.unpin.remote(slots, loaded) for slots, loaded in unpins]
+        calls = [self._actor.unpin.remote(self.client, slots, loaded) for slots, loaded in unpins]
         if written:
             calls.append(self._actor.commit.remote(self.client, written))
         ray.get(calls, timeout=_CALL_TIMEOUT_S)
@@ -138,7 +138,7 @@ class TierLink:
         self._segment.close()
 
 
-def attach_node_tier(namespace: str | None, client: str, kv_caches, tensor_parallel: bool,
+def attach_node_tier(namespace: str | None, worker: str, client: str, kv_caches, tensor_parallel: bool,
                      stock: int) -> TierLink | None:
     """The link to this node's tier, or None: no tier configured (`namespace` None), a tensor-parallel worker
     (a rank's caches hold only some heads), or a tier that is missing or refuses this worker's page layout
@@ -150,7 +150,7 @@ def attach_node_tier(namespace: str | None, client: str, kv_caches, tensor_paral
         return None
     try:
         actor = ray.get_actor(tier_name(ray.get_runtime_context().get_node_id()), namespace=namespace)
-        return TierLink(actor, kv_caches, client, stock)
+        return TierLink(actor, kv_caches, worker, client, stock)
     except Exception as exc:
         log.warning("worker %s: no host KV tier (%s: %s)", client, type(exc).__name__, exc)
         return None

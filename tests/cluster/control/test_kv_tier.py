@@ -6,6 +6,7 @@ is no tier actor. Every tier's integrity is checked after each scenario."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -17,10 +18,11 @@ from actors.kv_tier.actor import TIER_PREFIX
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.lifecycle.scaling import scale
-from tests.helpers.cluster import load, wait_until_idle
+from tests.helpers.cluster import load, wait_restarted, wait_until_idle
 
 BLOCKS = 24  # per worker: one conversation turn (~11 blocks) and a filler do not both stay cached
 HOST_BYTES = 1 << 20  # 128 blocks of the tiny llama (8 KiB each)
+STOCK = (HOST_BYTES // 8192) // 4  # slots each worker holds to write evictions into (a quarter of the tier)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
@@ -51,8 +53,9 @@ def _transformers_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
 
 
 def _tier_stats(cluster: Cluster) -> dict:
-    (stats,) = cluster.check_integrity()["tiers"].values()  # one node
-    return stats
+    """The node's tier's stats, its integrity checked (`wait_until_idle` checks every owner's, the tier's too)."""
+    (tier,) = cluster.tiers.values()  # one node
+    return dataclasses.asdict(ray.get(tier.check_integrity.remote(), timeout=30))
 
 
 def _wait_stored(cluster: Cluster, blocks: int, timeout_s: float = 60.0) -> None:
@@ -131,6 +134,11 @@ def test_disaggregated_turn_reuses_its_evicted_prefix_and_serves_on_when_the_tie
     cluster = Cluster.start(_config("local.yaml", model_dir, HOST_BYTES))
     try:
         answer, second = _tiered_conversation(cluster, model_dir)
+        # A worker Ray restarts attaches again as a new process: the tier takes back what the dead one held.
+        prefill = "prefill-0-" + ray.get(cluster.workers["prefill-0"].incarnation.remote(), timeout=30)
+        ray.kill(cluster.workers["decode-0"], no_restart=False)
+        decode = "decode-0-" + wait_restarted(cluster, "decode-0")
+        _wait_leased(cluster, 2 * STOCK, (decode, prefill))  # each live process's stock only
         # The tier actor dies: the workers serve on without it, the same tokens.
         for tier in cluster.tiers.values():
             ray.kill(tier, no_restart=True)
@@ -138,6 +146,14 @@ def test_disaggregated_turn_reuses_its_evicted_prefix_and_serves_on_when_the_tie
         assert again.token_ids == second
     finally:
         cluster.shutdown()
+
+
+def _wait_leased(cluster: Cluster, slots: int, clients: tuple[str, ...], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while ((stats := _tier_stats(cluster))["leased"], stats["clients"]) != (slots, clients):
+        assert time.monotonic() < deadline, f"the tier leases {stats['leased']} slots to {stats['clients']}, " \
+                                            f"not {slots} to {clients}: {stats}"
+        time.sleep(0.05)
 
 
 def _wait_forgotten(cluster: Cluster, worker_id: str, timeout_s: float = 60.0) -> None:
