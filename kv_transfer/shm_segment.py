@@ -193,8 +193,9 @@ class Segment:
         return seg
 
     @classmethod
-    def open(cls, name: str) -> Segment:
-        """Map the segment a note names, then remove its name; raises PageFormatError for anything else."""
+    def open(cls, name: str, keep_name: bool = False) -> Segment:
+        """Map the segment a note names, then remove its name (`keep_name`: leave it, for a segment several
+        processes map, such as the host KV tier's); raises PageFormatError for anything else."""
         if not isinstance(name, str) or _NAME.fullmatch(name) is None:
             raise PageFormatError(f"shared-memory segment {name!r} is not a tandem segment name")
         try:  # the directory first: a segment of ours lies in ours, which no one else may enter
@@ -219,6 +220,8 @@ class Segment:
         if (seg.word(MAGIC), seg.word(VERSION), seg.word(CAPACITY)) != (_MAGIC, _VERSION, seg.capacity):
             seg.close()
             raise PageFormatError(f"shared-memory segment {name}: bad control block")
+        if keep_name:
+            return seg
         try:  # the name, if it is still this file, is no longer needed: only the two mappings keep it
             now = os.lstat(path)
             if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):

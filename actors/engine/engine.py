@@ -303,6 +303,10 @@ class Engine:
     def take_kv_events(self) -> list:
         return self.kv.take_events()
 
+    def attach_tier(self, tier) -> None:
+        """A host KV tier below the prefix cache (kv/host_tier.py), or None to detach it; between steps only."""
+        self.kv.attach_tier(tier)
+
     def load(self) -> EngineLoad:
         running, waiting = self.batcher.load()
         pool = self.kv.pool

@@ -63,6 +63,7 @@ from actors.worker.running import Running
 from actors.worker.scheduler_link import SchedulerLink
 from actors.worker.spec import WorkerSpec
 from actors.worker.step_log import StepLog, StepRecord
+from actors.worker.tier_link import attach_node_tier
 from actors.worker.tp_group import TPGroup
 
 log = logging.getLogger("tandem.worker")
@@ -114,6 +115,10 @@ class Worker:
         # A fresh id per process: the scheduler tells a restarted worker (new incarnation, its requests
         # lost) from one that re-announces itself (same incarnation, its requests still live).
         self._incarnation = uuid.uuid4().hex
+        step_blocks = -(-spec.engine.max_num_batched_tokens // spec.engine.block_size)  # the most a step evicts
+        self._tier = attach_node_tier(spec.kv_tier_namespace, spec.worker_id, f"{spec.worker_id}-{self._incarnation}",
+                                      self._engine.kv_caches, self._tp is not None, step_blocks)
+        self._engine.attach_tier(self._tier)
         self._stop = threading.Event()
         # The scheduler's commands and reservations arrive here (zmq), not as Ray calls.
         self._commands = CommandPort(self.deliver, self._reserve, spec.curve_keys, spec.host, spec.worker_id)
@@ -232,6 +237,9 @@ class Worker:
         self._thread.join(timeout=10)
         if self._tp is not None and not self._thread.is_alive():
             self._tp.stop(self._engine.runner)
+        if self._tier is not None and not self._thread.is_alive():
+            self._engine.attach_tier(None)
+            self._tier.close()
         self._commands.close()
         self._grammars.close()
         self._ends.close()

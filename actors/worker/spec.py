@@ -38,6 +38,8 @@ class WorkerSpec:
     kv_encrypted: bool = False
     kv_shm: bool = True  # KV pages through shared memory when both ends share a host (ipc)
     tracing: TracingSettings | None = None  # where its request spans go (`observability`); None: off
+    # The Ray namespace of the cluster's per-node host KV tiers (kv_tier.host_bytes > 0); None: no tier.
+    kv_tier_namespace: str | None = None
     # Tensor parallelism: this worker is rank 0 of a group of this many rank actors, placed in the bundles
     # of `placement_group` (rank r in bundle r), each of ranks 1.. asking for these resources.
     tensor_parallel_size: int = 1

@@ -18,8 +18,8 @@ from cluster.control.ingress_config import IngressSection, TenantSection  # the 
 from cluster.control.observability_config import ObservabilitySection
 
 __all__ = ["ModelSection", "EngineSection", "PoolSection", "LoadThresholds", "SloSection", "AutoscalerSection",
-           "SchedulerSection", "TransferSection", "TenantSection", "IngressSection", "ObservabilitySection",
-           "TandemConfig"]
+           "SchedulerSection", "TransferSection", "KvTierSection", "TenantSection", "IngressSection",
+           "ObservabilitySection", "TandemConfig"]
 
 # The most uncached prompt tokens a decode worker prefills itself, by default (scheduler.local_prefill_max_tokens).
 LOCAL_PREFILL_MAX_TOKENS = 512
@@ -221,6 +221,14 @@ class TransferSection(_Strict):
         return self.encryption != "none"
 
 
+class KvTierSection(_Strict):
+    host_bytes: int = Field(
+        0, ge=0, description="bytes of host memory (shared memory, /dev/shm) per node for a KV tier below the "
+        "workers' prefix caches: blocks they evict are kept there (least recently used out) and a prompt that "
+        "misses a worker's cache loads its blocks from there instead of computing them. One tier actor per "
+        "node, shared by the node's workers; 0: no tier")
+
+
 class TandemConfig(_Strict):
     mode: Literal["disaggregated", "colocated"] = Field("disaggregated", description="split prefill and decode pools, or colocated workers")
     model: ModelSection = Field(default_factory=ModelSection, description="which model to serve")
@@ -233,6 +241,7 @@ class TandemConfig(_Strict):
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="global scheduler policy")
     transfer: TransferSection = Field(default_factory=TransferSection, description="KV transfer between workers")
     ingress: IngressSection = Field(default_factory=IngressSection, description="the OpenAI HTTP server")
+    kv_tier: KvTierSection = Field(default_factory=KvTierSection, description="the per-node host KV tier")
     autoscaler: AutoscalerSection = Field(default_factory=AutoscalerSection, description="pools that size themselves")
     observability: ObservabilitySection = Field(default_factory=ObservabilitySection,
                                                 description="request tracing (OpenTelemetry); off by default")

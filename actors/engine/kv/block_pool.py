@@ -17,8 +17,9 @@ until `allocate` reuses it (evicting it from the cache), so `num_free_blocks` co
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
+from actors.engine.kv.host_tier import EvictedBlock
 from actors.protocol.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
 
 
@@ -43,6 +44,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._events: list[KVEvent] = []
+        # Told of the cached blocks each `allocate` evicts, before the caller can overwrite them (a host tier).
+        self.on_evict: Callable[[list[EvictedBlock]], None] | None = None
 
     # ---- sizes -------------------------------------------------------------------------------
 
@@ -100,13 +103,17 @@ class BlockPool:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > len(self._free):
             raise OutOfBlocksError(f"asked for {n} blocks, only {len(self._free)} free of {self._num_blocks}")
-        out = []
+        out, evicted = [], []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             if self._hash[block_id] is not None:
+                if self.on_evict is not None:
+                    evicted.append(EvictedBlock(block_id, self._hash[block_id], self._tokens[block_id]))
                 self._evict(block_id)
             self._ref[block_id] = 1
             out.append(block_id)
+        if evicted:
+            self.on_evict(evicted)
         return out
 
     def _evict(self, block_id: int) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from actors.engine.kv.block_hash import extend_block_hashes, first_block_keys
 from actors.engine.kv.block_pool import BlockPool, OutOfBlocksError
+from actors.engine.kv.host_tier import HostTier
 from actors.protocol.kv_events import KVEvent
 
 
@@ -48,6 +49,13 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.model_id = model_id
         self._seqs: dict[Hashable, _SeqBlocks] = {}
+        self._tier: HostTier | None = None
+
+    def attach_tier(self, tier: HostTier | None) -> None:
+        """A second tier below the pool (host_tier.py): evicted blocks are offered to it, and a prefix that
+        misses here is looked up there and loaded into fresh blocks. None detaches it."""
+        self._tier = tier
+        self.pool.on_evict = None if tier is None else tier.offer
 
     # ---- queries -----------------------------------------------------------------------------
 
@@ -109,8 +117,37 @@ class KVCacheManager:
                 break
             seq.table.append(block_id)
         self.pool.touch(seq.table)
+        if self._tier is not None and len(seq.table) < max_hits:
+            self._load_from_tier(seq, token_ids, max_hits)
         seq.num_registered = len(seq.table)
         return len(seq.table) * bs
+
+    def _load_from_tier(self, seq: _SeqBlocks, token_ids: Sequence[int], max_hits: int) -> None:
+        """Extends the table with the tier's run of the blocks after the local hits, loaded into fresh blocks
+        and cached here (their `BlockStored` events tell the router)."""
+        bs, start = self.block_size, len(seq.table)
+        spans = [tuple(token_ids[i * bs:(i + 1) * bs]) for i in range(start, max_hits)]
+        handles = self._tier.find(seq.hashes[start:max_hits], spans)
+        use = handles[:self.pool.num_free_blocks]
+        loaded = False
+        try:
+            if not use:
+                return
+            blocks = self.pool.allocate(len(use))
+            try:
+                self._tier.load(use, blocks)
+            except Exception:  # the blocks hold nothing usable: back uncached, the prompt computes them
+                self.pool.free(reversed(blocks))
+                return
+            loaded = True
+            for j, block_id in enumerate(blocks):
+                i = start + j
+                if not self.pool.cache_block(block_id, seq.hashes[i], spans[j], seq.hashes[i - 1] if i else None):
+                    self.pool.free(reversed(blocks[j:]))  # (a hash this pool caches with other tokens)
+                    break
+                seq.table.append(block_id)
+        finally:
+            self._tier.done(handles, loaded)
 
     def allocate_slots(self, seq_id: Hashable, num_total_tokens: int) -> list[int] | None:
         """Grows the table to cover `num_total_tokens` slots; returns the new block ids.

@@ -21,6 +21,7 @@ from actors.worker.remote import worker_actor
 from actors.worker.spec import WorkerSpec
 from cluster.control.config import TandemConfig
 from cluster.control.lifecycle import ray_metric_ports
+from cluster.control.lifecycle.kv_tiers import start_tiers, stop_tiers
 from cluster.control.lifecycle.resize_state import ResizeState
 from cluster.control.scheduler.actor import Scheduler, SchedulerSettings
 from cluster.control.scheduler.scheduler_state import SchedulerState
@@ -69,6 +70,7 @@ class Cluster:
         self.closers: list[Callable[[], None]] = []  # what shutdown() closes first (the clients opened on it)
         self._engine = config.engine_config(detokenize=False)  # workers stream ids; text is the client's
         self._indices = {role: itertools.count() for role in ("prefill", "decode", "colocated")}
+        self.tiers: dict[str, object] = {}  # node id -> its host KV tier actor (kv_tier.host_bytes > 0)
 
     @classmethod
     def start(cls, config: TandemConfig, address: str | None = None, ready_timeout_s: float = 300.0) -> "Cluster":
@@ -136,6 +138,8 @@ class Cluster:
             rendezvous, collective_init = host_rendezvous(config.transfer.host)
         rank = itertools.count()
         cluster = cls(config, schedulers, workers, owns_ray, engine.model, keys)
+        if config.kv_tier.host_bytes > 0:
+            cluster.tiers = start_tiers(config.kv_tier.host_bytes, NAMESPACE)
         spawned = time.monotonic()
         for role, pool in config.pools().items():
             for _ in range(pool.replicas):
@@ -170,6 +174,7 @@ class Cluster:
             curve_keys=self.keys, kv_encrypted=self.config.transfer.kv_encrypted(), kv_shm=self.config.transfer.shm,
             decode_prefill_tokens=self.config.scheduler.local_prefill_max_tokens or None,
             tracing=self.config.observability.tracing(),
+            kv_tier_namespace=NAMESPACE if self.tiers else None,
         )
         placement = {}
         if pool.tensor_parallel_size > 1:
@@ -235,13 +240,15 @@ class Cluster:
             time.sleep(0.05)
 
     def check_integrity(self, timeout_s: float = 30.0) -> dict:
-        """Every worker's and the scheduler's invariants (raises on a violation); returns their stats as
-        a plain report for people and tests: {"workers": {id: stats}, "scheduler": state}."""
+        """Every worker's, the scheduler's and the host KV tiers' invariants (raises on a violation); returns
+        their stats as a plain report: {"workers": {id: stats}, "scheduler": state, "tiers": {node: stats}}."""
         self.resizes.check_integrity(self)
         stats = ray.get([w.check_integrity.remote() for w in list(self.workers.values())], timeout=timeout_s)
         shards = ray.get([s.check_integrity.remote() for s in self.schedulers], timeout=timeout_s)
+        tiers = ray.get([t.check_integrity.remote() for t in self.tiers.values()], timeout=timeout_s)
         return {"workers": {s.worker_id: s.as_dict() for s in stats},
-                "scheduler": SchedulerState.merged(shards).as_dict()}
+                "scheduler": SchedulerState.merged(shards).as_dict(),
+                "tiers": {node: dataclasses.asdict(t) for node, t in zip(self.tiers, tiers)}}
 
     def shutdown(self) -> None:
         for close in self.closers:
@@ -254,6 +261,7 @@ class Cluster:
             self.stop_worker(worker_id)
         for scheduler in self.schedulers:
             ray.kill(scheduler, no_restart=True)
+        stop_tiers(self.tiers)
         if self._owns_ray:
             ray.shutdown()
             ray_metric_ports.release()

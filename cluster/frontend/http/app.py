@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.control.config import IngressSection
+from cluster.control.lifecycle.kv_tiers import tier_stats
 from cluster.control.scheduler.scheduler_state import SchedulerState
 from cluster.frontend.http import responses
 from cluster.frontend.http.body_guard import AdminCheck, BodyGuard, tenant_of
@@ -123,6 +124,7 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
         ingress.metrics.update_workers(state.worker_stats)
         ingress.metrics.update_tenants(state.tenant_blocks)
         ingress.metrics.update_links(state.links)
+        ingress.metrics.update_tiers(await asyncio.to_thread(tier_stats))
         client = ingress.client
         ingress.metrics.update_sockets({"token_sink": client.drops.snapshot(), "scheduler_link": client.link_drops.snapshot(),
                                         "scheduler_port": state.port_drops}, rejected_handshakes())

@@ -58,6 +58,15 @@ class IngressMetrics:
         self.rejected_handshakes = Gauge("tandem:rejected_handshakes_total",
                                          "CURVE handshakes of this ingress's sockets refused (not a cluster key)",
                                          registry=r)
+        self.tier_bytes = Gauge("tandem:kv_tier_bytes", "KV bytes stored in each node's host tier", ["node"], registry=r)
+        self.tier_hits = Gauge("tandem:kv_tier_hits_total", "blocks a worker's lookup found in the host tier",
+                               ["node"], registry=r)
+        self.tier_misses = Gauge("tandem:kv_tier_misses_total", "blocks a worker's lookup asked the host tier for "
+                                 "and did not find", ["node"], registry=r)
+        self.tier_loads = Gauge("tandem:kv_tier_loads_total", "blocks workers loaded from the host tier into their "
+                                "pools", ["node"], registry=r)
+        self.tier_evictions = Gauge("tandem:kv_tier_evictions_total", "blocks the host tier evicted (least recently "
+                                    "used) to make room", ["node"], registry=r)
         self.queue_time = Histogram("tandem:request_queue_time_seconds", "arrival at a worker -> first scheduled",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.prefill_time = Histogram("tandem:request_prefill_time_seconds", "first scheduled -> first token",
@@ -93,6 +102,15 @@ class IngressMetrics:
                 drops[socket, reason] = drops.get((socket, reason), 0) + n
         for (socket, reason), n in drops.items():
             self.dropped.labels(socket, reason).set(n)
+
+    def update_tiers(self, tiers: dict) -> None:
+        """`tiers`: each node's host KV tier's `TierStats`, by node id; a tier that went stops being exported."""
+        gauges = (self.tier_bytes, self.tier_hits, self.tier_misses, self.tier_loads, self.tier_evictions)
+        for gauge in gauges:
+            gauge.clear()
+        for node, t in tiers.items():
+            for gauge, value in zip(gauges, (t.bytes, t.hits, t.misses, t.loads, t.evictions)):
+                gauge.labels(node).set(value)
 
     def update_sockets(self, dropped: dict[str, dict[str, int]], rejected_handshakes: int) -> None:
         """`dropped`: by socket (the ingress's own and the schedulers'), by reason."""
