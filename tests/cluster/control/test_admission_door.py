@@ -18,6 +18,15 @@ class FakeClock:
         return self.now
 
 
+def _busy_at_100_per_s(door: AdmissionDoor, clock: FakeClock) -> None:
+    """Busy for 2 s admitting 100 per second with 50 waiting all along: the rate is about 100/s."""
+    for _ in range(50):
+        door.entered()
+    for _ in range(200):
+        clock.now += 0.01
+        door.left(admitted=True)
+        door.entered()
+
 def test_a_burst_on_an_idle_cluster_is_never_refused():
     clock = FakeClock()
     door = AdmissionDoor(clock)
@@ -30,13 +39,7 @@ def test_a_burst_on_an_idle_cluster_is_never_refused():
 def test_refused_once_the_queue_would_wait_past_the_budget():
     clock = FakeClock()
     door = AdmissionDoor(clock)
-    # Busy for 2 s admitting 100 per second with 50 waiting all along: the rate is about 100/s.
-    for _ in range(50):
-        door.entered()
-    for _ in range(200):
-        clock.now += 0.01
-        door.left(admitted=True)
-        door.entered()
+    _busy_at_100_per_s(door, clock)
     rate = door.rate()
     assert 90 < rate < 110, rate
     assert door.refuse(budget_s=1.0) is None  # 50 waiting at ~100/s: half a second
@@ -120,15 +123,6 @@ def test_a_slow_cluster_refuses_at_once_what_would_wait_past_the_budget():
     refused = door.refuse(budget_s=30.0)  # 20 waiting at ~0.4/s: ~50 s
     assert refused is not None and refused.retry_after_s > 30.0
 
-
-
-def _busy_at_100_per_s(door: AdmissionDoor, clock: FakeClock) -> None:
-    for _ in range(50):
-        door.entered()
-    for _ in range(200):
-        clock.now += 0.01
-        door.left(admitted=True)
-        door.entered()
 
 
 def test_a_stall_is_not_a_rate():
