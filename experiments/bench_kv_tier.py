@@ -21,7 +21,7 @@ import ray
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TandemConfig
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 
 _BLOCK = 16
 

@@ -21,7 +21,7 @@ from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TandemConfig
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.scheduler.scheduler_state import SchedulerState
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from experiments.bench_report import add_out_argument, report_main
 
 _CONFIG = Path(__file__).resolve().parent.parent / "configs" / "disagg-2p2d.yaml"

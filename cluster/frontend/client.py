@@ -28,7 +28,6 @@ from typing import AsyncIterator, Iterator
 
 import ray
 
-from actors.engine.text.tokenizer import has_tokenizer, load_tokenizer
 from actors.protocol.messages import Admitted, AdmittedBy, Forgotten, GenerateRequest, Rejected
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import SchedulerSection
@@ -396,12 +395,3 @@ class TandemClient:
 async def _close_all(links: list[SchedulerLink]) -> None:
     await asyncio.gather(*(link.close() for link in links))
 
-
-def open_client(cluster) -> TandemClient:
-    """A client of a cluster launched in this process (cluster.control.lifecycle.launch.Cluster), closed by its
-    shutdown. Made here, not by the cluster, because the frontend stands above the control plane."""
-    tokenizer = load_tokenizer(cluster.model_dir) if has_tokenizer(cluster.model_dir) else None
-    client = TandemClient(cluster.schedulers, tokenizer, host=cluster.config.transfer.host, keys=cluster.keys,
-                          progress_timeout_s=cluster.config.scheduler.progress_timeout_s)
-    cluster.closers.append(client.close)
-    return client

@@ -23,7 +23,7 @@ from actors.protocol.messages import GenerateRequest, TokenDelta
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.token_stream import TokenPublisher
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from kv_transfer.curve import CurveKeys, rejected_handshakes
 from kv_transfer.page_format import PageSpec, TransferError, TransferHeader, encode_header
 from kv_transfer.zmq_transport import ZmqKVSender

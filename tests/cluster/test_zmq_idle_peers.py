@@ -20,7 +20,7 @@ import ray
 import zmq
 
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from kv_transfer.curve import HANDSHAKE_TIMEOUT_S
 from tests.helpers.cluster import collect_tokens, load, wait_until_idle, workload
 from tests.helpers.sockets import stranger

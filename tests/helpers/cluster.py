@@ -14,7 +14,7 @@ import torch
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import TandemConfig
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -16,7 +16,7 @@ import ray
 
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from kv_transfer.shm_segment import PREFIX
 from tests.helpers.cluster import load
 

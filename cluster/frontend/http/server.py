@@ -11,7 +11,7 @@ from actors.engine.model.loader import read_hf_config
 from actors.tracing.tracer import start as start_tracing
 from cluster.control.config import IngressSection, TenantSection
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from cluster.frontend.http.admin import LOOPBACK, AdminAccess, add_admin_routes
 from cluster.frontend.http.autoscaler_metrics import AutoscalerCollector
 from cluster.frontend.http.app import create_app

@@ -13,7 +13,7 @@ from actors.protocol.sampling_params import SamplingParams
 from cluster.control.scheduler.affinity import AffinityMap, Served
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.scheduler.routing import AFFINITY_SLACK_FLOOR_S, AFFINITY_SLACK_PROMPTS, PrefillPlan, WorkerView, pick_decode, prefer_affine
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import load, wait_until_idle, wait_until_reported
 
 COST = 0.001  # s per prompt token, every worker

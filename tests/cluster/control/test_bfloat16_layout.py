@@ -11,7 +11,7 @@ import torch
 
 from actors.engine.engine import Engine
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import load, wait_until_idle, workload
 
 

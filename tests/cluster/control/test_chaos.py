@@ -27,7 +27,8 @@ from actors.engine.engine import Engine
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import AdmissionRejected, open_client
+from cluster.frontend.client import AdmissionRejected
+from cluster.frontend.open_client import open_client
 from cluster.frontend.request_stream import SampleResult
 from tests.helpers.cluster import load, wait_until_idle
 

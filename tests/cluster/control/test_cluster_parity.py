@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import load, wait_until_idle, workload
 
 

@@ -7,7 +7,7 @@ import pytest
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 
 PROMPTS = [list(range(20 + 13 * i, 50 + 13 * i)) for i in range(8)]

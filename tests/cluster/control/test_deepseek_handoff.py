@@ -14,7 +14,7 @@ import ray
 
 from actors.engine.engine import Engine
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import load, wait_until_idle, workload
 
 pytestmark = pytest.mark.slow  # four clusters

@@ -26,7 +26,8 @@ from actors.protocol.messages import TokenDelta
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import TandemClient, open_client
+from cluster.frontend.client import TandemClient
+from cluster.frontend.open_client import open_client
 from cluster.frontend.inbox import Inbox
 from experiments.chaos_killer import alive_worker_pids
 from tests.helpers.cluster import load, wait_until_idle

@@ -17,7 +17,7 @@ from actors.engine.text.tokenizer import load_tokenizer
 from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.structured_output import MAX_ALTERNATIVES, MAX_DEPTH, MAX_SPEC_BYTES, StructuredOutput
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 
 PLAIN = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -18,7 +18,7 @@ from actors.kv_tier.actor import TIER_PREFIX
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.lifecycle.scaling import scale
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import load, wait_restarted, wait_until_idle
 
 BLOCKS = 24  # per worker: one conversation turn (~11 blocks) and a filler do not both stay cached

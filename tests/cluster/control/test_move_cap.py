@@ -20,7 +20,7 @@ from actors.protocol.messages import GenerateRequest, TokenDelta, WorkerRequest
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from cluster.frontend.request_stream import MAX_MOVES, RequestStream
 from tests.helpers.cluster import load, wait_restarted, wait_until_idle
 

@@ -14,7 +14,7 @@ from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.structured_output import StructuredOutput
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import load, wait_until_idle, workload
 from tests.helpers.models import make_hf_model
 

@@ -11,7 +11,7 @@ import ray
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 
 SLOW_STEP_S = 3.0  # one prefill step this long: the worker measures ~2 ms a prompt token

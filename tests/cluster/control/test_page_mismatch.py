@@ -12,7 +12,7 @@ from actors.worker.remote import worker_actor
 from actors.worker.spec import WorkerSpec
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.scheduler.actor import Scheduler, SchedulerSettings
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 
 

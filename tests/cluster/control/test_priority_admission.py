@@ -18,7 +18,7 @@ import ray
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.scheduler.room_waiters import RoomWaiters
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 from tests.helpers.models import make_hf_model
 

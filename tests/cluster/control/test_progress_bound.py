@@ -19,7 +19,7 @@ import ray
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.config import SchedulerSection
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 from tests.helpers.http_server import MODEL, serving
 

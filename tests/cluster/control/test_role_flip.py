@@ -16,7 +16,7 @@ from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.lifecycle.role_flip import flip, flip_refusal
 from cluster.control.lifecycle.scaling import scale
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import ClosedLoop, load, wait_until_idle
 
 PROMPTS = [list(range(20 + 9 * i, 60 + 13 * i)) for i in range(6)]

@@ -8,7 +8,7 @@ import torch
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.scheduler.routing import ANY_TENANT, RecentTenants, WorkerView, pick_decode, plan_prefill, predicted_ttft
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import load, wait_until_idle, wait_until_reported
 
 COST = 1e-3

@@ -11,7 +11,7 @@ import yaml
 
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tandem.cli import main as tandem
 from cluster.control.lifecycle.launch import NAMESPACE, Cluster
 from cluster.control.lifecycle.scaling import ConfigWatcher, ResizeInProgress, scale

@@ -17,7 +17,7 @@ from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
 from cluster.control.config import TandemConfig
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 from tests.helpers.models import make_hf_model
 

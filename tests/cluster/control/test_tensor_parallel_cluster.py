@@ -20,7 +20,7 @@ from ray._private import state
 from actors.engine.engine import Engine
 from cluster.control.config import TandemConfig
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import generate_in_background, load, wait_until_idle, workload
 
 pytestmark = pytest.mark.slow  # tensor-parallel clusters, ranks killed

@@ -16,7 +16,7 @@ from actors.engine.engine import Engine
 from actors.engine.model.parallel import TPShard
 from cluster.control.config import TandemConfig
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import generate_in_background, load, wait_until_idle, workload
 from tests.helpers.models import make_hf_model
 

@@ -12,7 +12,7 @@ import ray
 from actors.engine.engine import Engine
 from actors.protocol.sampling_params import SamplingParams
 from cluster.control.lifecycle.launch import Cluster
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import load, wait_until_idle
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -10,7 +10,7 @@ import pytest
 import ray
 import uvicorn
 
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from cluster.frontend.http.app import create_app
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.served_model import ServedModel

@@ -11,7 +11,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.protocol.sampling_params import SamplingParams
-from cluster.frontend.client import open_client
+from cluster.frontend.open_client import open_client
 from tests.helpers.cluster import wait_until_idle
 from tests.helpers.http_server import MODEL
 
