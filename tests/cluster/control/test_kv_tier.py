@@ -33,6 +33,9 @@ def _config(name: str, model_dir, host_bytes: int):
               "kv_tier": config.kv_tier.model_copy(update={"host_bytes": host_bytes})}
     if name == "colocated.yaml":
         update["colocated"] = config.colocated.model_copy(update={"replicas": 1})
+    else:  # every prompt through the prefill worker's pool: a filler the cost model prefilled on the decode
+        # worker instead would leave turn one's blocks in the prefill pool, and turn two would need no tier
+        update["scheduler"] = config.scheduler.model_copy(update={"local_prefill": False})
     return config.model_copy(update=update)
 
 
