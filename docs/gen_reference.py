@@ -6,7 +6,9 @@
 - reference/metrics.md: every Prometheus metric the server exports, read from the source that registers it;
 - reference/fields.md: every request field of the completions, chat and Responses routes, honoured or
   refused (with the neutral value it accepts), from the request models and the field lists
-  (cluster/frontend/http/protocol.py, fields.py, responses_request.py).
+  (cluster/frontend/http/protocol.py, fields.py, responses_request.py);
+- reference/http-api.md: every route with its answers and every body's shape, from the OpenAPI document the
+  server serves (`GET /openapi.json`), built here from the same app without a cluster.
 
 `python docs/gen_reference.py` rewrites them; tests/test_docs_site.py fails when a committed page and
 the code disagree. Nothing of the product imports this file.
@@ -277,7 +279,7 @@ def fields_page() -> str:
            "chat template whole, every key; an earlier response's output item given back as Responses `input` "
            "describes itself with `id` and `status` (its text parts with `annotations` and `logprobs`), which pass "
            "and ask nothing of this request. Where a field's value is further bounded (`best_of`, `n`, stop "
-           "strings, ...) the 400 names it too: see the [HTTP API](http-api.md).\n\n"]
+           "strings, ...) the 400 names it too: see [the OpenAI API](../guides/openai-api.md).\n\n"]
     for route, rows in field_sections():
         out += [f"## `{route}`\n\n", "| field | type | status |\n|---|---|---|\n"]
         out += [f"| `{key}` | {kind} | {status} |\n" for key, kind, status in rows]
@@ -285,8 +287,72 @@ def fields_page() -> str:
     return "".join(out).rstrip("\n") + "\n"
 
 
+# ---- HTTP API -------------------------------------------------------------------------------------
+
+def served_document() -> dict:
+    """The OpenAPI document the server serves: routes and bodies do not depend on the model or a cluster."""
+    from cluster.frontend.http.app import create_app
+    from cluster.frontend.http.gate import Gate
+    from cluster.frontend.http.ingress import Ingress
+    from cluster.frontend.http.served_model import ServedModel
+
+    return create_app(Ingress(None, ServedModel("model", None, 0, 0), Gate(None)), None).openapi()
+
+
+def _schema_type(schema: dict) -> str:
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[1]
+        return f"[{name}](#{name.lower()})"
+    if "const" in schema:
+        return f"`{json.dumps(schema['const'])}`"
+    if "enum" in schema:
+        return " \\| ".join(f"`{json.dumps(v)}`" for v in schema["enum"])
+    if "anyOf" in schema:
+        return " \\| ".join(_schema_type(option) for option in schema["anyOf"])
+    if schema.get("type") == "array":
+        return f"list[{_schema_type(schema.get('items', {}))}]"
+    if schema.get("type") == "object" and isinstance(schema.get("additionalProperties"), dict):
+        return f"map[string, {_schema_type(schema['additionalProperties'])}]"
+    return schema.get("type", "any")
+
+
+def http_api_page() -> str:
+    doc = served_document()
+    out = ["# HTTP API\n\n", HEADER.format(source="the OpenAPI document the server serves (cluster/frontend/http)"),
+           "A running server serves this document at `GET /openapi.json`. What each request field does, or why it "
+           "is refused: [Request fields](fields.md); how the routes behave (streaming, tools, structured output, "
+           "stored responses, prompt scoring): [the OpenAI API](../guides/openai-api.md). Every error body is "
+           "OpenAI's envelope, [ErrorBody](#errorbody).\n\n",
+           "## Routes\n\n| route | what it does | request body | answers |\n|---|---|---|---|\n"]
+    meanings: dict[str, str] = {}
+    for path, operations in doc["paths"].items():
+        for method, op in operations.items():
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
+            answers = []
+            for status, answer in op["responses"].items():
+                schema = answer.get("content", {}).get("application/json", {}).get("schema")
+                answers.append(f"{status}" + (f" {_schema_type(schema)}" if schema and status.startswith("2") else ""))
+                if schema == {"$ref": "#/components/schemas/ErrorBody"}:
+                    meanings.setdefault(status, answer["description"])
+            out.append(f"| `{method.upper()} {path}` | {_cell(op.get('description', ''))} | "
+                       f"{_schema_type(body) if body else ''} | {', '.join(answers)} |\n")
+    out.append("\n## Error statuses\n\n| status | when |\n|---|---|\n")
+    out += [f"| {status} | {_cell(meanings[status])} |\n" for status in sorted(meanings)]
+    out.append("\n## Bodies\n\n")
+    for name, schema in sorted(doc["components"]["schemas"].items()):
+        out.append(f"### {name}\n\n")
+        if schema.get("description"):
+            out.append(f"{_cell(schema['description'])}\n\n")
+        required = set(schema.get("required", ()))
+        out.append("| field | type | required |\n|---|---|---|\n")
+        out += [f"| `{field}` | {_schema_type(spec)} | {'yes' if field in required else ''} |\n"
+                for field, spec in schema.get("properties", {}).items()]
+        out.append("\n")
+    return "".join(out).rstrip("\n") + "\n"
+
+
 PAGES = {"configuration.md": configuration_page, "cli.md": cli_page, "metrics.md": metrics_page,
-         "fields.md": fields_page}
+         "fields.md": fields_page, "http-api.md": http_api_page}
 
 
 def write(out_dir: Path) -> list[Path]:

@@ -25,7 +25,10 @@ from cluster.frontend.http.body_guard import AdminCheck, BodyGuard, tenant_of
 from cluster.frontend.http.chat_request import prepare_chat
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.lifecycle import ClientGone, raise_if_failed, run_unless_disconnected
-from cluster.frontend.http.openapi import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList, documented
+from cluster.frontend.http.openapi import (
+    ChatCompletionResponse, CompletionResponse, HealthBody, ModelCard, ModelList, ReadyBody, documented,
+    without_validation_answers,
+)
 from cluster.frontend.http.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from cluster.frontend.http.request_hints import hints_of
 from cluster.frontend.http.responses_api import add_responses_route
@@ -89,8 +92,11 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
     if ingress.spans.tracer is not None:  # outside the guard: a refused request has its span too
         app.add_middleware(TraceMiddleware, tracer=ingress.spans.tracer)
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={
+        200: {"model": HealthBody, "description": "the ingress serves"},
+        503: {"model": HealthBody, "description": "its token sink's receiving thread is dead: restart the ingress"}})
     async def health():
+        """Liveness of the ingress itself (no call to the scheduler): a probe that restarts a broken one."""
         # A dead token-sink thread would leave every stream empty while the server looked fine: the
         # liveness probe must fail so the pod (or the operator) restarts the ingress.
         if not ingress.client.sink_alive:
@@ -110,15 +116,22 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
     async def scheduler_state() -> SchedulerState:
         return SchedulerState.merged(await shard_states())
 
-    @app.get("/ready")
+    @app.get("/ready", response_model=None, responses={
+        200: {"model": ReadyBody, "description": "every scheduler shard serves: a worker in each pool the mode needs"},
+        503: {"model": ReadyBody, "description": "a pool has no worker yet, or a scheduler shard did not answer "
+                                                "(then an error body)"}})
     async def ready():
+        """Readiness: whether a request sent now can be served, with the registered workers."""
         states = await shard_states()
         ok = all(_serves(state) for state in states)  # every shard: a request may hash to any of them
         workers = sorted(w for state in states for w in state.workers)
         return JSONResponse({"ready": ok, "workers": workers}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_model=None, responses={
+        200: {"description": "Prometheus text: the `tandem:*` metrics (docs/reference/metrics.md)",
+              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
+        """The ingress's, the scheduler's and every worker's metrics, read at the time of the scrape."""
         state = await scheduler_state()
         ingress.metrics.update_pools(state.workers)
         ingress.metrics.update_workers(state.worker_stats)
@@ -136,11 +149,13 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
 
     @app.get("/v1/models", response_model=None, responses=documented(ModelList, 401))
     async def models(request: Request):
+        """The one model this server serves (OpenAI's list shape)."""
         tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}", response_model=None, responses=documented(ModelCard, 401, 404))
     async def model(model_id: str, request: Request):
+        """The served model's card, with vLLM's `max_model_len`; any other id is a 404."""
         tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
         ingress.model.check_model(model_id)
         return model_card()
@@ -151,6 +166,7 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
     @app.post("/v1/completions", response_model=None,
               responses=documented(CompletionResponse, 400, 401, 404, 408, 413, 429, 500, 503, 504, streams=True))
     async def completions(req: CompletionRequest, request: Request):
+        """OpenAI's completions, with vLLM's extras: every field honoured or a 400 naming it (fields.md)."""
         arrival = time.perf_counter()
         tenant = tenant_of(request)
         # echo with max_tokens 0 scores the prompt only: one token is generated and not shown.
@@ -194,6 +210,8 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
     @app.post("/v1/chat/completions", response_model=None,
               responses=documented(ChatCompletionResponse, 400, 401, 404, 408, 413, 429, 500, 503, 504, streams=True))
     async def chat(req: ChatCompletionRequest, request: Request):
+        """OpenAI's chat completions (tools, structured output), with vLLM's extras: every field honoured or a 400
+        naming it (fields.md)."""
         arrival = time.perf_counter()
         tenant = tenant_of(request)
         chat = await prepare_chat(ingress, req)
@@ -232,11 +250,13 @@ def create_app(ingress: Ingress, scheduler, admin: AdminCheck | None = None,
     @app.get("/v1/chat/completions/{completion_id}", response_model=None,
              responses=documented(ChatCompletionResponse, 401, 404))
     async def stored_chat(completion_id: str, request: Request):
+        """A chat completion sent with `store: true`, from the ingress's memory (per tenant; a restart forgets it)."""
         stored = ingress.stored.get(tenant_of(request), completion_id)
         if stored is None or stored.body.get("object") != "chat.completion":
             raise ApiError(404, f"no stored chat completion {completion_id!r}", "completion_id", "not_found_error")
         return stored.body
 
+    without_validation_answers(app)
     return app
 
 

@@ -193,19 +193,69 @@ class TokenizerInfoResponse(BaseModel):
     model_max_length: int
 
 
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: bool
+
+
+class HealthBody(BaseModel):
+    status: Literal["ok", "unhealthy"]
+    reason: str | None = None
+
+
+class ReadyBody(BaseModel):
+    ready: bool
+    workers: list[str]
+
+
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
 
 
+# What each error status means here, as the served document says it (docs/reference/http-api.md is made from it).
+ERROR_MEANINGS = {
+    400: "a bad request: the error's `param` names the field (or the prompt, or max_tokens that does not fit)",
+    401: "no API key, or one `ingress.api_keys` does not hold (or, on /admin, not the admin key)",
+    404: "an unknown model, or no stored object with that id (for this tenant)",
+    408: "the body did not arrive within `ingress.body_timeout_s`, or the request ran past its own `timeout`",
+    413: "a body over `ingress.max_body_bytes`",
+    429: "turned away (Retry-After): the requests waiting would not be admitted within `scheduler.queue_timeout_s`, "
+         "no decode worker had room within it, or the tenant's rate, token or concurrency limit",
+    500: "the request failed inside the cluster, or an internal error (logged)",
+    503: "unavailable (Retry-After): no admission answer within `scheduler.progress_timeout_s`, the scheduler "
+         "lost while admitting, or no worker in a pool",
+    504: "the request ran past `ingress.request_timeout_s`",
+}
+
+
 def documented(ok_model: type[BaseModel] | None, *errors: int, streams: bool = False) -> dict:
     """FastAPI `responses=` for a route: its 200 body (JSON, or SSE too) and its error statuses."""
-    ok: dict = {"description": "OK"}
+    ok: dict = {"description": "OK" + (": JSON, or server-sent events with `stream: true`" if streams else "")}
     if ok_model is not None:
         ok["model"] = ok_model
     if streams:
         ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
     out: dict = {200: ok}
     for status in errors:
-        out[status] = {"model": ErrorBody, "description": "error"}
+        out[status] = {"model": ErrorBody, "description": ERROR_MEANINGS[status]}
     return out
+
+
+def without_validation_answers(app) -> None:
+    """FastAPI documents a 422 on every route with parameters; this server answers a request that fails its
+    model with a 400 naming the field (app.py), so the served document says that and only that."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = generate()  # caches itself on the app; trimmed here once
+            for operations in document["paths"].values():
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                document.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -22,7 +22,7 @@ from cluster.frontend.http.chat_request import prepare_chat
 from cluster.frontend.http import responses
 from cluster.frontend.http.ingress import Ingress
 from cluster.frontend.http.lifecycle import raise_if_failed, run_unless_disconnected
-from cluster.frontend.http.openapi import ResponseObject, documented
+from cluster.frontend.http.openapi import DeletedResponse, ResponseObject, documented
 from cluster.frontend.http.protocol import ApiError
 from cluster.frontend.http.request_hints import hints_of
 from cluster.frontend.http.responses_output import ResponseOutput
@@ -64,6 +64,8 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
     @app.post("/v1/responses", response_model=None, responses=documented(ResponseObject, 400, 401, 404, 408, 413, 429,
                                                                          500, 503, 504, streams=True))
     async def create_response(req: ResponsesRequest, request: Request):
+        """OpenAI's Responses API as the OpenAI Agents SDK uses it: text and function-call items, function tools,
+        `previous_response_id`; every field honoured or a 400 naming it (fields.md)."""
         arrival = time.perf_counter()
         tenant = tenant_of(request)
         previous = ()
@@ -131,13 +133,15 @@ def add_responses_route(app: FastAPI, ingress: Ingress) -> None:
 
     @app.get("/v1/responses/{response_id}", response_model=None, responses=documented(ResponseObject, 401, 404))
     async def get_response(response_id: str, request: Request):
+        """A stored response (kept unless `store: false`), from the ingress's memory, per tenant."""
         stored = ingress.stored.get(tenant_of(request), response_id)
         if stored is None or stored.body.get("object") != "response":
             raise ApiError(404, f"no stored response {response_id!r}", "response_id", "not_found_error")
         return stored.body
 
-    @app.delete("/v1/responses/{response_id}", response_model=None)
+    @app.delete("/v1/responses/{response_id}", response_model=None, responses=documented(DeletedResponse, 401, 404))
     async def delete_response(response_id: str, request: Request):
+        """Forgets a stored response."""
         if not ingress.stored.drop(tenant_of(request), response_id):
             raise ApiError(404, f"no stored response {response_id!r}", "response_id", "not_found_error")
         return {"id": response_id, "object": "response", "deleted": True}

@@ -43,6 +43,7 @@ class DetokenizeRequest(BaseModel):
 def add_token_routes(app: FastAPI, ingress: Ingress) -> None:
     @app.post("/tokenize", response_model=None, responses=documented(TokenizeResponse, 400, 401, 404, 413))
     async def tokenize(req: TokenizeRequest, request: Request):
+        """vLLM's /tokenize: a `prompt`, or chat `messages` through the chat template, to token ids."""
         tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
         check_fields(req, ingress.model.caps.accept_unknown_fields)
         ingress.model.check_model(req.model)
@@ -65,6 +66,7 @@ def add_token_routes(app: FastAPI, ingress: Ingress) -> None:
 
     @app.post("/detokenize", response_model=None, responses=documented(DetokenizeResponse, 400, 401, 404, 413))
     async def detokenize(req: DetokenizeRequest, request: Request):
+        """vLLM's /detokenize: token ids to text."""
         tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
         check_fields(req, ingress.model.caps.accept_unknown_fields)
         ingress.model.check_model(req.model)
@@ -75,6 +77,7 @@ def add_token_routes(app: FastAPI, ingress: Ingress) -> None:
 
     @app.get("/tokenizer_info", response_model=None, responses=documented(TokenizerInfoResponse, 401))
     async def tokenizer_info(request: Request):
+        """vLLM's /tokenizer_info: the tokenizer's class, special tokens and chat template (lm-eval reads it)."""
         tenant_of(request)  # authenticated by the guard (this fails if the route ever leaves it)
         tok = ingress.model.tokenizer
         return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
@@ -82,6 +85,7 @@ def add_token_routes(app: FastAPI, ingress: Ingress) -> None:
 
     @app.get("/version", response_model=None, responses=documented(VersionResponse))
     async def version():
+        """The installed tandem's version."""
         try:
             return {"version": importlib.metadata.version("tandem")}
         except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing it
