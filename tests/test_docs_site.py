@@ -61,3 +61,4 @@ def test_the_readme_is_a_short_front_page_whose_links_land():
     links = re.findall(r"\]\(([^)#\s]+)", readme)
     assert any(link.startswith("docs/") for link in links)
     assert [link for link in links if "://" not in link and not (REPO / link).exists()] == []
+

@@ -245,6 +245,7 @@ class TandemClient:
             self.forget(stream.request_id)
             raise AdmissionRejected(answer)
         self._admitted_by(stream.request_id, answer.epoch)
+        stream.routes.append(answer)
         return Submitted(stream, answer)
 
     def _admitted_by(self, request_id: str, epoch: str | None) -> None:
@@ -271,6 +272,7 @@ class TandemClient:
                 stream.inbox.put(MigrationRefused(answer.reason))
             else:
                 self._admitted_by(request.request_id, answer.epoch)
+                stream.routes.append(answer)
 
         self._send(request, self.progress_timeout_s).add_done_callback(answered)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from actors.engine.text.detokenizer import IncrementalDetokenizer
 from actors.protocol.ids import AttemptId
-from actors.protocol.messages import GenerateRequest, StageTimes, TokenDelta
+from actors.protocol.messages import Admitted, GenerateRequest, StageTimes, TokenDelta
 from actors.protocol.request_status import RequestStatus
 from actors.protocol.sampling_params import SamplingParams
 
@@ -157,6 +157,8 @@ class RequestStream:
         self.moves = 0
         self.timed_out = False
         self.emitted: dict[int, list[float]] = {}
+        # The scheduler's answer for each of its attempts, first to last: which workers prefill and decode it.
+        self.routes: list[Admitted] = []
         params = request.params
         self.samples = [_Sample(i, _detokenizer(tokenizer, list(request.prompt_token_ids), params))
                         for i in range(params.n)]

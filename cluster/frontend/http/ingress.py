@@ -146,7 +146,7 @@ class Ingress:
             "finish_reasons": [r.finish_reason for r in stream.results],
         }))
         for r in stream.results:
-            self.metrics.observe_emits(arrival, stream.emitted.get(r.index, []))
+            self.metrics.observe_emits(arrival, stream.emitted.get(r.index, []), stream.routes)
             self.metrics.finished.labels(r.finish_reason or "abort").inc()
 
     async def open_all(self, prompts: list[list[int]], params: SamplingParams, tenant: str | None,

@@ -1,14 +1,17 @@
 """Prometheus metrics of the ingress, named `tandem:*`, in a registry of their own.
 
 Latencies follow DESIGN.md: TTFT = first emit - arrival at the ingress, ITL = gap between emits,
-TPOT = (last emit - first emit) / (N - 1).
+TPOT = (last emit - first emit) / (N - 1). Each is labelled with the pool that made it: TTFT the pool whose
+worker computed the first token (prefill, or decode for a prompt its decode worker prefilled itself, or
+colocated), ITL and TPOT the pool of the worker that decoded the rest (of the last attempt, after a move).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from actors.protocol.messages import StageTimes, WorkerStats
+from actors.protocol.messages import Admitted, StageTimes, WorkerStats
+from cluster.control.lifecycle.launch import role_of
 from cluster.control.scheduler.routing import WorkerView
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -21,10 +24,12 @@ class IngressMetrics:
         self.registry = CollectorRegistry()
         self.tenant_labels = tenant_labels
         r = self.registry
-        self.ttft = Histogram("tandem:time_to_first_token_seconds", "first emit - arrival", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tandem:inter_token_latency_seconds", "gap between emits", buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("tandem:time_per_output_token_seconds", "(last - first emit) / (N - 1)",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("tandem:time_to_first_token_seconds", "first emit - arrival, by the pool that computed "
+                              "the first token", ["pool"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem:inter_token_latency_seconds", "gap between emits, by the pool that decoded",
+                             ["pool"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("tandem:time_per_output_token_seconds", "(last - first emit) / (N - 1), by the pool "
+                              "that decoded", ["pool"], buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tandem:e2e_request_latency_seconds", "finish - arrival", buckets=_LATENCY_BUCKETS, registry=r)
         self.finished = Counter("tandem:requests_finished", "requests finished, by finish reason", ["reason"], registry=r)
         self.rejected = Counter("tandem:requests_rejected", "requests rejected, by reason", ["reason"], registry=r)
@@ -52,6 +57,8 @@ class IngressMetrics:
                                   "fixed cost of a KV handoff per link, as the scheduler measured it", ["link"],
                                   registry=r)
         self.worker_rss = Gauge("tandem:worker_rss_bytes", "resident memory of each worker process", ["worker"], registry=r)
+        self.worker_kv = Gauge("tandem:worker_kv_usage", "fraction of each worker's KV blocks in use", ["worker", "pool"],
+                               registry=r)
         # Summed over the ingress's token sink and every worker's KV receiver (each restarted worker starts over).
         self.dropped = Gauge("tandem:dropped_messages_total", "messages receive loops dropped, by socket and reason",
                              ["socket", "reason"], registry=r)
@@ -76,15 +83,18 @@ class IngressMetrics:
         self.decode_time = Histogram("tandem:request_decode_time_seconds", "first token -> finished",
                                      buckets=_LATENCY_BUCKETS, registry=r)
 
-    def observe_emits(self, arrival: float, emits: list[float]) -> None:
-        """One finished sample: its emit times (one per token) against the request's arrival."""
-        if not emits:
+    def observe_emits(self, arrival: float, emits: list[float], routes: list[Admitted]) -> None:
+        """One finished sample: its emit times (one per token) against the request's arrival; `routes`: the
+        workers of each of its attempts (`RequestStream.routes`)."""
+        if not emits or not routes:
             return
-        self.ttft.observe(emits[0] - arrival)
+        first, last = routes[0], routes[-1]
+        self.ttft.labels(role_of(first.decode if first.local else first.prefill)).observe(emits[0] - arrival)
+        itl = self.itl.labels(role_of(last.decode))
         for a, b in zip(emits, emits[1:]):
-            self.itl.observe(b - a)
+            itl.observe(b - a)
         if len(emits) > 1:
-            self.tpot.observe((emits[-1] - emits[0]) / (len(emits) - 1))
+            self.tpot.labels(role_of(last.decode)).observe((emits[-1] - emits[0]) / (len(emits) - 1))
         self.e2e.observe(emits[-1] - arrival)
 
     def update_workers(self, stats: dict[str, WorkerStats]) -> None:
@@ -94,8 +104,11 @@ class IngressMetrics:
         self.kv_transfers.labels("failed").set(sum(w.transfers_failed for w in workers))
         self.kv_transfers.labels("adopted").set(sum(w.adopted for w in workers))
         self.leases_expired.set(sum(w.leases_expired for w in workers))
+        self.worker_rss.clear()  # a worker removed or flipped stops being exported
+        self.worker_kv.clear()
         for worker_id, w in stats.items():
             self.worker_rss.labels(worker_id).set(w.rss_bytes)
+            self.worker_kv.labels(worker_id, w.role).set(w.used_blocks / w.num_blocks if w.num_blocks else 0.0)
         drops: dict[tuple[str, str], int] = {}
         for w in workers:
             for socket, reason, n in w.dropped_messages:

@@ -151,6 +151,10 @@ def test_models_health_ready_and_metrics(server, client):
     ttft = families["tandem:time_to_first_token_seconds"]
     count = [s.value for s in ttft.samples if s.name.endswith("_count")][0]
     assert count > 0
+    # Labelled with the pool that computed the first token (1P+1D: prefill, or decode for a prompt it prefilled)
+    assert {s.labels["pool"] for s in ttft.samples if s.name.endswith("_count")} <= {"prefill", "decode"}
+    kv = {s.labels["worker"]: s.labels["pool"] for s in families["tandem:worker_kv_usage"].samples}
+    assert kv == {"prefill-0": "prefill", "decode-0": "decode"}, kv
     assert "tandem:pool_kv_usage" in families and "tandem:requests_finished" in families
     for phase in ("queue_time", "prefill_time", "kv_transfer_time", "decode_time"):
         samples = families[f"tandem:request_{phase}_seconds"].samples
