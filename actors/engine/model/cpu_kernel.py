@@ -1,5 +1,6 @@
-"""tandem's CPU paged-attention kernel (csrc/paged_attention_cpu.c): built with the machine's C compiler on
-first use, cached, and called through ctypes on tensors' memory.
+"""tandem's CPU kernels (csrc/): paged attention (paged_attention_cpu.c) and float32 linear layers
+(linear_f32_cpu.c), built into one library with the machine's C compiler on first use, cached, and called
+through ctypes on tensors' memory.
 
 Why a plain C file and ctypes rather than a torch extension: it compiles in about a second with no torch
 headers, and a call costs a few microseconds (30 layers a step). The build is keyed by the source, the
@@ -24,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.c"
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention_cpu.c", "linear_f32_cpu.c"))
 # -ffp-contract=fast: under -std=c11 GCC does not fuse `a += b * c` into one FMA instruction (ISO C mode
 # turns contraction off), which doubled the kernel's arithmetic instructions and chained their latencies.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -58,19 +59,21 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelUnavailable("no C compiler on PATH (install gcc, or set CC)")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    target = cache_dir() / key / "paged_attention_cpu.so"
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + " ".join(FLAGS).encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
+    target = cache_dir() / key / "tandem_cpu_kernels.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Built beside the target and renamed into place: workers that build at once each finish whole.
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([compiler, *FLAGS, "-o", partial, *map(str, SOURCES), "-lm"], capture_output=True,
+                          text=True, timeout=120)
     if done.returncode != 0:
         os.unlink(partial)
-        raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        raise KernelUnavailable(f"{compiler} failed to build {', '.join(s.name for s in SOURCES)}: "
+                                f"{done.stderr.strip()[-2000:]}")
     os.replace(partial, target)
     return target
 
@@ -90,6 +93,12 @@ def load() -> ctypes.CDLL:
                 fn.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6
                                + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
                                   ctypes.c_int, ctypes.c_void_p])
+                library.linear_f32_pack.restype = None
+                library.linear_f32_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                                    ctypes.c_int]
+                library.linear_f32.restype = ctypes.c_int
+                library.linear_f32.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
+                                               + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int])
                 _library = library
         if _library is None:
             raise KernelUnavailable(_build_error)
@@ -125,3 +134,22 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
               None if sinks is None else sinks.data_ptr())
     if code:
         raise ValueError(f"the CPU paged-attention kernel refused this shape: {_ERRORS.get(code, code)}")
+
+
+def pack_linear_f32(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 [n, k] weight in `linear_f32`'s layout: panels of 16 output features, k-major within a panel
+    (see linear_f32_cpu.c), features past n zero."""
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    packed = torch.empty(-(-n // 16) * 16 * k, dtype=torch.float32)
+    load().linear_f32_pack(weight.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    return packed
+
+
+def linear_f32(rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows float32 [m, k] (unit stride in k) times the packed weight, plus `bias` (float32 [n], contiguous)."""
+    m, k = rows.shape
+    out = torch.empty(m, out_features, dtype=torch.float32)
+    load().linear_f32(rows.data_ptr(), m, rows.stride(0), k, packed.data_ptr(), out_features,
+                      None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, torch.get_num_threads())
+    return out
