@@ -1,5 +1,5 @@
-"""tandem's CPU kernels (csrc/): paged attention (paged_attention_cpu.c) and float32 linear layers
-(linear_f32_cpu.c), built into one library with the machine's C compiler on first use, cached, and called
+"""tandem's CPU kernels (csrc/): paged attention (paged_attention_cpu.c) and linear layers (float32:
+linear_f32_cpu.c; bfloat16 on CPUs with AVX512-BF16: linear_bf16_cpu.c), built into one library with the machine's C compiler on first use, cached, and called
 through ctypes on tensors' memory.
 
 Why a plain C file and ctypes rather than a torch extension: it compiles in about a second with no torch
@@ -25,7 +25,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention_cpu.c", "linear_f32_cpu.c"))
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention_cpu.c", "linear_f32_cpu.c",
+                                                                         "linear_bf16_cpu.c"))
 # -ffp-contract=fast: under -std=c11 GCC does not fuse `a += b * c` into one FMA instruction (ISO C mode
 # turns contraction off), which doubled the kernel's arithmetic instructions and chained their latencies.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -93,12 +94,15 @@ def load() -> ctypes.CDLL:
                 fn.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6
                                + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
                                   ctypes.c_int, ctypes.c_void_p])
-                library.linear_f32_pack.restype = None
-                library.linear_f32_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                                    ctypes.c_int]
-                library.linear_f32.restype = ctypes.c_int
-                library.linear_f32.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
-                                               + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int])
+                for kind in ("f32", "bf16"):
+                    pack, linear = getattr(library, f"linear_{kind}_pack"), getattr(library, f"linear_{kind}")
+                    pack.restype = None
+                    pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+                    linear.restype = ctypes.c_int
+                    linear.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
+                                       + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int])
+                library.linear_bf16_supported.restype = ctypes.c_int
+                library.linear_bf16_supported.argtypes = []
                 _library = library
         if _library is None:
             raise KernelUnavailable(_build_error)
@@ -136,20 +140,46 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
         raise ValueError(f"the CPU paged-attention kernel refused this shape: {_ERRORS.get(code, code)}")
 
 
-def pack_linear_f32(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 [n, k] weight in `linear_f32`'s layout: panels of 16 output features, k-major within a panel
-    (see linear_f32_cpu.c), features past n zero."""
+_LINEAR = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def linear_unavailable(dtype: torch.dtype) -> str | None:
+    """Why the linear kernel cannot run `dtype` here (not float32 or bfloat16, no build, bfloat16 without
+    AVX512-BF16), or None."""
+    if dtype not in _LINEAR:
+        return f"it has no {dtype} version (float32 and bfloat16 only)"
+    try:
+        library = load()
+    except KernelUnavailable as e:
+        return str(e)
+    if dtype == torch.bfloat16 and not library.linear_bf16_supported():
+        return "this CPU has no AVX512-BF16"
+    if dtype == torch.bfloat16 and " amx_bf16" in _cpu_flags():
+        # AMX multiplies whole tiles: oneDNN's AMX GEMM outruns a vdpbf16ps one at prefill sizes.
+        return "this CPU has AMX, which oneDNN's bfloat16 GEMM uses"
+    return None
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 or bfloat16 [n, k] weight in the linear kernel's layout: panels of 16 output features, k-major
+    within a panel (bfloat16: k in pairs), features and k past the weight's zero (see csrc/linear_*_cpu.c)."""
     weight = weight.detach().contiguous()
     n, k = weight.shape
-    packed = torch.empty(-(-n // 16) * 16 * k, dtype=torch.float32)
-    load().linear_f32_pack(weight.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    per_panel = 16 * k if weight.dtype == torch.float32 else 16 * 2 * (-(-k // 2))
+    packed = torch.empty(-(-n // 16) * per_panel, dtype=weight.dtype)
+    getattr(load(), f"linear_{_LINEAR[weight.dtype]}_pack")(weight.data_ptr(), n, k, packed.data_ptr(),
+                                                            torch.get_num_threads())
     return packed
 
 
-def linear_f32(rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """rows float32 [m, k] (unit stride in k) times the packed weight, plus `bias` (float32 [n], contiguous)."""
+def linear(rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [m, k] (unit stride in k) times the packed weight, plus `bias` ([n], contiguous), all of the packed
+    weight's dtype (float32, or bfloat16: products summed in float32, rounded once)."""
     m, k = rows.shape
-    out = torch.empty(m, out_features, dtype=torch.float32)
-    load().linear_f32(rows.data_ptr(), m, rows.stride(0), k, packed.data_ptr(), out_features,
-                      None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, torch.get_num_threads())
+    out = torch.empty(m, out_features, dtype=packed.dtype)
+    code = getattr(load(), f"linear_{_LINEAR[packed.dtype]}")(
+        rows.data_ptr(), m, rows.stride(0), k, packed.data_ptr(), out_features,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, torch.get_num_threads())
+    if code:
+        raise RuntimeError(f"the CPU linear kernel has no {packed.dtype} path on this CPU")
     return out

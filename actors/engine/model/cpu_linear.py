@@ -32,7 +32,7 @@ def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
     F.linear)."""
     if device.type != "cpu":
         return None
-    if dtype == torch.float32 and cpu_kernel.why_unavailable(torch.float32) is None:
+    if dtype in (torch.float32, torch.bfloat16) and cpu_kernel.linear_unavailable(dtype) is None:
         return "kernel"
     if dtype == torch.float32 and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
         return "mkl"
@@ -69,20 +69,23 @@ class PackedLinear(_Packed):
 
 
 class KernelLinear(_Packed):
-    """float32, tandem's kernel: the op reads the packed copy; the original stays for whoever shares it."""
+    """float32 or bfloat16, tandem's kernel: the op reads only the packed copy. A float32 module keeps its
+    original too, as MKL's did (model code may read it); a bfloat16 one drops it, as oneDNN's did, unless
+    another module shares it (tied embeddings)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.out_features = linear.out_features
-        self.weight = linear.weight
+        if linear.weight.dtype == torch.float32:
+            self.weight = linear.weight
         self.bias = linear.bias
-        self.register_buffer("packed_weight", cpu_kernel.pack_linear_f32(linear.weight), persistent=False)
+        self.register_buffer("packed_weight", cpu_kernel.pack_linear(linear.weight), persistent=False)
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         bias = None if self.bias is None else self.bias.detach().contiguous()
-        return cpu_kernel.linear_f32(rows, self.packed_weight, self.out_features, bias)
+        return cpu_kernel.linear(rows, self.packed_weight, self.out_features, bias)
 
 
 class OneDnnLinear(_Packed):

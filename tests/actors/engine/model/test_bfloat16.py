@@ -29,7 +29,8 @@ from torch import nn
 
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
-from actors.engine.model.cpu_linear import OneDnnLinear, linear_packing, pack_linears
+from actors.engine.model import cpu_kernel
+from actors.engine.model.cpu_linear import KernelLinear, OneDnnLinear, linear_packing, pack_linears
 from actors.engine.model.dtype_choice import choose_dtype, cpu_flags, resolve_dtype
 from actors.engine.model.loader import DTYPES
 from actors.protocol.sampling_params import SamplingParams
@@ -123,8 +124,9 @@ def test_smollm2_greedy_matches_transformers_in_bfloat16(smollm2_dir):
 
 
 def test_packed_bfloat16_linears_match_f_linear_whatever_the_batch():
-    """Where oneDNN has a bfloat16 path, the runner's linears read one packed weight; every row's result is
-    F.linear's, bit for bit, however many rows share the call."""
+    """Where the CPU has a bfloat16 path (tandem's GEMM with AVX512-BF16 and no AMX, else oneDNN's), the
+    runner's linears read one packed weight; every row's result is F.linear's, bit for bit, however many rows
+    share the call."""
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=True).to(torch.bfloat16)
     x = torch.randn(300, 96).to(torch.bfloat16)
@@ -134,7 +136,9 @@ def test_packed_bfloat16_linears_match_f_linear_whatever_the_batch():
         assert not torch.ops.mkldnn._is_mkldnn_bf16_supported()
         return
     model = nn.Sequential(linear)
-    assert packing == "onednn" and pack_linears(model, packing) == 1 and isinstance(model[0], OneDnnLinear)
+    kind = KernelLinear if cpu_kernel.linear_unavailable(torch.bfloat16) is None else OneDnnLinear
+    assert packing == ("kernel" if kind is KernelLinear else "onednn")
+    assert pack_linears(model, packing) == 1 and isinstance(model[0], kind)
     for rows in (1, 3, 16, 64, 300):
         assert torch.equal(model[0](x[:rows]), want[:rows]), rows
     assert model[0](x[:0]).shape == (0, 160)

@@ -1,7 +1,8 @@
-"""tandem's float32 CPU GEMM (csrc/linear_f32_cpu.c through cpu_linear.KernelLinear): the linear layer's
-product within float32 rounding of a float64 reference, and a row's result the same bits whatever rows share
-the call, however many threads split it (what keeps greedy outputs identical across layouts); an engine on
-a float32 model uses it, and without a C compiler it falls back to MKL's packed GEMM."""
+"""tandem's CPU GEMMs (csrc/linear_f32_cpu.c, and linear_bf16_cpu.c where the CPU has AVX512-BF16 and no
+AMX, through cpu_linear.KernelLinear): the linear layer's product within the dtype's rounding of a float64
+reference, and a row's result the same bits whatever rows share the call, however many threads split it
+(what keeps greedy outputs identical across layouts); a model's linear layers are packed for it, and
+without a C compiler float32 falls back to MKL's packed GEMM."""
 
 from __future__ import annotations
 
@@ -18,36 +19,45 @@ from actors.engine.model.cpu_linear import KernelLinear, linear_packing, pack_li
 
 pytestmark = pytest.mark.skipif(cpu_kernel.why_unavailable(torch.float32) is not None,
                                 reason="tandem's CPU kernels need a C compiler")
+BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    cpu_kernel.linear_unavailable(torch.bfloat16) is not None,
+    reason=f"the bfloat16 GEMM: {cpu_kernel.linear_unavailable(torch.bfloat16)}"))
+DTYPES = [torch.float32, BF16]
+# Relative rounding of one result: float32's sum; bfloat16's sum is float32, rounded to bfloat16 once.
+ROUNDING = {torch.float32: 1e-6, torch.bfloat16: 2.0 ** -8}
 
 # SmolLM2's shapes, one whose features are not a multiple of 16 (nor of a tile's 64), one of a single panel.
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (100, 37), (7, 16)]
 
 
-def _layer(out_features: int, in_features: int, bias: bool, seed: int) -> nn.Linear:
+def _layer(out_features: int, in_features: int, bias: bool, seed: int, dtype=torch.float32) -> nn.Linear:
     torch.manual_seed(seed)
-    return nn.Linear(in_features, out_features, bias=bias)
+    return nn.Linear(in_features, out_features, bias=bias).to(dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_product_is_the_linear_layer_s(shape, bias):
-    layer = _layer(*shape, bias, seed=1)
+def test_the_product_is_the_linear_layer_s(shape, bias, dtype):
+    layer = _layer(*shape, bias, seed=1, dtype=dtype)
+    want_weight = layer.weight.double()
     packed = KernelLinear(layer)
-    x = torch.randn(3, 11, shape[1])  # any leading shape, as the model's modules send
+    x = torch.randn(3, 11, shape[1]).to(dtype)  # any leading shape, as the model's modules send
     with torch.no_grad():
         got = packed(x)
-        want = nn.functional.linear(x.double(), layer.weight.double(),
-                                    None if layer.bias is None else layer.bias.double())
-    assert got.shape == (3, 11, shape[0]) and got.dtype == torch.float32
-    scale = x.abs().max() * layer.weight.abs().max() * shape[1]  # a bound on the sums' size
-    assert (got.double() - want).abs().max() <= 1e-6 * scale
+        want = nn.functional.linear(x.double(), want_weight, None if layer.bias is None else layer.bias.double())
+    assert got.shape == (3, 11, shape[0]) and got.dtype == dtype
+    # Each result within its rounding of the exact sum (float32 accumulates k products: a bound on its error).
+    bound = (x.double().abs() @ want_weight.abs().T) * 1e-6 + want.abs() * ROUNDING[dtype]
+    assert ((got.double() - want).abs() <= bound + 1e-6).all()
 
 
-@pytest.mark.parametrize("shape", SHAPES[:3] + SHAPES[3:4])
-def test_a_row_is_the_same_bits_whatever_rows_and_threads_share_the_call(shape):
-    layer = _layer(*shape, True, seed=2)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES[:4])
+def test_a_row_is_the_same_bits_whatever_rows_and_threads_share_the_call(shape, dtype):
+    layer = _layer(*shape, True, seed=2, dtype=dtype)
     packed = KernelLinear(layer)
-    x = torch.randn(70, shape[1])
+    x = torch.randn(70, shape[1]).to(dtype)
     threads = torch.get_num_threads()
     with torch.no_grad():
         whole = packed(x)
@@ -60,13 +70,14 @@ def test_a_row_is_the_same_bits_whatever_rows_and_threads_share_the_call(shape):
         for start, stop in [(0, 1), (5, 6), (69, 70), (0, 13), (7, 20), (30, 70)]:
             assert torch.equal(packed(x[start:stop]), whole[start:stop]), (start, stop)
         # Rows that are a view into a wider tensor (a fused projection's slice) read the same.
-        wide = torch.cat([x, torch.randn(70, 5)], dim=1)[:, :shape[1]]
+        wide = torch.cat([x, torch.randn(70, 5).to(dtype)], dim=1)[:, :shape[1]]
         assert torch.equal(packed(wide), whole)
 
 
-def test_a_float32_model_s_linear_layers_are_packed_for_the_kernel():
-    model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 32, bias=False))
-    packing = linear_packing(torch.device("cpu"), torch.float32)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_model_s_linear_layers_are_packed_for_the_kernel(dtype):
+    model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 32, bias=False)).to(dtype)
+    packing = linear_packing(torch.device("cpu"), dtype)
     assert packing == "kernel" and pack_linears(model, packing) == 2
     assert all(isinstance(model[i], KernelLinear) for i in (0, 2))
 
