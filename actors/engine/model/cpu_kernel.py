@@ -176,6 +176,8 @@ def linear(rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: to
     """rows [m, k] (unit stride in k) times the packed weight, plus `bias` ([n], contiguous), all of the packed
     weight's dtype (float32, or bfloat16: products summed in float32, rounded once)."""
     m, k = rows.shape
+    if rows.dtype != packed.dtype or rows.device.type != "cpu":  # the C code reads raw memory: refuse, never misread
+        raise ValueError(f"the CPU linear kernel multiplies {packed.dtype} rows on the CPU, got {rows.dtype} on {rows.device}")
     out = torch.empty(m, out_features, dtype=packed.dtype)
     code = getattr(load(), f"linear_{_LINEAR[packed.dtype]}")(
         rows.data_ptr(), m, rows.stride(0), k, packed.data_ptr(), out_features,

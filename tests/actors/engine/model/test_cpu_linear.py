@@ -90,3 +90,10 @@ def test_without_a_compiler_float32_falls_back_to_mkl(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120, cwd=repo)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "mkl"
+
+
+def test_rows_of_another_dtype_are_refused_not_misread():
+    packed = KernelLinear(_layer(16, 32, True, seed=3))
+    with pytest.raises(ValueError, match="float32 rows"):
+        packed(torch.randn(2, 32, dtype=torch.float64))
+
