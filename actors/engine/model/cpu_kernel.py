@@ -1,4 +1,5 @@
-"""tandem's CPU kernels (csrc/): paged attention (paged_attention_cpu.c) and linear layers (float32:
+"""tandem's CPU kernels (csrc/): attention over paged KV (paged_attention_cpu.c for decodes,
+prefill_attention_cpu.c for prompts) and linear layers (float32:
 linear_f32_cpu.c; bfloat16 on CPUs with AVX512-BF16: linear_bf16_cpu.c), built into one library with the machine's C compiler on first use, cached, and called
 through ctypes on tensors' memory.
 
@@ -25,8 +26,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention_cpu.c", "linear_f32_cpu.c",
-                                                                         "linear_bf16_cpu.c"))
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(_CSRC / name for name in ("paged_attention_cpu.c", "prefill_attention_cpu.c", "linear_f32_cpu.c",
+                                          "linear_bf16_cpu.c"))
+HEADERS = (_CSRC / "attention_cpu.h",)
 # -ffp-contract=fast: under -std=c11 GCC does not fuse `a += b * c` into one FMA instruction (ISO C mode
 # turns contraction off), which doubled the kernel's arithmetic instructions and chained their latencies.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -60,7 +63,7 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelUnavailable("no C compiler on PATH (install gcc, or set CC)")
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + " ".join(FLAGS).encode()
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS) + " ".join(FLAGS).encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     target = cache_dir() / key / "tandem_cpu_kernels.so"
     if target.exists():
@@ -89,11 +92,11 @@ def load() -> ctypes.CDLL:
             except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
                 _build_error = str(e)
             else:
-                fn = library.paged_attention
-                fn.restype = ctypes.c_int
-                fn.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6
-                               + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
-                                  ctypes.c_int, ctypes.c_void_p])
+                for fn in (library.paged_attention, library.prefill_attention):
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6
+                                   + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
+                                      ctypes.c_int, ctypes.c_void_p])
                 for kind in ("f32", "bf16"):
                     pack, linear = getattr(library, f"linear_{kind}_pack"), getattr(library, f"linear_{kind}")
                     pack.restype = None
@@ -124,11 +127,27 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
                     block_tables: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
                     context_lens: torch.Tensor, scale: float, window: int | None, softcap: float | None,
                     chunk: int | None = None, sinks: torch.Tensor | None = None) -> None:
-    """Attend the query rows of each listed sequence to its cached context, into `out` (see the C file).
+    """Attend the query rows of each listed sequence to its cached context, into `out` (see the C file):
+    the kernel for decodes and runs of a few tokens.
     `sinks`: float32 [H], contiguous (gpt-oss's per-head sink logits), or None.
     q, out [T, H, D]; caches [num_blocks, block_size, KVH, D], all contiguous and of one dtype;
     block_tables int32 [S, max_blocks]; query_starts, query_lens, context_lens int64 [S]."""
-    fn = load().paged_attention
+    _attend(load().paged_attention, "paged-attention", out, q, k_cache, v_cache, block_tables, query_starts,
+            query_lens, context_lens, scale, window, softcap, chunk, sinks)
+
+
+def prefill_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
+                      context_lens: torch.Tensor, scale: float, window: int | None, softcap: float | None,
+                      chunk: int | None = None, sinks: torch.Tensor | None = None) -> None:
+    """paged_attention's contract, with the kernel for prompts and long chunks (csrc/prefill_attention_cpu.c:
+    many queries per key, scored 16 rows at a time)."""
+    _attend(load().prefill_attention, "prefill-attention", out, q, k_cache, v_cache, block_tables, query_starts,
+            query_lens, context_lens, scale, window, softcap, chunk, sinks)
+
+
+def _attend(fn, name: str, out, q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale,
+            window, softcap, chunk, sinks) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     code = fn(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
@@ -137,7 +156,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
               softcap or 0.0, q.dtype == torch.bfloat16, torch.get_num_threads(),
               None if sinks is None else sinks.data_ptr())
     if code:
-        raise ValueError(f"the CPU paged-attention kernel refused this shape: {_ERRORS.get(code, code)}")
+        raise ValueError(f"the CPU {name} kernel refused this shape: {_ERRORS.get(code, code)}")
 
 
 _LINEAR = {torch.float32: "f32", torch.bfloat16: "bf16"}

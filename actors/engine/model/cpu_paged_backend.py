@@ -1,12 +1,14 @@
-"""The `cpu` attention backend: decode tokens (and runs of up to KERNEL_MAX_QUERY tokens after a cached
-context) attend with tandem's CPU kernel (cpu_kernel.py), which reads K/V in their cache blocks; prompts
-and longer chunks attend with SDPA as in the reference path. Measured on this 2-core box, one thread,
-SmolLM2's heads, 8 sequences at 2,000 tokens of context: the kernel took 0.55x SDPA's time for runs of
-4 tokens, about the same for 8 to 16 and 1.6-4x for 64 (SDPA's blocked matmuls win once a K/V row serves
-enough queries to pay for the gather); for decodes it took 0.1-0.4x.
+"""The `cpu` attention backend: every query attends with tandem's CPU kernels (cpu_kernel.py), which read
+K/V in their cache blocks: decode tokens and runs of up to KERNEL_MAX_QUERY tokens after a cached context
+with the decode kernel (csrc/paged_attention_cpu.c), prompts and longer chunks with the prefill kernel
+(csrc/prefill_attention_cpu.c). The reference path (attention.py, SDPA) stays the `sdpa` backend.
 
 Why: the reference path gathers each decode sequence's blocks into a padded copy per layer and step; at
-16 sequences of 2,048 tokens that copy was ~1.5 GB a step on SmolLM2 before any arithmetic.
+16 sequences of 2,048 tokens that copy was ~1.5 GB a step on SmolLM2 before any arithmetic. For prompts,
+SDPA's CPU flash attention took 1.7x the prefill kernel's time at 512 tokens of SmolLM2 (one thread,
+both dtypes) and 1.1-1.2x at 2,048 or a 256-token chunk after 1,024 cached (a third of a 512-token
+prefill's time was SDPA). Measured on this 2-core box, one thread, SmolLM2's heads, 8 sequences at 2,000
+tokens of context: the decode kernel took 0.55x SDPA's time for runs of 4 tokens and 0.1-0.4x for decodes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from actors.engine.model import cpu_kernel
-from actors.engine.model.attention import PrefillSlice, add_prefill, attend_prefills
 from actors.engine.model.attention_backend import (
     AttentionBackend, LayerAttention, StepAttention, positions_and_slots, sink_logits, write_new_kv,
 )
@@ -41,27 +42,39 @@ def why_not_cpu(layers: tuple[LayerAttention, ...], dtype: torch.dtype, device: 
 
 
 @dataclass
+class KernelRuns:
+    """The sequences one kernel attends in a step (see cpu_kernel.paged_attention)."""
+
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    query_starts: torch.Tensor  # int64 [S]
+    query_lens: torch.Tensor
+    context_lens: torch.Tensor
+
+    @classmethod
+    def of(cls, starts: list[int], lens: list[int], contexts: list[int], tables: list[list[int]]) -> KernelRuns | None:
+        if not tables:
+            return None
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        return cls(padded, torch.tensor(starts), torch.tensor(lens), torch.tensor(contexts))
+
+
+@dataclass
 class CpuPagedStep(StepAttention):
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    prefills: list[PrefillSlice]  # prompts and long chunks (SDPA)
-    # The kernel's sequences: decodes and short runs after a cached context; None when there are none.
-    block_tables: torch.Tensor | None  # int32 [S, max_blocks]
-    query_starts: torch.Tensor | None  # int64 [S]
-    query_lens: torch.Tensor | None
-    context_lens: torch.Tensor | None
+    short: KernelRuns | None  # decodes and short runs after a cached context (the decode kernel)
+    long: KernelRuns | None  # prompts and longer chunks (the prefill kernel)
 
     def attend(self, q, k, v, k_cache, v_cache, layer: LayerAttention) -> torch.Tensor:
         write_new_kv(k, v, k_cache, v_cache, self.slot_mapping)
-        if self.block_tables is None:
-            return attend_prefills(q, k, v, k_cache, v_cache, self.prefills, layer.scale, layer.window, layer.softcap,
-                                   layer.chunk, layer.sinks)
         q = q.contiguous()
-        out = attend_prefills(q, k, v, k_cache, v_cache, self.prefills, layer.scale, layer.window, layer.softcap,
-                              layer.chunk, layer.sinks)
+        out = torch.empty_like(q)  # every row is some sequence's: one of the kernels writes it
         sinks = None if layer.sinks is None else sink_logits(layer.sinks, q.device)
-        cpu_kernel.paged_attention(out, q, k_cache, v_cache, self.block_tables, self.query_starts, self.query_lens,
-                                   self.context_lens, layer.scale, layer.window, layer.softcap, layer.chunk, sinks)
+        for runs, kernel in ((self.short, cpu_kernel.paged_attention), (self.long, cpu_kernel.prefill_attention)):
+            if runs is not None:
+                kernel(out, q, k_cache, v_cache, runs.block_tables, runs.query_starts, runs.query_lens,
+                       runs.context_lens, layer.scale, layer.window, layer.softcap, layer.chunk, sinks)
         return out
 
 
@@ -72,24 +85,14 @@ class CpuPagedBackend(AttentionBackend):
         self.block_size = block_size
 
     def prepare(self, query_lens, computed_lens, block_tables) -> CpuPagedStep:
-        cpu = torch.device("cpu")
-        prefills: list[PrefillSlice] = []
-        starts, lens, contexts, tables = [], [], [], []
+        runs: dict[bool, tuple[list, list, list, list]] = {False: ([], [], [], []), True: ([], [], [], [])}
         start = 0
         for q_len, done, table in zip(query_lens, computed_lens, block_tables):
-            blocks = table[: -(-(done + q_len) // self.block_size)]
-            if done == 0 or q_len > KERNEL_MAX_QUERY:
-                add_prefill(prefills, start, q_len, done, blocks, cpu)
-            else:
-                starts.append(start)
-                lens.append(q_len)
-                contexts.append(done + q_len)
-                tables.append(blocks)
+            starts, lens, contexts, tables = runs[done == 0 or q_len > KERNEL_MAX_QUERY]
+            starts.append(start)
+            lens.append(q_len)
+            contexts.append(done + q_len)
+            tables.append(table[: -(-(done + q_len) // self.block_size)])
             start += q_len
         positions, slots = positions_and_slots(query_lens, computed_lens, block_tables, self.block_size)
-        if not tables:
-            return CpuPagedStep(positions, slots, prefills, None, None, None, None)
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        return CpuPagedStep(positions, slots, prefills, padded, torch.tensor(starts), torch.tensor(lens),
-                            torch.tensor(contexts))
+        return CpuPagedStep(positions, slots, KernelRuns.of(*runs[False]), KernelRuns.of(*runs[True]))

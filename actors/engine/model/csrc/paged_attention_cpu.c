@@ -38,8 +38,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16
-#define MAX_HEAD_DIM 256
+#include "attention_cpu.h"
+
 #define MAX_ROWS 64  /* query rows per work item: tile tokens x query heads per kv head */
 #define MAX_BLOCK 64 /* block_size */
 #define MAX_KV_HEADS 16 /* kv heads per work item */
@@ -50,67 +50,6 @@
 #define AHEAD 2
 #define PREFETCH_LOCALITY 1
 
-typedef float vec __attribute__((vector_size(4 * LANES)));
-typedef float vec_u __attribute__((vector_size(4 * LANES), aligned(4))); /* for unaligned loads and stores */
-typedef int32_t ivec __attribute__((vector_size(4 * LANES)));
-typedef uint16_t bf16_t;
-
-enum { OK = 0, BAD_SHAPE = 1, NO_MEMORY = 3 };
-
-static inline vec load(const float *p) { return *(const vec_u *)p; }
-static inline void store(float *p, vec v) { *(vec_u *)p = v; }
-static inline vec splat(float x) { return (vec){0} + x; }
-
-/* e^x for x <= 0 (softmax weights after the max is subtracted), relative error ~2e-7; -inf gives 0. */
-static inline vec exp_nonpositive(vec x) {
-    const vec lo = splat(-87.0f);
-    ivec dead = x < lo;
-    x = (vec)(((ivec)x & ~dead) | ((ivec)lo & dead));
-    vec n = x * 1.44269504f + 12582912.0f; /* round to nearest by the 1.5 * 2^23 trick */
-    vec k = n - 12582912.0f;
-    vec r = x - k * 0.693145752f - k * 1.42860677e-6f;
-    vec p = splat(1.0f / 720);
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    ivec scale = ((ivec)n - (ivec)splat(12582912.0f) + 127) << 23;
-    return (vec)((ivec)(p * (vec)scale) & ~dead);
-}
-
-static inline float bf16_to_float(bf16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline bf16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_t)(u >> 16);
-}
-
-typedef struct {
-    int bf16; /* storage: bfloat16 if set, else float32 */
-    int64_t num_heads, num_kv_heads, head_dim, block_size;
-    float scale, softcap; /* softcap <= 0: none */
-    int64_t window;       /* <= 0: none */
-    int64_t attn_chunk;   /* <= 0: none (not the 16-key chunks below: Llama 4's attention chunks) */
-    const float *sinks;   /* [num_heads] or NULL */
-} shape_t;
-
-/* The first key position a query at `pos` may attend. */
-static inline int64_t first_key(int64_t pos, const shape_t *sh) {
-    int64_t first = sh->window > 0 ? pos - sh->window + 1 : 0;
-    if (sh->attn_chunk > 0 && pos - pos % sh->attn_chunk > first) first = pos - pos % sh->attn_chunk;
-    return first < 0 ? 0 : first;
-}
-
 typedef struct { /* one thread's working rows, allocated once per thread */
     float q[MAX_ROWS][MAX_HEAD_DIM], acc[MAX_ROWS][MAX_HEAD_DIM];
     bf16_t qb[MAX_ROWS][MAX_HEAD_DIM]; /* bfloat16 queries as given (AVX512-BF16 dot products) */
@@ -119,19 +58,6 @@ typedef struct { /* one thread's working rows, allocated once per thread */
 } scratch_t;
 
 static _Thread_local scratch_t *thread_scratch;
-
-typedef uint16_t half_vec __attribute__((vector_size(2 * LANES), aligned(2)));
-
-/* 16 elements of a K, V or q row as float32 (bfloat16 is the top half of a float32's bits). */
-static inline vec load_row(const void *row, int64_t d, int bf16) {
-    if (!bf16) return load((const float *)row + d);
-    ivec wide = __builtin_convertvector(*(const half_vec *)((const bf16_t *)row + d), ivec);
-    return (vec)(wide << 16);
-}
-
-static inline const void *row_at(const void *base, int64_t index, const shape_t *sh) {
-    return (const char *)base + index * sh->head_dim * (sh->bf16 ? 2 : 4);
-}
 
 /* Ask for one block's rows of the item's kv heads of one cache, some blocks before they are read: a
  * sequence's blocks are scattered over the cache, where the hardware prefetcher cannot guess the next. */

@@ -1,5 +1,6 @@
-"""tandem's CPU paged-attention kernel (csrc/paged_attention_cpu.c through cpu_paged_backend.py) against the
-reference SDPA path on the same mixed steps: decodes at many context lengths, short runs after a cached
+"""tandem's CPU attention kernels (csrc/paged_attention_cpu.c for decodes and short runs,
+prefill_attention_cpu.c for prompts and chunks, through cpu_paged_backend.py) against the reference SDPA
+path on the same mixed steps: decodes at many context lengths, short runs after a cached
 context, fresh prompts beside them, sliding windows, Gemma 2's softcap, Llama 4's attention chunks, GQA
 from 1 to 8 query heads per kv head, block tables in scattered order; float32 to 2e-6, bfloat16 to its
 rounding. And the backend choice when the kernel cannot be built."""
@@ -52,13 +53,30 @@ def _step(query_lens, computed_lens, *, heads=9, kv_heads=3, head_dim=64, block_
             step = backend.prepare(query_lens, computed_lens, tables)
             outputs.append(step.attend(q, k, v, kc, vc, layer).float())
             caches.append((kc, vc))
+        # What both approximate: the reference path in float32 over the same (rounded) inputs.
+        step = SdpaBackend(block_size, (window,), CPU).prepare(query_lens, computed_lens, tables)
+        outputs.append(step.attend(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), layer))
     finally:
         torch.set_num_threads(previous)
     return outputs, caches
 
 
+def assert_close_to_reference(outputs, dtype):
+    """float32: the kernel within F32_TOLERANCE of SDPA. bfloat16: the kernel within one output rounding
+    of the float32 answer over the same inputs, and never further from it than SDPA in bfloat16 is by more
+    than that (SDPA rounds scores and weights to bfloat16 on the way: up to 0.02 off with a softcap of 50)."""
+    reference, kernel, truth = outputs
+    if dtype == torch.float32:
+        assert (reference - kernel).abs().max().item() <= F32_TOLERANCE
+        return
+    kernel_error, reference_error = (kernel - truth).abs().max().item(), (reference - truth).abs().max().item()
+    assert kernel_error <= BF16_TOLERANCE, (kernel_error, reference_error)
+    assert kernel_error <= reference_error + BF16_TOLERANCE, (kernel_error, reference_error)
+
+
 MIXED = [
     ([1] * 16, [2047 - 37 * i for i in range(16)]),  # decodes at 16 context lengths, block edges among them
+    ([300, 21, 22, 1], [0, 0, 500, 40]),  # prompts and a chunk across the prefill kernel's tiles of 21 tokens
     ([1, 3, 40, 1, 2, 100], [5, 900, 200, 16, 31, 0]),  # decodes, short runs, a long chunk, a fresh prompt
     ([4, 4], [1, 4000]),
     ([1], [0 + 1]),  # the second token of a sequence
@@ -69,9 +87,8 @@ MIXED = [
 @pytest.mark.parametrize("window,softcap", [(None, None), (100, None), (None, 30.0), (7, 50.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_attends_as_sdpa_does(query_lens, computed_lens, window, softcap, dtype):
-    (reference, kernel), caches = _step(query_lens, computed_lens, window=window, softcap=softcap, dtype=dtype)
-    tolerance = F32_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE
-    assert (reference - kernel).abs().max().item() <= tolerance
+    outputs, caches = _step(query_lens, computed_lens, window=window, softcap=softcap, dtype=dtype)
+    assert_close_to_reference(outputs, dtype)
     for (k_ref, v_ref), (k_cpu, v_cpu) in zip(caches[:1], caches[1:]):
         assert torch.equal(k_ref, k_cpu) and torch.equal(v_ref, v_cpu)  # the new K/V land in the same slots
 
@@ -81,9 +98,8 @@ def test_the_kernel_attends_as_sdpa_does(query_lens, computed_lens, window, soft
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_keeps_to_attention_chunks_as_sdpa_does(query_lens, computed_lens, chunk, window, dtype):
     """Llama 4's local layers: a query sees only its own chunk's keys (runs of 4 cross chunk edges)."""
-    (reference, kernel), _ = _step(query_lens, computed_lens, window=window, chunk=chunk, dtype=dtype)
-    tolerance = F32_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE
-    assert (reference - kernel).abs().max().item() <= tolerance
+    outputs, _ = _step(query_lens, computed_lens, window=window, chunk=chunk, dtype=dtype)
+    assert_close_to_reference(outputs, dtype)
 
 
 @pytest.mark.parametrize("query_lens,computed_lens", MIXED)
@@ -92,10 +108,10 @@ def test_the_kernel_keeps_to_attention_chunks_as_sdpa_does(query_lens, computed_
 def test_the_kernel_takes_attention_sinks_as_sdpa_does(query_lens, computed_lens, window, dtype):
     """gpt-oss's sink logits, one per query head, from below the scores to far above them."""
     sinks = tuple(torch.linspace(-3.0, 10.0, 9).tolist())
-    (reference, kernel), _ = _step(query_lens, computed_lens, window=window, sinks=sinks, dtype=dtype)
-    tolerance = F32_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE
-    assert (reference - kernel).abs().max().item() <= tolerance
-    (without, _), _ = _step(query_lens, computed_lens, window=window, dtype=dtype)
+    outputs, _ = _step(query_lens, computed_lens, window=window, sinks=sinks, dtype=dtype)
+    assert_close_to_reference(outputs, dtype)
+    reference = outputs[0]
+    (without, _, _), _ = _step(query_lens, computed_lens, window=window, dtype=dtype)
     assert (reference - without).abs().max() > 0.1 * without.abs().max()  # the sinks changed the output
 
 
@@ -106,28 +122,34 @@ def test_the_kernel_takes_attention_sinks_as_sdpa_does(query_lens, computed_lens
     (12, 4, 80, 16),  # a head size the unrolled paths do not cover
     (64, 1, 16, 8),  # every head on one kv head: one work item's rows at the limit
 ])
-def test_head_layouts(heads, kv_heads, head_dim, block_size):
-    (reference, kernel), _ = _step([1, 1, 2, 1], [300, 17, 64, 1000], heads=heads, kv_heads=kv_heads,
-                                   head_dim=head_dim, block_size=block_size)
+@pytest.mark.parametrize("query_lens,computed_lens", [([1, 1, 2, 1], [300, 17, 64, 1000]),  # the decode kernel
+                                                       ([70, 5, 33], [0, 100, 16])])  # the prefill kernel
+def test_head_layouts(heads, kv_heads, head_dim, block_size, query_lens, computed_lens):
+    (reference, kernel, _), _ = _step(query_lens, computed_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                      block_size=block_size)
     assert (reference - kernel).abs().max().item() <= F32_TOLERANCE
 
 
-@pytest.mark.parametrize("query_lens", [[1], [1] * 2, [1] * 40])
+@pytest.mark.parametrize("query_lens", [[1], [1] * 2, [1] * 40, [200], [30, 90]])
 def test_threads_split_the_work_without_changing_it(query_lens):
-    """One sequence splits into an item per kv head across threads; many take all heads each."""
+    """One sequence splits into an item per kv head across threads; many take all heads each; a prompt's
+    tiles of query tokens go to either thread."""
     computed = [500 + 13 * i for i in range(len(query_lens))]
-    (_, one), _ = _step(query_lens, computed, threads=1)
-    (_, two), _ = _step(query_lens, computed, threads=2)
+    (_, one, _), _ = _step(query_lens, computed, threads=1)
+    (_, two, _), _ = _step(query_lens, computed, threads=2)
     assert torch.equal(one, two)
 
 
-def test_only_decodes_and_short_runs_go_to_the_kernel():
-    step = CpuPagedBackend(16).prepare([1, KERNEL_MAX_QUERY, KERNEL_MAX_QUERY + 1, 20], [30, 30, 30, 0],
-                                       [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11]])
-    assert step.query_lens.tolist() == [1, KERNEL_MAX_QUERY]
-    assert step.query_starts.tolist() == [0, 1]
-    assert step.context_lens.tolist() == [31, 30 + KERNEL_MAX_QUERY]
-    assert [(p.query_len, p.context_len) for p in step.prefills] == [(KERNEL_MAX_QUERY + 1, 35), (20, 20)]
+def test_decodes_and_short_runs_go_to_the_decode_kernel_prompts_and_chunks_to_the_prefill_kernel():
+    step = CpuPagedBackend(16).prepare([1, KERNEL_MAX_QUERY, KERNEL_MAX_QUERY + 1, 20, 3], [30, 30, 30, 0, 0],
+                                       [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11], [12]])
+    assert step.short.query_lens.tolist() == [1, KERNEL_MAX_QUERY]
+    assert step.short.query_starts.tolist() == [0, 1]
+    assert step.short.context_lens.tolist() == [31, 30 + KERNEL_MAX_QUERY]
+    assert step.long.query_lens.tolist() == [KERNEL_MAX_QUERY + 1, 20, 3]
+    assert step.long.query_starts.tolist() == [1 + KERNEL_MAX_QUERY, 2 + 2 * KERNEL_MAX_QUERY, 22 + 2 * KERNEL_MAX_QUERY]
+    assert step.long.context_lens.tolist() == [35, 20, 3]
+    assert step.long.block_tables.tolist() == [[7, 8, 9], [10, 11, 0], [12, 0, 0]]
 
 
 def test_shapes_the_kernel_cannot_take_are_named():
