@@ -124,7 +124,7 @@ def test_a_padded_decode_step_leaves_the_real_rows_as_they_were(tmp_path):
     padded = pad_decode(*step, bucket_for(3, graph_buckets(8)), pad_block)
     assert (padded.real, len(padded.token_ids), padded.block_tables[3:]) == (3, 4, [[pad_block]])
     batch = runner.attention.prepare(padded.query_lens, padded.computed_lens, padded.block_tables)
-    assert isinstance(batch, CpuPagedStep) and batch.query_starts.tolist() == [0, 1, 2, 3]  # 4 decodes
+    assert isinstance(batch, CpuPagedStep) and batch.short.query_starts.tolist() == [0, 1, 2, 3]  # 4 decodes
     logits = runner.execute(padded.token_ids, padded.query_lens, padded.computed_lens, padded.block_tables,
                             list(range(4)))
     torch.testing.assert_close(logits[:3], alone, rtol=1e-5, atol=1e-5)
