@@ -19,6 +19,9 @@
  * row's reach is not masked.
  */
 #include <math.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,33 +40,52 @@ typedef struct { /* one thread's working rows, allocated once per thread */
     vec w[KEYS][ROW_VECS];          /* a chunk's scores, then its softmax weights */
     float k[KEYS][MAX_HEAD_DIM], v[KEYS][MAX_HEAD_DIM]; /* the chunk's rows in float32 (bfloat16 caches) */
     vec max[ROW_VECS], total[ROW_VECS], pos[ROW_VECS], first[ROW_VECS];
+    /* AVX512-BF16: pairs of bfloat16 in 32-bit lanes. qp[d][g] lane l: elements 2d, 2d+1 of row 16g+l;
+     * vp[t][d]: element d of keys 2t and 2t+1; wp[t][g] lane l: the weights of keys 2t and 2t+1 for row 16g+l. */
+    uint32_t qp[MAX_HEAD_DIM / 2][ROW_VECS * LANES] __attribute__((aligned(64)));
+    uint32_t vp[KEYS / 2][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    uint32_t wp[KEYS / 2][ROW_VECS * LANES] __attribute__((aligned(64)));
 } scratch_t;
 
 static _Thread_local scratch_t *thread_scratch;
-static const float zero_row[MAX_HEAD_DIM];
+static const float zero_row[MAX_HEAD_DIM]; /* zeros in either dtype */
 
-/* The rows of key positions p0..p0+n-1 (pointers into the cache, or into x's float32 copies for a
- * bfloat16 cache); up to a multiple of KEY_STEP the rest point at zeros. */
-static inline void chunk_rows(const float **kr, const float **vr, scratch_t *x, const void *k_cache,
-                              const void *v_cache, const int32_t *table, int64_t kvh, int64_t p0, int64_t n,
-                              const shape_t *sh, const int64_t D) {
+/* Elements d and d+1 of a bfloat16 row, as one 32-bit lane holds them. */
+static inline uint32_t pair_at(const void *row, int64_t d) {
+    uint32_t pair;
+    memcpy(&pair, (const bf16_t *)row + d, sizeof pair);
+    return pair;
+}
+
+/* The cache rows of key positions p0..p0+n-1; up to a multiple of KEY_STEP the rest point at zeros. */
+static inline void chunk_rows(const void **kr, const void **vr, const void *k_cache, const void *v_cache,
+                              const int32_t *table, int64_t kvh, int64_t p0, int64_t n, const shape_t *sh) {
     const int64_t BS = sh->block_size;
     for (int64_t t = 0; t < n; t++) {
         const int64_t p = p0 + t, row = ((int64_t)table[p / BS] * BS + p % BS) * sh->num_kv_heads + kvh;
-        const void *k = row_at(k_cache, row, sh), *v = row_at(v_cache, row, sh);
+        kr[t] = row_at(k_cache, row, sh);
+        vr[t] = row_at(v_cache, row, sh);
+    }
+    for (int64_t t = n; t % KEY_STEP; t++) kr[t] = vr[t] = zero_row;
+}
+
+/* A bfloat16 cache's rows widened into x's float32 copies (float32 rows are used where they are). */
+static inline void widen_rows(const float **kf, const float **vf, const void *const *kr, const void *const *vr,
+                              scratch_t *x, int64_t n, const shape_t *sh, const int64_t D) {
+    for (int64_t t = 0; t < n; t++) {
         if (!sh->bf16) {
-            kr[t] = (const float *)k;
-            vr[t] = (const float *)v;
+            kf[t] = (const float *)kr[t];
+            vf[t] = (const float *)vr[t];
             continue;
         }
         for (int64_t d = 0; d < D; d += LANES) {
-            store(&x->k[t][d], load_row(k, d, 1));
-            store(&x->v[t][d], load_row(v, d, 1));
+            store(&x->k[t][d], load_row(kr[t], d, 1));
+            store(&x->v[t][d], load_row(vr[t], d, 1));
         }
-        kr[t] = x->k[t];
-        vr[t] = x->v[t];
+        kf[t] = x->k[t];
+        vf[t] = x->v[t];
     }
-    for (int64_t t = n; t % KEY_STEP; t++) kr[t] = vr[t] = zero_row;
+    for (int64_t t = n; t % KEY_STEP; t++) kf[t] = vf[t] = zero_row;
 }
 
 /* w[t][g] = the scores of keys t (rows as lanes), KEY_STEP keys at a time. */
@@ -137,6 +159,70 @@ static inline __attribute__((always_inline)) void soften(scratch_t *x, int64_t p
     }
 }
 
+#if defined(__AVX512BF16__)
+/* The same as score and weigh for bfloat16 caches where the CPU has AVX512-BF16 (head_dim a multiple of
+ * 32): one instruction multiplies 32 bfloat16 pairs into 16 float32 sums, so the pairs run along d for the
+ * scores (K read from the cache as it is) and along the keys for the values (the weights rounded to
+ * bfloat16, as torch's own bfloat16 attention rounds them; the sums stay float32). Half the instructions
+ * of the float32 path. */
+static inline __attribute__((always_inline)) void score_bf16(scratch_t *x, const bf16_t *const *kr, int64_t n,
+                                                             float scale, const int G, const int64_t D) {
+    for (int64_t t0 = 0; t0 < n; t0 += KEY_STEP) {
+        __m512 a[KEY_STEP][ROW_VECS];
+        for (int j = 0; j < KEY_STEP; j++)
+            for (int g = 0; g < G; g++) a[j][g] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D / 2; d++)
+            for (int j = 0; j < KEY_STEP; j++) {
+                const __m512bh k = (__m512bh)_mm512_set1_epi32((int)pair_at(kr[t0 + j], 2 * d));
+                for (int g = 0; g < G; g++)
+                    a[j][g] = _mm512_dpbf16_ps(a[j][g], (__m512bh)_mm512_load_si512(&x->qp[d][g * LANES]), k);
+            }
+        for (int j = 0; j < KEY_STEP; j++)
+            for (int g = 0; g < G; g++) x->w[t0 + j][g] = (vec)a[j][g] * scale;
+    }
+}
+
+static inline __attribute__((always_inline)) void weigh_bf16(scratch_t *x, const bf16_t *const *vr, int64_t n,
+                                                             const vec *correction, const int G, const int64_t D) {
+    uint16_t index[3][32]; /* 16-bit element indices that put a[i] and b[i] side by side */
+    for (int i = 0; i < 16; i++) {
+        index[0][2 * i] = (uint16_t)i, index[0][2 * i + 1] = (uint16_t)(32 + i);       /* low halves of two rows */
+        index[1][2 * i] = (uint16_t)(16 + i), index[1][2 * i + 1] = (uint16_t)(48 + i); /* high halves */
+        index[2][2 * i] = (uint16_t)i, index[2][2 * i + 1] = (uint16_t)(16 + i);       /* a vector's two halves */
+    }
+    const __m512i lo = _mm512_loadu_si512(index[0]), hi = _mm512_loadu_si512(index[1]);
+    const __m512i mix = _mm512_loadu_si512(index[2]);
+    const int64_t pairs = (n + 1) / 2;
+    for (int64_t t = 0; t < pairs; t++) {
+        const bf16_t *a = vr[2 * t], *b = vr[2 * t + 1]; /* past n: a zero row */
+        for (int64_t d = 0; d < D; d += 32) {
+            const __m512i ra = _mm512_loadu_si512(a + d), rb = _mm512_loadu_si512(b + d);
+            _mm512_store_si512(&x->vp[t][d], _mm512_permutex2var_epi16(ra, lo, rb));
+            _mm512_store_si512(&x->vp[t][d + 16], _mm512_permutex2var_epi16(ra, hi, rb));
+        }
+        for (int g = 0; g < G; g++) {
+            const __m512 w0 = (__m512)x->w[2 * t][g];
+            const __m512 w1 = 2 * t + 1 < n ? (__m512)x->w[2 * t + 1][g] : _mm512_setzero_ps();
+            _mm512_store_si512(&x->wp[t][g * LANES],
+                               _mm512_permutexvar_epi16(mix, (__m512i)_mm512_cvtne2ps_pbh(w1, w0)));
+        }
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += D_STEP) {
+        __m512 acc[D_STEP][ROW_VECS];
+        for (int j = 0; j < D_STEP; j++)
+            for (int g = 0; g < G; g++) acc[j][g] = (__m512)(x->ot[d0 + j][g] * correction[g]);
+        for (int64_t t = 0; t < pairs; t++)
+            for (int j = 0; j < D_STEP; j++) {
+                const __m512bh v = (__m512bh)_mm512_set1_epi32((int)x->vp[t][d0 + j]);
+                for (int g = 0; g < G; g++)
+                    acc[j][g] = _mm512_dpbf16_ps(acc[j][g], (__m512bh)_mm512_load_si512(&x->wp[t][g * LANES]), v);
+            }
+        for (int j = 0; j < D_STEP; j++)
+            for (int g = 0; g < G; g++) x->ot[d0 + j][g] = (vec)acc[j][g];
+    }
+}
+#endif
+
 /* Query tokens q_first..q_first+q_count-1 of one sequence (rows from q_start, positions from q_pos0), the
  * query heads of kv head kvh: q_count x group rows, G vectors of them. */
 static inline __attribute__((always_inline)) void attend_tile_d(
@@ -144,6 +230,11 @@ static inline __attribute__((always_inline)) void attend_tile_d(
         int64_t q_first, int64_t q_count, int64_t q_pos0, int64_t kvh, const shape_t *sh, scratch_t *x, const int G,
         const int64_t D) {
     const int64_t group = sh->num_heads / sh->num_kv_heads, R = q_count * group;
+#if defined(__AVX512BF16__)
+    const int pairs = sh->bf16 && D % 32 == 0;
+#else
+    const int pairs = 0;
+#endif
     for (int g = 0; g < G; g++) {
         x->max[g] = splat(-INFINITY);
         x->total[g] = splat(0.0f);
@@ -153,8 +244,11 @@ static inline __attribute__((always_inline)) void attend_tile_d(
     for (int64_t r = 0; r < R; r++) {
         const int64_t i = q_first + r / group, h = kvh * group + r % group, g = r / LANES, l = r % LANES;
         const void *src = row_at(q, (q_start + i) * sh->num_heads + h, sh);
-        for (int64_t d = 0; d < D; d++)
-            x->qt[d][g][l] = sh->bf16 ? bf16_to_float(((const bf16_t *)src)[d]) : ((const float *)src)[d];
+        if (pairs)
+            for (int64_t d = 0; d < D / 2; d++) x->qp[d][r] = pair_at(src, 2 * d);
+        else
+            for (int64_t d = 0; d < D; d++)
+                x->qt[d][g][l] = sh->bf16 ? bf16_to_float(((const bf16_t *)src)[d]) : ((const float *)src)[d];
         x->pos[g][l] = (float)(q_pos0 + i);
         x->first[g][l] = (float)first_key(q_pos0 + i, sh);
         if (sh->sinks) {
@@ -163,19 +257,33 @@ static inline __attribute__((always_inline)) void attend_tile_d(
         }
     }
     for (int64_t r = R; r < G * LANES; r++) /* zeros, not an earlier tile's queries, in the lanes past the rows */
-        for (int64_t d = 0; d < D; d++) x->qt[d][r / LANES][r % LANES] = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            if (pairs && d < D / 2) x->qp[d][r] = 0;
+            x->qt[d][r / LANES][r % LANES] = 0.0f;
+        }
     for (int64_t d = 0; d < D; d++)
         for (int g = 0; g < G; g++) x->ot[d][g] = splat(0.0f);
     const int64_t lowest = q_pos0 + q_first, last = lowest + q_count - 1;
     const int64_t reach = first_key(lowest, sh), nearest = first_key(last, sh);
     for (int64_t p0 = reach; p0 <= last; p0 += KEYS) {
         const int64_t n = last + 1 - p0 < KEYS ? last + 1 - p0 : KEYS;
-        const float *kr[KEYS + KEY_STEP], *vr[KEYS + KEY_STEP];
-        chunk_rows(kr, vr, x, k_cache, v_cache, table, kvh, p0, n, sh, D);
-        score(x, kr, n, sh->scale, G, D);
+        const void *kr[KEYS + KEY_STEP], *vr[KEYS + KEY_STEP];
+        chunk_rows(kr, vr, k_cache, v_cache, table, kvh, p0, n, sh);
         vec correction[ROW_VECS];
-        soften(x, p0, n, p0 + n - 1 > lowest || p0 < nearest, sh, correction, G);
-        weigh(x, vr, n, correction, G, D);
+        const int mask = p0 + n - 1 > lowest || p0 < nearest;
+#if defined(__AVX512BF16__)
+        if (pairs) {
+            score_bf16(x, (const bf16_t *const *)kr, n, sh->scale, G, D);
+            soften(x, p0, n, mask, sh, correction, G);
+            weigh_bf16(x, (const bf16_t *const *)vr, n, correction, G, D);
+            continue;
+        }
+#endif
+        const float *kf[KEYS + KEY_STEP], *vf[KEYS + KEY_STEP];
+        widen_rows(kf, vf, kr, vr, x, n, sh, D);
+        score(x, kf, n, sh->scale, G, D);
+        soften(x, p0, n, mask, sh, correction, G);
+        weigh(x, vf, n, correction, G, D);
     }
     for (int64_t r = 0; r < R; r++) {
         const int64_t i = q_first + r / group, h = kvh * group + r % group, g = r / LANES, l = r % LANES;
