@@ -63,8 +63,8 @@ class EngineSection(_Strict):
         "sequence past it ends with an error naming its grammar (one whose cost grows with the output, e.g. an "
         "ambiguous one, would otherwise slow every stream of the worker). JSON schemas and regexes took 0.01-0.2 ms")
     attention_backend: Literal["auto", "sdpa", "cpu", "flashinfer", "triton"] = Field(
-        "auto", description="attention kernels: cpu (tandem's C kernel reading KV blocks in place, built with the "
-        "machine's C compiler on first use, for decodes and runs of up to 4 tokens; SDPA for prompts), flashinfer (FlashInfer's paged kernels on CUDA; "
+        "auto", description="attention kernels: cpu (tandem's C kernels reading KV blocks in place, built with the "
+        "machine's C compiler on first use: one for decodes and runs of up to 4 tokens, one for prompts and longer chunks), flashinfer (FlashInfer's paged kernels on CUDA; "
         "pip install flashinfer-python flashinfer-cubin), triton (tandem's paged decode kernel on CUDA, SDPA for "
         "prefill), sdpa (torch's scaled_dot_product_attention over gathered blocks; every device), auto (cpu on a "
         "CPU, sdpa if it cannot build; on CUDA flashinfer if installed, else triton)")

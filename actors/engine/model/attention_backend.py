@@ -12,8 +12,8 @@ token order of the step. A backend may not serve every layer (`refuses`): a step
 layers with the reference implementation (attention.py, SDPA) and says so once, at selection.
 
 Backends: `sdpa` (attention.py: torch's scaled_dot_product_attention over gathered blocks; every device,
-and the reference), `cpu` (cpu_paged_backend.py: tandem's C kernel reading the blocks in place for
-decodes, SDPA for prompts), `flashinfer` (flashinfer_backend.py: FlashInfer's paged kernels on CUDA
+and the reference), `cpu` (cpu_paged_backend.py: tandem's C kernels reading the blocks in place, for
+decodes and for prompts), `flashinfer` (flashinfer_backend.py: FlashInfer's paged kernels on CUDA
 reading the block tables directly) and `triton` (triton_backend.py: tandem's own paged decode kernel,
 SDPA for prefill). `backend_choice.py` picks one.
 """
