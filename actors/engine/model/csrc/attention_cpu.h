@@ -1,7 +1,7 @@
 /* What tandem's two CPU attention kernels share (paged_attention_cpu.c for decodes and short runs,
  * prefill_attention_cpu.c for prompts and long chunks): GCC's 16-float vector type (AVX-512 registers where
- * the CPU has them, pairs of AVX2 ones otherwise), bfloat16 conversions, the softmax's exponential, and
- * which keys a query may attend. */
+ * the CPU has them, pairs of AVX2 ones otherwise), bfloat16 conversions, the softmax's exponential,
+ * which keys a query may attend, and how work items are numbered. */
 #ifndef TANDEM_ATTENTION_CPU_H
 #define TANDEM_ATTENTION_CPU_H
 
@@ -84,6 +84,26 @@ static inline vec load_row(const void *row, int64_t d, int bf16) {
 
 static inline const void *row_at(const void *base, int64_t index, const shape_t *sh) {
     return (const char *)base + index * sh->head_dim * (sh->bf16 ? 2 : 4);
+}
+
+/* Work items are numbered sequence by sequence, ceil(query_lens[s] / tile) x per_tile of them for sequence s:
+ * how many there are, and which sequence item w falls in (*left: its number within that sequence's). */
+static inline int64_t count_items(const int64_t *query_lens, int64_t num_seqs, int64_t tile, int64_t per_tile) {
+    int64_t items = 0;
+    for (int64_t s = 0; s < num_seqs; s++) items += (query_lens[s] + tile - 1) / tile * per_tile;
+    return items;
+}
+
+static inline int64_t item_sequence(int64_t w, const int64_t *query_lens, int64_t tile, int64_t per_tile,
+                                    int64_t *left) {
+    int64_t s = 0;
+    for (;; s++) {
+        const int64_t n = (query_lens[s] + tile - 1) / tile * per_tile;
+        if (w < n) break;
+        w -= n;
+    }
+    *left = w;
+    return s;
 }
 
 #endif

@@ -323,8 +323,7 @@ int paged_attention(void *out, const void *q, const void *k_cache, const void *v
         tile = MAX_ROWS / G;
     }
     const int64_t groups = (num_kv_heads + group - 1) / group;
-    int64_t items = 0;
-    for (int64_t s = 0; s < num_seqs; s++) items += (query_lens[s] + tile - 1) / tile * groups;
+    const int64_t items = count_items(query_lens, num_seqs, tile, groups);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -334,12 +333,8 @@ int paged_attention(void *out, const void *q, const void *k_cache, const void *v
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < items; w++) {
             if (x == NULL) continue;
-            int64_t left = w, s = 0;
-            for (;; s++) { /* which sequence item w falls in */
-                const int64_t n = (query_lens[s] + tile - 1) / tile * groups;
-                if (left < n) break;
-                left -= n;
-            }
+            int64_t left;
+            const int64_t s = item_sequence(w, query_lens, tile, groups, &left);
             const int64_t q_first = left / groups * tile, kvh0 = left % groups * group;
             const int64_t q_count = query_lens[s] - q_first < tile ? query_lens[s] - q_first : tile;
             const int64_t kv_heads = num_kv_heads - kvh0 < group ? num_kv_heads - kvh0 : group;

@@ -328,8 +328,7 @@ int prefill_attention(void *out, const void *q, const void *k_cache, const void 
         return BAD_SHAPE;
     const shape_t sh = {bf16, num_heads, num_kv_heads, head_dim, block_size, scale, softcap, window, attn_chunk, sinks};
     const int64_t tile = MAX_ROWS / (num_heads / num_kv_heads); /* query tokens per item */
-    int64_t items = 0;
-    for (int64_t s = 0; s < num_seqs; s++) items += (query_lens[s] + tile - 1) / tile * num_kv_heads;
+    const int64_t items = count_items(query_lens, num_seqs, tile, num_kv_heads);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -341,12 +340,8 @@ int prefill_attention(void *out, const void *q, const void *k_cache, const void 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = items - 1; w >= 0; w--) {
             if (x == NULL) continue;
-            int64_t left = w, s = 0;
-            for (;; s++) { /* which sequence item w falls in */
-                const int64_t n = (query_lens[s] + tile - 1) / tile * num_kv_heads;
-                if (left < n) break;
-                left -= n;
-            }
+            int64_t left;
+            const int64_t s = item_sequence(w, query_lens, tile, num_kv_heads, &left);
             const int64_t q_first = left / num_kv_heads * tile, kvh = left % num_kv_heads;
             const int64_t q_count = query_lens[s] - q_first < tile ? query_lens[s] - q_first : tile;
             attend_tile(out, q, k_cache, v_cache, block_tables + s * max_blocks, query_starts[s], q_first, q_count,
